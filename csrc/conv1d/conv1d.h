@@ -1,0 +1,50 @@
+// Torch-free interface between conv1d.cpp (ATen side) and conv1d_cuda.cu.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace gpu_puzzles {
+
+enum class Conv1dAlgo : int { Fast = 1, Tiled = 2, Naive = 3 };
+
+// Widest kernel the fast path handles (halo fits in one neighbouring chunk).
+constexpr int kConv1dFastMaxK = 9;
+// The tiled path keeps TILE + K - 1 inputs and K taps in shared memory.
+constexpr int kConv1dTiledMaxK = 2048;
+
+// Depthwise conv over contiguous (B, C, L) rows with weights (C, K).
+// out[b,c,i] = bias[c] + sum_j x[b,c,i-shift+j] * w[c,j], zero outside [0, L);
+// shift = 0 is the seed's look-ahead form, shift = K-1 the causal form.
+struct Conv1dArgs {
+  const void* x;
+  const void* w;
+  const void* bias;  // may be null
+  void* out;
+  int64_t B, C, L;
+  int K;
+  bool causal;
+  DType dtype;
+};
+
+LaunchStatus conv1d_forward_cuda(const Conv1dArgs& a, Conv1dAlgo algo, cudaStream_t stream);
+
+// Workspace the fast backward needs, in elements of the accumulate type
+// (float, or double for float64).
+int64_t conv1d_backward_fast_workspace(int64_t B, int64_t C, int64_t L, int K);
+
+// Fused fast backward: dx, dw and dbias in one pass over dy and x.
+// `workspace` holds conv1d_backward_fast_workspace(...) accumulate-type elements.
+LaunchStatus conv1d_backward_fast_cuda(const void* dy, const void* x, const void* w, void* dx,
+                                       void* dw, void* dbias, void* workspace, int64_t B,
+                                       int64_t C, int64_t L, int K, bool causal, DType dtype,
+                                       cudaStream_t stream);
+
+// dw and dbias by one block per (channel, tap): the path for any K.
+LaunchStatus conv1d_weight_grad_generic_cuda(const void* dy, const void* x, void* dw, void* dbias,
+                                             int64_t B, int64_t C, int64_t L, int K, bool causal,
+                                             DType dtype, cudaStream_t stream);
+
+}  // namespace gpu_puzzles

@@ -1,0 +1,24 @@
+// Every schema of the gpu_puzzles library, in one place, and the Python module
+// init. Kernels are registered per backend next to their code
+// (TORCH_LIBRARY_IMPL in csrc/<op>/<op>.cpp); Python adds fake kernels and
+// autograd in gpu_puzzles/ops/<op>.py.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// An empty module: importing gpu_puzzles._C loads this library, whose static
+// initialisers register the ops with the dispatcher. No pybind11 needed.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(gpu_puzzles, m) {
+  // ---- conv1d ------------------------------------------------------------
+  // algorithm: "auto" (fastest for the shape), "fast" (vector + warp-shuffle
+  // halo, K <= 9), "tiled" (shared-memory tile with halo), "naive" (one thread
+  // per output). The latter two are the curriculum's steps, kept for the notebook.
+  m.def("conv1d(Tensor x, Tensor weight, Tensor? bias=None, bool causal=False, str algorithm=\"auto\") -> Tensor");
+  m.def("conv1d_backward(Tensor grad_out, Tensor x, Tensor weight, bool causal, str algorithm=\"auto\") -> (Tensor, Tensor, Tensor)");
+}

@@ -1,0 +1,38 @@
+"""nn.Module wrappers around the functional ops."""
+import math
+
+import torch
+from torch import nn
+
+from . import ops
+
+
+class Conv1d(nn.Module):
+    """Depthwise 1D convolution over (B, C, L) or (C, L) inputs; output as long as the input.
+
+    Initialised like ``torch.nn.Conv1d(channels, channels, kernel_size, groups=channels)``:
+    uniform in +-1/sqrt(kernel_size) for weight and bias.
+    """
+
+    def __init__(self, channels: int, kernel_size: int, bias: bool = True, causal: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        if channels < 1 or kernel_size < 1:
+            raise ValueError(f"Conv1d: channels and kernel_size must be >= 1, got {channels}, {kernel_size}")
+        factory = {"device": device, "dtype": dtype}
+        self.channels, self.kernel_size, self.causal = channels, kernel_size, causal
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size, **factory))
+        self.bias = nn.Parameter(torch.empty(channels, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        bound = 1.0 / math.sqrt(self.kernel_size)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x):
+        return ops.conv1d(x, self.weight, self.bias, causal=self.causal)
+
+    def extra_repr(self):
+        return f"{self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}, causal={self.causal}"

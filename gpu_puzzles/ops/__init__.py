@@ -1,0 +1,4 @@
+"""Functional API: one module per op, each registering its fake kernel and autograd."""
+from .conv1d import conv1d
+
+__all__ = ["conv1d"]

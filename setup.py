@@ -1,0 +1,75 @@
+"""Build script for gpu_puzzles.
+
+CUDA kernels are compiled whenever a CUDA toolkit is found (a GPU is not needed:
+CI has none).  With no GPU visible and TORCH_CUDA_ARCH_LIST unset we build for
+sm_80 and sm_90 only, which keeps the 2-core build short; TORCH_CUDA_ARCH_LIST
+always wins.
+"""
+import glob
+import os
+import re
+import subprocess
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _nvcc_major():
+    try:
+        out = subprocess.check_output([os.path.join(CUDA_HOME, "bin", "nvcc"), "--version"], text=True)
+    except (OSError, subprocess.CalledProcessError, TypeError):
+        return None
+    m = re.search(r"release (\d+)\.", out)
+    return int(m.group(1)) if m else None
+
+
+def _want_cuda():
+    if os.environ.get("GPU_PUZZLES_NO_CUDA", "0") == "1" or CUDA_HOME is None:
+        return False
+    if torch.version.cuda is None:
+        print("gpu_puzzles: this torch has no CUDA support; building CPU kernels only")
+        return False
+    nvcc = _nvcc_major()
+    torch_major = int(torch.version.cuda.split(".")[0])
+    if nvcc is not None and nvcc != torch_major:
+        # Mixing majors fails at link or load time; say so now, with the fix.
+        raise RuntimeError(
+            f"gpu_puzzles: nvcc at {CUDA_HOME} is CUDA {nvcc} but torch {torch.__version__} was built "
+            f"for CUDA {torch.version.cuda}. Install a torch built for CUDA {nvcc} (the project pins one "
+            f"in pyproject.toml), or point CUDA_HOME at a CUDA {torch_major} toolkit."
+        )
+    return True
+
+
+def extensions():
+    with_cuda = _want_cuda()
+    cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+    cu = sorted(glob.glob("csrc/**/*.cu", recursive=True))
+    cxx_flags = ["-O3", "-std=c++17"]
+    if not with_cuda:
+        return [CppExtension("gpu_puzzles._C", cpp, include_dirs=[os.path.join(ROOT, "csrc")],
+                             extra_compile_args={"cxx": cxx_flags})]
+    if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+    nvcc_flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+    return [CUDAExtension(
+        "gpu_puzzles._C", cpp + cu,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=[("WITH_CUDA", None)],
+        extra_compile_args={"cxx": cxx_flags + ["-DWITH_CUDA"], "nvcc": nvcc_flags},
+    )]
+
+
+# The extension is built against the torch present at build time; pin that exact
+# version at run time so pip never pairs the binary with another torch ABI.
+_torch_pin = "torch==" + torch.__version__.split("+")[0]
+
+setup(
+    packages=find_packages(include=["gpu_puzzles", "gpu_puzzles.*"]),
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    install_requires=[_torch_pin, "numpy", "rich"],
+)

@@ -1,0 +1,195 @@
+"""conv1d: seed example, F.conv1d comparison, gradients, opcheck, compile, bad input."""
+import pytest
+import torch
+
+import gpu_puzzles as gp
+from gpu_puzzles.bench.conv1d import reference
+
+from conftest import DEVICES, assert_close_ref, device_dtypes, requires_cuda
+
+SEED_IN = list(range(15))
+SEED_W = [0.0, 1.0, 2.0, 3.0]
+SEED_OUT = [14, 20, 26, 32, 38, 44, 50, 56, 62, 68, 74, 80, 41, 14, 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algorithm", ["auto", "fast", "tiled", "naive"])
+def test_seed_example(device, algorithm):
+    x = torch.tensor(SEED_IN, dtype=torch.float32, device=device)
+    w = torch.tensor(SEED_W, device=device)
+    y = gp.conv1d(x, w, algorithm=algorithm)
+    assert y.shape == (15,)
+    assert y.cpu().tolist() == SEED_OUT
+
+
+def _ref64(x, w, b, causal):
+    return reference(x.double(), w.double(), None if b is None else b.double(), causal)
+
+
+SHAPES = [(15,), (3, 100), (2, 5, 64), (4, 7, 333), (1, 3, 1), (2, 16, 2048)]
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("K", [1, 2, 4, 9, 13])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_matches_reference(device, dtype, shape, K, causal):
+    torch.manual_seed(hash((shape, K, causal)) % 2**31)
+    x = torch.randn(shape, device=device, dtype=dtype)
+    C = 1 if len(shape) == 1 else shape[-2]
+    w = torch.randn((K,) if len(shape) == 1 else (C, K), device=device, dtype=dtype)
+    b = torch.randn(C, device=device, dtype=dtype) if len(shape) > 1 else None
+    y = gp.conv1d(x, w, b, causal=causal)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert_close_ref(y, _ref64(x, w, b, causal), dtype, "forward")
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("algorithm", ["fast", "tiled", "naive"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape,K", [((3, 6, 257), 3), ((2, 4, 1024), 4), ((1, 2, 40), 9), ((2, 3, 50), 8)])
+def test_backward_matches_reference(device, dtype, algorithm, causal, shape, K):
+    torch.manual_seed(7)
+    B, C, L = shape
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(C, K, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(C, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(shape, device=device, dtype=dtype)
+    y = gp.conv1d(x, w, b, causal=causal, algorithm=algorithm)
+    grads = torch.autograd.grad(y, (x, w, b), g)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    refs = torch.autograd.grad(_ref64(x64, w64, b64, causal), (x64, w64, b64), g.double())
+    # dw sums B*L products: scale the tolerance by sqrt of the reduction length.
+    for name, a, r in zip(("dx", "dw", "dbias"), grads, refs):
+        assert a.shape == r.shape
+        assert_close_ref(a, r, dtype, name) if name == "dx" else assert_close_ref(
+            a / (B * L) ** 0.5, r / (B * L) ** 0.5, dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck(device, causal):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 17, device=device, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, device=device, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, device=device, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: gp.conv1d(x, w, b, causal=causal), (x, w, b))
+    x1 = torch.randn(11, device=device, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(3, device=device, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: gp.conv1d(x, w, causal=causal), (x1, w1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_input(device):
+    x = torch.randn(2, 40, 6, device=device).transpose(1, 2)  # (2, 6, 40), strided
+    w = torch.randn(6, 3, device=device)
+    assert not x.is_contiguous()
+    assert_close_ref(gp.conv1d(x, w, causal=True), _ref64(x, w, None, True), torch.float32, "strided")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    x = torch.randn(2, 3, 20, device=device, requires_grad=requires_grad)
+    w = torch.randn(3, 4, device=device, requires_grad=requires_grad)
+    b = torch.randn(3, device=device, requires_grad=requires_grad)
+    torch.library.opcheck(torch.ops.gpu_puzzles.conv1d.default, (x, w, b, True, "auto"))
+    torch.library.opcheck(torch.ops.gpu_puzzles.conv1d.default, (x, w, None, False, "auto"))
+    g = torch.randn(2, 3, 20, device=device)
+    torch.library.opcheck(torch.ops.gpu_puzzles.conv1d_backward.default, (g, x.detach(), w.detach(), True, "auto"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_forward_backward(device):
+    torch._dynamo.reset()
+    mod = gp.nn.Conv1d(8, 4, causal=True, device=device)
+    f = torch.compile(mod, fullgraph=True, dynamic=True)
+    for L in (32, 45):
+        x = torch.randn(2, 8, L, device=device, requires_grad=True)
+        y_c = f(x)
+        y_e = mod(x)
+        torch.testing.assert_close(y_c, y_e)
+        gc = torch.autograd.grad(y_c.square().sum(), (x, mod.weight, mod.bias))
+        ge = torch.autograd.grad(y_e.square().sum(), (x, mod.weight, mod.bias))
+        for a, b in zip(gc, ge):
+            torch.testing.assert_close(a, b)
+
+
+def test_module_init_and_shapes():
+    m = gp.nn.Conv1d(5, 3, bias=True)
+    assert m.weight.shape == (5, 3) and m.bias.shape == (5,)
+    assert m.weight.abs().max() <= 1 / 3 ** 0.5 and m.weight.std() > 0
+    assert m(torch.randn(2, 5, 9)).shape == (2, 5, 9)
+    assert m(torch.randn(5, 9)).shape == (5, 9)
+    with pytest.raises(ValueError, match="kernel_size"):
+        gp.nn.Conv1d(5, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_sequence(device):
+    x = torch.randn(2, 3, 0, device=device, requires_grad=True)
+    w = torch.randn(3, 4, device=device, requires_grad=True)
+    y = gp.conv1d(x, w)
+    assert y.shape == (2, 3, 0)
+    (dw,) = torch.autograd.grad(y.sum(), (w,))
+    assert dw.shape == (3, 4) and (dw == 0).all()
+
+
+BAD = [
+    (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(4, 2, device=d), None), "channels"),
+    (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(3, 2, device=d, dtype=torch.float64), None), "weight has dtype"),
+    (lambda d: (torch.randn(2, 2, 3, 8, device=d), torch.randn(3, 2, device=d), None), "x must"),
+    (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(3, device=d), None), "weight must be 2-D"),
+    (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(3, 2, device=d), torch.randn(4, device=d)), "bias must have shape"),
+    (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(3, 0, device=d), None), "at least one tap"),
+    (lambda d: (torch.randint(0, 4, (2, 3, 8), device=d), torch.randn(3, 2, device=d), None), "x must be a float"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make,msg", BAD)
+def test_bad_input(device, make, msg):
+    x, w, b = make(device)
+    with pytest.raises((RuntimeError, ValueError), match=msg):
+        gp.conv1d(x, w, b)
+
+
+def test_bad_algorithm():
+    with pytest.raises(RuntimeError, match="algorithm"):
+        gp.conv1d(torch.randn(3, 8), torch.randn(3, 2), algorithm="fastest")
+
+
+@requires_cuda
+def test_mixed_devices():
+    with pytest.raises(RuntimeError, match="weight is on"):
+        gp.conv1d(torch.randn(3, 8, device="cuda"), torch.randn(3, 2))
+    with pytest.raises(RuntimeError, match="on the same device"):
+        gp.conv1d(torch.randn(3, 8), torch.randn(3, 2, device="cuda"))
+    # the context is still usable afterwards
+    assert gp.conv1d(torch.ones(1, 8, device="cuda"), torch.ones(1, 2, device="cuda")).sum().item() == 15
+
+
+@requires_cuda
+@pytest.mark.parametrize("algorithm", ["fast", "tiled", "naive"])
+def test_cuda_matches_cpu_and_writes_every_element(algorithm):
+    # Odd length, misaligned view: exercises the scalar (non-vector) path and the tails.
+    torch.manual_seed(3)
+    base = torch.randn(3 * 5 * 1001 + 1, device="cuda")
+    x = base[1:].view(3, 5, 1001)
+    w = torch.randn(5, 5, device="cuda")
+    for causal in (False, True):
+        y = gp.conv1d(x, w, causal=causal, algorithm=algorithm)
+        assert torch.isfinite(y).all()
+        torch.testing.assert_close(y.cpu(), gp.conv1d(x.cpu(), w.cpu(), causal=causal), rtol=1e-5, atol=1e-5)
+
+
+@requires_cuda
+def test_cuda_backward_deterministic():
+    x = torch.randn(4, 64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(64, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    first = torch.autograd.grad(gp.conv1d(x, w, causal=True), (x, w), g)
+    for _ in range(3):
+        again = torch.autograd.grad(gp.conv1d(x, w, causal=True), (x, w), g)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
