@@ -55,7 +55,8 @@ def cases(device, shapes, dtype=torch.bfloat16, directions=("fwd", "bwd"), compi
                     x, w, b = _inputs(B, C, L, K, dtype, device, grad=True)
                     return x, w, b, torch.randn(B, C, L, device=device, dtype=dtype)
                 impls_b = {k: backward_fn(f, 3) for k, f in impls_f.items()}
-                out.append(Case(OP, name, "fwd+bwd", make, impls_b, bytes=(2 + 3) * n * esize, params=params))
+                out.append(Case(OP, name, "fwd+bwd", make, impls_b, bytes=(2 + 3) * n * esize,
+                                params={**params, "bwd_bytes": 3 * n * esize}))
     return out
 
 
