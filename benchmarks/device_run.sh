@@ -14,13 +14,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 if has build; then
   log build
   t0=$(date +%s)
-  pip install --no-build-isolation -e . > "$OUT/r/build.log" 2>&1 || { tail -50 "$OUT/r/build.log"; exit 1; }
+  python3 -m pip install --no-build-isolation -e . > "$OUT/r/build.log" 2>&1 || { tail -50 "$OUT/r/build.log"; exit 1; }
   echo "build seconds: $(( $(date +%s) - t0 ))" | tee -a "$OUT/r/build.log"
 fi
 
 if has tests; then
   log tests
-  python -m pytest -q -p no:cacheprovider tests ${TEST_ARGS:-} 2>&1 | tee "$OUT/r/pytest.log" | tail -15
+  python3 -m pytest -q -p no:cacheprovider tests ${TEST_ARGS:-} 2>&1 | tee "$OUT/r/pytest.log" | tail -15
 fi
 
 if has sanitize; then
@@ -31,7 +31,7 @@ if has sanitize; then
     files=${SANITIZE_FILES:-tests/test_*.py}
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool \
       --print-limit 20 --error-exitcode 99 \
-      python -m pytest -q -p no:cacheprovider -x $files -k "${SANITIZE_K:-cuda}" \
+      python3 -m pytest -q -p no:cacheprovider -x $files -k "${SANITIZE_K:-cuda}" \
       > "$OUT/r/sanitizer_$tool.log" 2>&1
     echo "$tool exit: $?" | tee -a "$OUT/r/sanitizer_$tool.log"
     grep -E "ERROR SUMMARY|passed|failed" "$OUT/r/sanitizer_$tool.log" | tail -3
@@ -40,17 +40,17 @@ fi
 
 if has tour; then
   log tour
-  python -m gpu_puzzles 2>&1 | tee "$OUT/r/tour.txt" | tail -40
+  python3 -m gpu_puzzles 2>&1 | tee "$OUT/r/tour.txt" | tail -40
 fi
 
 if has bench; then
   log bench
-  python -m gpu_puzzles.bench $OPS --json "$OUT/bench.json" 2>&1 | tee "$OUT/r/bench.txt" | tail -60
+  python3 -m gpu_puzzles.bench $OPS --json "$OUT/bench.json" 2>&1 | tee "$OUT/r/bench.txt" | tail -60
 fi
 
 if has notebooks; then
   log notebooks
-  python notebooks/execute.py ${NOTEBOOKS:-notebooks/*.ipynb} --out-dir "$OUT/r/notebooks" 2>&1 | tail -20
+  python3 notebooks/execute.py ${NOTEBOOKS:-notebooks/*.ipynb} --out-dir "$OUT/r/notebooks" 2>&1 | tail -20
 fi
 
 tar -czf "$OUT/results.tar.gz" -C "$OUT" r && rm -rf "$OUT/r"
