@@ -326,6 +326,11 @@ void dispatch_fast(int K, bool causal, bool vec, F&& f) {
 // Split the batch so the backward grid has enough warps even for small C * L.
 void batch_groups(int64_t B, int64_t C, int64_t segs, int64_t* bper, int64_t* nbg) {
   const int64_t want = 16384;
+  if (C * segs == 0) {  // empty rows: nothing to split
+    *bper = 1;
+    *nbg = 1;
+    return;
+  }
   int64_t groups = (want + C * segs - 1) / (C * segs);
   if (groups < 1) groups = 1;
   if (groups > B) groups = B > 0 ? B : 1;
