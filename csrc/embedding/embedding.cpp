@@ -1,0 +1,240 @@
+// embedding host side: argument checks, the CPU kernels and the CPU/CUDA
+// registrations. Indices of any shape are flattened to T tokens; weight is (V, E).
+// Out-of-range indices (negative too) give zero rows and no gradient;
+// padding_idx rows are returned but get no gradient (as F.embedding).
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/cuda_launch.h"
+#include "embedding/embedding.h"
+
+namespace gpu_puzzles {
+namespace {
+
+struct Sizes {
+  int64_t T, V, E;
+};
+
+void check_indices(const at::Tensor& indices, const char* op) {
+  TORCH_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op,
+              ": indices must be an int32 or int64 tensor, got ", indices.scalar_type());
+}
+
+// padding_idx in [0, V), or -1 for none; F.embedding's range rule.
+int64_t normalise_padding(c10::optional<int64_t> padding_idx, int64_t V, const char* op) {
+  if (!padding_idx.has_value()) return -1;
+  const int64_t p = *padding_idx;
+  TORCH_CHECK(p >= -V && p < V, op, ": padding_idx must be within [-num_embeddings, num_embeddings) = [", -V,
+              ", ", V, "), got ", p);
+  return p < 0 ? p + V : p;
+}
+
+Sizes check_forward(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx,
+                    const char* op) {
+  const std::string w_name = std::string(op) + ": weight";
+  const std::string i_name = std::string(op) + ": indices";
+  check_indices(indices, op);
+  check_float(weight, w_name.c_str());
+  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D (num_embeddings, embedding_dim), got shape ",
+              weight.sizes());
+  check_same_device(indices, weight, i_name.c_str(), "weight");
+  normalise_padding(padding_idx, weight.size(0), op);
+  return {indices.numel(), weight.size(0), weight.size(1)};
+}
+
+Sizes check_backward(const at::Tensor& grad_out, const at::Tensor& indices, int64_t V, const char* op) {
+  const std::string g_name = std::string(op) + ": grad_out";
+  const std::string i_name = std::string(op) + ": indices";
+  check_indices(indices, op);
+  check_float(grad_out, g_name.c_str());
+  check_same_device(indices, grad_out, i_name.c_str(), "grad_out");
+  TORCH_CHECK(V >= 0, op, ": num_weights must be >= 0, got ", V);
+  bool ok = grad_out.dim() == indices.dim() + 1;
+  for (int64_t d = 0; ok && d < indices.dim(); ++d) ok = grad_out.size(d) == indices.size(d);
+  TORCH_CHECK(ok, op, ": grad_out must have shape indices.shape + (embedding_dim,), got grad_out ",
+              grad_out.sizes(), " and indices ", indices.sizes());
+  return {indices.numel(), V, grad_out.size(-1)};
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& indices, int64_t E) {
+  std::vector<int64_t> s(indices.sizes().begin(), indices.sizes().end());
+  s.push_back(E);
+  return s;
+}
+
+// ---- CPU kernels -------------------------------------------------------------
+
+template <typename T, typename I>
+void forward_cpu(const I* idx, const T* w, T* out, const Sizes& s) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.E));
+  at::parallel_for(0, s.T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t v = static_cast<int64_t>(idx[t]);
+      T* dst = out + t * s.E;
+      if (v >= 0 && v < s.V) std::copy(w + v * s.E, w + (v + 1) * s.E, dst);
+      else std::fill(dst, dst + s.E, T(0));
+    }
+  });
+}
+
+// Each thread owns a range of columns and walks the tokens in order: the sums
+// run in token order, so the result is deterministic for any thread count.
+template <typename T, typename I>
+void backward_cpu(const T* g, const I* idx, T* gw, const Sizes& s, int64_t pad) {
+  using A = at::opmath_type<T>;
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, s.T));
+  at::parallel_for(0, s.E, grain, [&](int64_t c0, int64_t c1) {
+    const int64_t w = c1 - c0;
+    std::vector<A> acc(static_cast<size_t>(s.V * w), A(0));
+    for (int64_t t = 0; t < s.T; ++t) {
+      const int64_t v = static_cast<int64_t>(idx[t]);
+      if (v < 0 || v >= s.V || v == pad) continue;
+      const T* gr = g + t * s.E + c0;
+      A* ar = acc.data() + v * w;
+      for (int64_t c = 0; c < w; ++c) ar[c] += static_cast<A>(gr[c]);
+    }
+    for (int64_t v = 0; v < s.V; ++v)
+      for (int64_t c = 0; c < w; ++c) gw[v * s.E + c0 + c] = static_cast<T>(acc[v * w + c]);
+  });
+}
+
+at::Tensor forward_cpu_op(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx,
+                          const char* op) {
+  const Sizes s = check_forward(indices, weight, padding_idx, op);
+  TORCH_CHECK(weight.device().is_cpu(), op, ": weight must be a CPU tensor for the CPU kernel, got ",
+              weight.device());
+  const at::Tensor ic = indices.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty(out_shape(indices, s.E), weight.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_cpu", [&] {
+    if (ic.scalar_type() == at::kLong)
+      forward_cpu<scalar_t, int64_t>(ic.data_ptr<int64_t>(), wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), s);
+    else
+      forward_cpu<scalar_t, int32_t>(ic.data_ptr<int32_t>(), wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), s);
+  });
+  return out;
+}
+
+at::Tensor backward_cpu_op(const at::Tensor& grad_out, const at::Tensor& indices, int64_t V,
+                           c10::optional<int64_t> padding_idx, const char* op) {
+  const Sizes s = check_backward(grad_out, indices, V, op);
+  const int64_t pad = normalise_padding(padding_idx, V, op);
+  const at::Tensor gc = grad_out.contiguous(), ic = indices.contiguous();
+  at::Tensor gw = at::empty({V, s.E}, grad_out.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_out.scalar_type(), "embedding_backward_cpu", [&] {
+    if (ic.scalar_type() == at::kLong)
+      backward_cpu<scalar_t, int64_t>(gc.data_ptr<scalar_t>(), ic.data_ptr<int64_t>(), gw.data_ptr<scalar_t>(), s, pad);
+    else
+      backward_cpu<scalar_t, int32_t>(gc.data_ptr<scalar_t>(), ic.data_ptr<int32_t>(), gw.data_ptr<scalar_t>(), s, pad);
+  });
+  return gw;
+}
+
+// The CPU has one kernel: both ops share it (the 2D grid is a GPU notion).
+at::Tensor embedding_cpu(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx) {
+  return forward_cpu_op(indices, weight, padding_idx, "embedding");
+}
+at::Tensor embedding_2d_cpu(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx) {
+  return forward_cpu_op(indices, weight, padding_idx, "embedding_2d");
+}
+at::Tensor embedding_backward_cpu(const at::Tensor& grad_out, const at::Tensor& indices, c10::SymInt num_weights,
+                                  c10::optional<int64_t> padding_idx, bool /*deterministic: always*/) {
+  return backward_cpu_op(grad_out, indices, num_weights.expect_int(), padding_idx, "embedding_backward");
+}
+at::Tensor embedding_2d_backward_cpu(const at::Tensor& grad_out, const at::Tensor& indices, c10::SymInt num_weights,
+                                     c10::optional<int64_t> padding_idx, bool /*deterministic: always*/) {
+  return backward_cpu_op(grad_out, indices, num_weights.expect_int(), padding_idx, "embedding_2d_backward");
+}
+
+#ifdef WITH_CUDA
+at::Tensor forward_cuda_op(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx,
+                           bool two_d, const char* op) {
+  const Sizes s = check_forward(indices, weight, padding_idx, op);
+  TORCH_CHECK(weight.is_cuda(), op, ": weight must be a CUDA tensor for the CUDA kernel, got ", weight.device());
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const at::Tensor ic = indices.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty(out_shape(indices, s.E), weight.options());
+  EmbeddingFwdArgs a{ic.data_ptr(), ic.scalar_type() == at::kLong, wc.data_ptr(), out.data_ptr(),
+                     s.T, s.V, s.E, to_dtype(weight.scalar_type())};
+  GP_CUDA_CHECK_STATUS(two_d ? embedding_forward_2d_cuda(a, current_stream())
+                             : embedding_forward_cuda(a, current_stream()));
+  return out;
+}
+
+at::Tensor backward_sorted_cuda(const at::Tensor& gc, const at::Tensor& ic, const Sizes& s, int64_t pad) {
+  const at::Tensor keys = ic.reshape({-1}).to(at::kLong);
+  // Stable: equal keys keep token order, which fixes the summation order.
+  auto sorted = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const at::Tensor skey = std::get<0>(sorted).contiguous(), spos = std::get<1>(sorted).contiguous();
+  at::Tensor seg = at::zeros({s.V, 2}, ic.options().dtype(at::kLong));
+  const auto acc = gc.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor partial = at::empty({embedding_backward_partial_elems(s.T, s.E)}, gc.options().dtype(acc));
+  at::Tensor gw = at::empty({s.V, s.E}, gc.options());
+  EmbeddingBwdArgs a{gc.data_ptr(), skey.data_ptr<int64_t>(), spos.data_ptr<int64_t>(), seg.data_ptr<int64_t>(),
+                     partial.data_ptr(), gw.data_ptr(), s.T, s.V, s.E, pad, to_dtype(gc.scalar_type())};
+  GP_CUDA_CHECK_STATUS(embedding_backward_sorted_cuda(a, current_stream()));
+  return gw;
+}
+
+at::Tensor backward_cuda_op(const at::Tensor& grad_out, const at::Tensor& indices, int64_t V,
+                            c10::optional<int64_t> padding_idx, bool deterministic, bool two_d, const char* op) {
+  const Sizes s = check_backward(grad_out, indices, V, op);
+  const int64_t pad = normalise_padding(padding_idx, V, op);
+  TORCH_CHECK(grad_out.is_cuda(), op, ": grad_out must be a CUDA tensor for the CUDA kernel, got ", grad_out.device());
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  const at::Tensor gc = grad_out.contiguous(), ic = indices.contiguous();
+  // The sorted path is deterministic and also the fastest one we have for the
+  // coalesced op; the 2D op keeps the seed-style atomics unless asked for
+  // determinism.
+  if (!two_d || deterministic) return backward_sorted_cuda(gc, ic, s, pad);
+  at::Tensor gw = at::empty({V, s.E}, gc.options());
+  const bool half = gc.scalar_type() == at::kHalf || gc.scalar_type() == at::kBFloat16;
+  at::Tensor acc = half ? at::empty({V, s.E}, gc.options().dtype(at::kFloat)) : gw;
+  GP_CUDA_CHECK_STATUS(embedding_backward_2d_atomic_cuda(gc.data_ptr(), ic.data_ptr(), ic.scalar_type() == at::kLong,
+                                                         acc.data_ptr(), gw.data_ptr(), s.T, V, s.E, pad,
+                                                         to_dtype(gc.scalar_type()), current_stream()));
+  return gw;
+}
+
+at::Tensor embedding_cuda(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx) {
+  return forward_cuda_op(indices, weight, padding_idx, false, "embedding");
+}
+at::Tensor embedding_2d_cuda(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx) {
+  return forward_cuda_op(indices, weight, padding_idx, true, "embedding_2d");
+}
+at::Tensor embedding_backward_cuda(const at::Tensor& grad_out, const at::Tensor& indices, c10::SymInt num_weights,
+                                   c10::optional<int64_t> padding_idx, bool deterministic) {
+  return backward_cuda_op(grad_out, indices, num_weights.expect_int(), padding_idx, deterministic, false,
+                          "embedding_backward");
+}
+at::Tensor embedding_2d_backward_cuda(const at::Tensor& grad_out, const at::Tensor& indices, c10::SymInt num_weights,
+                                      c10::optional<int64_t> padding_idx, bool deterministic) {
+  return backward_cuda_op(grad_out, indices, num_weights.expect_int(), padding_idx, deterministic, true,
+                          "embedding_2d_backward");
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gpu_puzzles, CPU, m) {
+  m.impl("embedding", &embedding_cpu);
+  m.impl("embedding_2d", &embedding_2d_cpu);
+  m.impl("embedding_backward", &embedding_backward_cpu);
+  m.impl("embedding_2d_backward", &embedding_2d_backward_cpu);
+}
+
+#ifdef WITH_CUDA
+TORCH_LIBRARY_IMPL(gpu_puzzles, CUDA, m) {
+  m.impl("embedding", &embedding_cuda);
+  m.impl("embedding_2d", &embedding_2d_cuda);
+  m.impl("embedding_backward", &embedding_backward_cuda);
+  m.impl("embedding_2d_backward", &embedding_2d_backward_cuda);
+}
+#endif
+
+}  // namespace gpu_puzzles
