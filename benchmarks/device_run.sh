@@ -20,7 +20,7 @@ fi
 
 if has tests; then
   log tests
-  python3 -m pytest -q -p no:cacheprovider tests ${TEST_ARGS:-} 2>&1 | tee "$OUT/r/pytest.log" | tail -15
+  python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/r/pytest.log" | tail -15
 fi
 
 if has sanitize; then
