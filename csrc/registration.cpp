@@ -21,4 +21,14 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   // per output). The latter two are the curriculum's steps, kept for the notebook.
   m.def("conv1d(Tensor x, Tensor weight, Tensor? bias=None, bool causal=False, str algorithm=\"auto\") -> Tensor");
   m.def("conv1d_backward(Tensor grad_out, Tensor x, Tensor weight, bool causal, str algorithm=\"auto\") -> (Tensor, Tensor, Tensor)");
+
+  // ---- softmax -----------------------------------------------------------
+  // algorithm: "auto" (fastest for the shape), or the curriculum's steps kept for
+  // the notebook: "tree" (the seed's shared-memory tree reduction), "shuffle"
+  // (warp-shuffle reduction), "online" (single-pass running max and sum).
+  // The backward takes the forward's output, not its input.
+  m.def("softmax(Tensor x, int dim=-1, str algorithm=\"auto\") -> Tensor");
+  m.def("log_softmax(Tensor x, int dim=-1, str algorithm=\"auto\") -> Tensor");
+  m.def("softmax_backward(Tensor grad_out, Tensor out, int dim, str algorithm=\"auto\") -> Tensor");
+  m.def("log_softmax_backward(Tensor grad_out, Tensor out, int dim, str algorithm=\"auto\") -> Tensor");
 }

@@ -36,3 +36,31 @@ class Conv1d(nn.Module):
 
     def extra_repr(self):
         return f"{self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}, causal={self.causal}"
+
+
+class Softmax(nn.Module):
+    """Softmax over ``dim`` (like ``torch.nn.Softmax``, but ``dim`` defaults to -1)."""
+
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return ops.softmax(x, self.dim)
+
+    def extra_repr(self):
+        return f"dim={self.dim}"
+
+
+class LogSoftmax(nn.Module):
+    """Log-softmax over ``dim`` (like ``torch.nn.LogSoftmax``, but ``dim`` defaults to -1)."""
+
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return ops.log_softmax(x, self.dim)
+
+    def extra_repr(self):
+        return f"dim={self.dim}"
