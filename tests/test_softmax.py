@@ -111,6 +111,8 @@ def test_zero_dim_and_empty(device):
         assert y.shape == e.shape
         (de,) = torch.autograd.grad(y.sum(), (e,))
         assert de.shape == e.shape
+        for algorithm in ("tree", "online"):
+            assert gp.log_softmax(e.detach(), dim, algorithm=algorithm).shape == e.shape
 
 
 @pytest.mark.parametrize("device", DEVICES)

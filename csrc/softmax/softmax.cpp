@@ -157,7 +157,7 @@ at::Tensor run_cuda(const at::Tensor& a, const at::Tensor* b, const Dims& d0, So
   at::Tensor ac = move ? a.movedim(d.dim, -1).contiguous() : a.contiguous();
   at::Tensor bc;
   if (b) bc = move ? b->movedim(d.dim, -1).contiguous() : b->contiguous();
-  if (move) d = Dims{ac.dim() - 1, ac.numel() / d.N, d.N, 1};
+  if (move) d = Dims{ac.dim() - 1, d.N > 0 ? ac.numel() / d.N : 0, d.N, 1};
   at::Tensor out = at::empty(ac.sizes(), ac.options());
   if (ac.numel() > 0) {
     SoftmaxArgs args{ac.data_ptr(), bc.defined() ? bc.data_ptr() : nullptr, out.data_ptr(), d.outer, d.N, d.inner,

@@ -588,7 +588,9 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
     p.kind = Kind::Inner;
     const int64_t full = std::min<int64_t>(32 / es, pow2ceil(a.inner));
     const int64_t arrays = bwd ? 2 : 1;
-    for (int64_t tc : {full, std::max<int64_t>(1, full / 2)}) {
+    // Narrower tiles read part of a 32-byte sector each; the neighbouring tiles
+    // (adjacent blocks, resident together) use the rest of it from L2.
+    for (int64_t tc : {full, std::max<int64_t>(1, full / 2), std::max<int64_t>(1, full / 4)}) {
       const int64_t bytes = a.N * tc * es * arrays;
       if (bytes <= kInnerCacheBytes) { p.threads = int(tc); p.cache = true; p.smem = bytes; return p; }
     }
