@@ -2,7 +2,8 @@
 //
 // Tensors are contiguous (outer, N, inner), reduced over N. The auto kernels:
 //   rows (inner == 1), N <= 128 * V : one warp per row, the row in registers
-//                                      (V = elements per 16-byte vector);
+//                                      (V = elements per 16-byte vector); rows of
+//                                      N <= 16 V share a warp, a lane per vector;
 //   rows, N <= 2048 * V             : one block per row, the row in registers,
 //                                      so x (or y and dy) is read exactly once;
 //   rows, N <= 131072 on sm_90      : a cluster of 2-8 blocks per row, the row in
@@ -162,42 +163,64 @@ __device__ __forceinline__ void store_chunk(T* __restrict__ p, const A (&v)[V], 
   }
 }
 
-template <bool BLOCK, typename A> __device__ __forceinline__ A group_max(A v, A* red) {
-  if constexpr (BLOCK) return block_max(v, red); else return warp_max(v);
+// Reductions over a group: the block, or LANES aligned lanes of a warp (xor
+// offsets below LANES never leave the group). Every lane of the warp calls them.
+template <bool BLOCK, int LANES, typename A> __device__ __forceinline__ A group_max(A v, A* red) {
+  if constexpr (BLOCK) {
+    return block_max(v, red);
+  } else {
+#pragma unroll
+    for (int o = LANES / 2; o > 0; o >>= 1) v = max_a(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  }
 }
-template <bool BLOCK, typename A> __device__ __forceinline__ A group_sum(A v, A* red) {
-  if constexpr (BLOCK) return block_sum(v, red); else return warp_sum(v);
+template <bool BLOCK, int LANES, typename A> __device__ __forceinline__ A group_sum(A v, A* red) {
+  if constexpr (BLOCK) {
+    return block_sum(v, red);
+  } else {
+#pragma unroll
+    for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  }
 }
 
-// ---- rows in registers: a warp (BLOCK = false) or a block per row ----------
+// ---- rows in registers: LANES lanes of a warp (BLOCK = false) or a block per row
 // Thread t of a G-thread group holds chunks c = 0..CH-1 of V elements starting
 // at (c * G + t) * V: each 16-byte load of a warp is one contiguous 512 bytes.
-// Warp groups exit independently (no block barrier is used then).
-template <typename T, int CH, bool BLOCK, bool BWD>
+// Short rows: a warp holds 32 / LANES rows. The row loop is warp-uniform (the
+// shuffles need every lane); a lane past the last row works on an empty row
+// (Nr = 0: loads give the fill value, stores write nothing). Warps exit
+// independently (no block barrier is used in warp mode).
+template <typename T, int CH, bool BLOCK, bool BWD, int LANES = 32>
 __global__ void __launch_bounds__(BLOCK ? 1024 : kWarpRowsThreads)
 rows_regs_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
                  bool log, bool vec) {
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
+  static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: a power of two up to 32");
   __shared__ A red[33];
-  const int G = BLOCK ? blockDim.x : 32;
-  const int t = BLOCK ? threadIdx.x : (threadIdx.x & 31);
-  const int64_t per = BLOCK ? 1 : (blockDim.x >> 5);
-  const int64_t first = BLOCK ? int64_t(blockIdx.x) : int64_t(blockIdx.x) * per + (threadIdx.x >> 5);
+  const int G = BLOCK ? int(blockDim.x) : LANES;
+  const int t = BLOCK ? int(threadIdx.x) : int(threadIdx.x & (LANES - 1));
+  const int64_t rpw = BLOCK ? 1 : 32 / LANES;  // rows per warp and step
+  const int64_t per = BLOCK ? 1 : (blockDim.x >> 5) * rpw;
+  const int64_t first = BLOCK ? int64_t(blockIdx.x) : (int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * rpw;
   const int64_t step = int64_t(gridDim.x) * per;
-  for (int64_t row = first; row < rows; row += step) {
-    const T* ar = a + row * N;
-    T* outr = out + row * N;
+  for (int64_t r0 = first; r0 < rows; r0 += step) {
+    const int64_t row = BLOCK ? r0 : r0 + (threadIdx.x & 31) / LANES;
+    const bool valid = row < rows;
+    const int64_t Nr = valid ? N : 0;
+    const T* ar = a + (valid ? row : 0) * N;
+    T* outr = out + (valid ? row : 0) * N;
     A v[CH][V];
     if constexpr (!BWD) {
       A m = neg_inf<A>();
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
-        load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, N, vec, neg_inf<A>());
+        load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, Nr, vec, neg_inf<A>());
 #pragma unroll
         for (int k = 0; k < V; ++k) m = max_a(m, v[c][k]);
       }
-      m = group_max<BLOCK>(m, red);
+      m = group_max<BLOCK, LANES>(m, red);
       A s = A(0);
 #pragma unroll
       for (int c = 0; c < CH; ++c)
@@ -208,33 +231,33 @@ rows_regs_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
           s += e;
           v[c][k] = log ? d : e;
         }
-      s = group_sum<BLOCK>(s, red);
+      s = group_sum<BLOCK, LANES>(s, red);
       const A sub = log ? log_a(s) : A(0);
       const A mul = log ? A(1) : A(1) / s;
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
 #pragma unroll
         for (int k = 0; k < V; ++k) v[c][k] = log ? v[c][k] - sub : v[c][k] * mul;
-        store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, N, vec);
+        store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, Nr, vec);
       }
     } else {
       // softmax: dx = y (dy - sum(dy y));  log_softmax: dx = dy - exp(y) sum(dy)
-      const T* br = b + row * N;
+      const T* br = b + (valid ? row : 0) * N;
       A g[CH][V];
       A s = A(0);
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
-        load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, N, vec, A(0));
-        load_chunk<T, V>(g[c], br, (int64_t(c) * G + t) * V, N, vec, A(0));
+        load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, Nr, vec, A(0));
+        load_chunk<T, V>(g[c], br, (int64_t(c) * G + t) * V, Nr, vec, A(0));
 #pragma unroll
         for (int k = 0; k < V; ++k) s += log ? g[c][k] : g[c][k] * v[c][k];
       }
-      s = group_sum<BLOCK>(s, red);
+      s = group_sum<BLOCK, LANES>(s, red);
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
 #pragma unroll
         for (int k = 0; k < V; ++k) v[c][k] = log ? g[c][k] - exp_a(v[c][k]) * s : v[c][k] * (g[c][k] - s);
-        store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, N, vec);
+        store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, Nr, vec);
       }
     }
   }
@@ -553,6 +576,7 @@ enum class Kind { WarpRows, BlockRows, ClusterRows, Split, Inner, Looped };
 struct Plan {
   Kind kind;
   int ch = 1;        // chunks per thread (register paths)
+  int lanes = 32;    // lanes per row (WarpRows)
   int threads = 0;   // block size (BlockRows, ClusterRows), TC (Inner)
   int64_t S = 1;     // chunks per row (Split), blocks per cluster (ClusterRows)
   bool cache = false;
@@ -601,6 +625,8 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
   if (N <= 32 * 4 * V) {
     p.kind = Kind::WarpRows;
     p.ch = N <= 32 * V ? 1 : (N <= 64 * V ? 2 : 4);
+    // Short rows share a warp: one lane per 16-byte vector of the row.
+    if (N <= 16 * V) p.lanes = int(pow2ceil(cdiv(N, V)));
     return p;
   }
   // Too long for one block's registers: a cluster per row where the GPU has
@@ -635,9 +661,14 @@ cudaError_t launch_typed(const SoftmaxArgs& a, const Plan& p, void* workspace, c
   const bool vec = N % V == 0 && al16(a.a) && al16(a.out) && (!BWD || al16(a.b));
   switch (p.kind) {
     case Kind::WarpRows: {
-      const int per = kWarpRowsThreads / 32;
+      const int per = kWarpRowsThreads / 32 * (32 / p.lanes);
       const unsigned g = grid_for(cdiv(rows, per));
-      if (p.ch == 1) rows_regs_kernel<T, 1, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
+      if (p.lanes == 1) rows_regs_kernel<T, 1, false, BWD, 1><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
+      else if (p.lanes == 2) rows_regs_kernel<T, 1, false, BWD, 2><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
+      else if (p.lanes == 4) rows_regs_kernel<T, 1, false, BWD, 4><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
+      else if (p.lanes == 8) rows_regs_kernel<T, 1, false, BWD, 8><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
+      else if (p.lanes == 16) rows_regs_kernel<T, 1, false, BWD, 16><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
+      else if (p.ch == 1) rows_regs_kernel<T, 1, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
       else if (p.ch == 2) rows_regs_kernel<T, 2, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
       else rows_regs_kernel<T, 4, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
       break;
