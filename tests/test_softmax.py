@@ -296,3 +296,23 @@ def test_mixed_devices():
         torch.ops.gpu_puzzles.softmax_backward(torch.randn(2, 3), torch.randn(2, 3, device="cuda"), -1)
     assert gp.softmax(torch.zeros(2, 4, device="cuda")).sum().item() == 2.0
 
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_extremes_on_every_row_path(kind):
+    # -inf entries, an all -inf row, a +inf row and a NaN row on the warp, block,
+    # cluster and split paths and the column path: NaN exactly where torch has it.
+    torch.manual_seed(10)
+    f, ref = FUNCS[kind]
+    for n in (5, 300, 3000, 20000, 140000):
+        x = torch.randn(6, n, device="cuda") * 10
+        x[0, ::3] = -INF
+        x[1] = -INF
+        x[2, n // 2] = INF
+        x[3, n - 1] = float("nan")
+        x[4, :-1] = -INF  # a single finite entry: probability 1
+        for xx, dim in ((x, -1), (x.t().contiguous(), 0)):
+            y, r = f(xx, dim).cpu().double(), ref(xx.cpu().double(), dim)
+            assert torch.equal(torch.isnan(y), torch.isnan(r)), (n, dim)
+            torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-6, equal_nan=True)
