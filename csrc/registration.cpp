@@ -32,4 +32,14 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   m.def("embedding_2d(Tensor indices, Tensor weight, int? padding_idx=None) -> Tensor");
   m.def("embedding_backward(Tensor grad_out, Tensor indices, SymInt num_weights, int? padding_idx, bool deterministic) -> Tensor");
   m.def("embedding_2d_backward(Tensor grad_out, Tensor indices, SymInt num_weights, int? padding_idx, bool deterministic) -> Tensor");
+
+  // ---- softmax -----------------------------------------------------------
+  // algorithm: "auto" (fastest for the shape), or the curriculum's steps kept for
+  // the notebook: "tree" (the seed's shared-memory tree reduction), "shuffle"
+  // (warp-shuffle reduction), "online" (single-pass running max and sum).
+  // The backward takes the forward's output, not its input.
+  m.def("softmax(Tensor x, int dim=-1, str algorithm=\"auto\") -> Tensor");
+  m.def("log_softmax(Tensor x, int dim=-1, str algorithm=\"auto\") -> Tensor");
+  m.def("softmax_backward(Tensor grad_out, Tensor out, int dim, str algorithm=\"auto\") -> Tensor");
+  m.def("log_softmax_backward(Tensor grad_out, Tensor out, int dim, str algorithm=\"auto\") -> Tensor");
 }

@@ -80,3 +80,30 @@ class Embedding(nn.Module):
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
         return s + f", kernel={self.kernel!r}"
+
+class Softmax(nn.Module):
+    """Softmax over ``dim`` (like ``torch.nn.Softmax``, but ``dim`` defaults to -1)."""
+
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return ops.softmax(x, self.dim)
+
+    def extra_repr(self):
+        return f"dim={self.dim}"
+
+
+class LogSoftmax(nn.Module):
+    """Log-softmax over ``dim`` (like ``torch.nn.LogSoftmax``, but ``dim`` defaults to -1)."""
+
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return ops.log_softmax(x, self.dim)
+
+    def extra_repr(self):
+        return f"dim={self.dim}"

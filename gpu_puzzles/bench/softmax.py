@@ -1,0 +1,109 @@
+"""softmax cases: the issue's benchmark shapes and the tour's small checks.
+
+Byte counts: the forward reads x and writes y; the backward (timed alone, on a
+saved output y) reads y and dy and writes dx.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import gpu_puzzles as gp
+
+from .common import Case
+
+OP = "softmax"
+
+
+def reference_backward(dy, y, dim, log=False):
+    """Eager PyTorch's own backward kernel on the saved output."""
+    if log:
+        return torch._log_softmax_backward_data(dy, y, dim, y.dtype)
+    return torch._softmax_backward_data(dy, y, dim, y.dtype)
+
+
+def _softmax_bwd_math(dy, y, dim):
+    """The backward as plain tensor math, for torch.compile to fuse."""
+    yf, gf = y.float(), dy.float()
+    return (yf * (gf - (gf * yf).sum(dim, keepdim=True))).to(y.dtype)
+
+
+def _esize(dtype):
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def fwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), name=None):
+    def make():
+        return (torch.randn(shape, device=device, dtype=dtype),)
+    impls = {("ours" if a == "auto" else f"ours-{a}"): functools.partial(gp.softmax, dim=dim, algorithm=a)
+             for a in algorithms}
+    impls["eager"] = functools.partial(torch.softmax, dim=dim)
+    if compile_:
+        impls["compile"] = torch.compile(functools.partial(torch.softmax, dim=dim), dynamic=False)
+    n = 1
+    for s in shape:
+        n *= s
+    params = dict(shape=list(shape), dim=dim, dtype=str(dtype).replace("torch.", ""))
+    return Case(OP, name or f"{tuple(shape)} dim={dim}", "fwd", make, impls, bytes=2 * n * _esize(dtype),
+                params=params)
+
+
+def bwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), name=None):
+    def make():
+        y = torch.softmax(torch.randn(shape, device=device, dtype=dtype), dim)
+        return y, torch.randn(shape, device=device, dtype=dtype)
+    impls = {("ours" if a == "auto" else f"ours-{a}"):
+             (lambda y, dy, a=a: torch.ops.gpu_puzzles.softmax_backward(dy, y, dim, a)) for a in algorithms}
+    impls["eager"] = lambda y, dy: reference_backward(dy, y, dim)
+    if compile_:
+        cf = torch.compile(functools.partial(_softmax_bwd_math, dim=dim), dynamic=False)
+        impls["compile"] = lambda y, dy: cf(dy, y)
+    n = 1
+    for s in shape:
+        n *= s
+    params = dict(shape=list(shape), dim=dim, dtype=str(dtype).replace("torch.", ""))
+    return Case(OP, name or f"{tuple(shape)} dim={dim}", "bwd", make, impls, bytes=3 * n * _esize(dtype),
+                params=params)
+
+
+def bench_cases(device):
+    bf16, f32 = torch.bfloat16, torch.float32
+    return [
+        fwd_case(device, (32768, 4096), -1, bf16),
+        bwd_case(device, (32768, 4096), -1, bf16),
+        fwd_case(device, (4096, 131072), -1, f32),
+        bwd_case(device, (4096, 131072), -1, f32),
+        fwd_case(device, (65536, 512), -1, bf16),
+        bwd_case(device, (65536, 512), -1, bf16),
+        fwd_case(device, (64, 4096, 256), 1, bf16),
+        bwd_case(device, (64, 4096, 256), 1, bf16),
+    ]
+
+
+def tour_cases(device):
+    if device.type == "cuda":
+        return [fwd_case(device, (32768, 4096), -1, torch.bfloat16),
+                bwd_case(device, (32768, 4096), -1, torch.bfloat16)]
+    return [fwd_case(device, (256, 1024), -1, torch.float32, compile_=False),
+            bwd_case(device, (256, 1024), -1, torch.float32, compile_=False)]
+
+
+def tour_check(device):
+    """Max abs error of ours vs a float64 reference, forward and gradient, on fresh inputs."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    errs = {}
+    for shape, dim in (((37, 1000), -1), ((3, 777, 5), 1), ((4, 70000), -1)):
+        for log in (False, True):
+            x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+            g = torch.randn_like(x)
+            f, ref = (gp.log_softmax, torch.log_softmax) if log else (gp.softmax, torch.softmax)
+            y = f(x, dim)
+            (dx,) = torch.autograd.grad(y, (x,), g)
+            x64 = x.detach().double().requires_grad_()
+            y64 = ref(x64, dim)
+            (dx64,) = torch.autograd.grad(y64, (x64,), g.double())
+            key = f"{'log_softmax' if log else 'softmax'} {tuple(shape)} dim={dim}"
+            errs[f"fwd {key}"] = (y.double() - y64).abs().max().item()
+            errs[f"bwd {key}"] = (dx.double() - dx64).abs().max().item() / max(1.0, dx64.abs().max().item())
+    return errs

@@ -1,0 +1,95 @@
+"""Softmax and log-softmax over one dim: ``torch.ops.gpu_puzzles.softmax`` / ``log_softmax``.
+
+softmax(x)_i = exp(x_i - max x) / sum_j exp(x_j - max x), computed with the max
+subtracted (numerically stable); statistics in float32 (float64 for float64).
+The backward ops take the forward's *output*: softmax dx = y (dy - sum(dy y)),
+log_softmax dx = dy - exp(y) sum(dy).
+"""
+import torch
+from torch import Tensor
+
+from ._common import check_float, check_same
+
+_ALGORITHMS = ("auto", "tree", "shuffle", "online")
+
+
+def _check(x, dim, algorithm, op, name="x"):
+    check_float(x, f"{op}: {name}")
+    nd = max(1, x.dim())
+    torch._check(-nd <= dim < nd,
+                 lambda: f"{op}: dim {dim} is out of range for {name} with {x.dim()} dimensions "
+                         f"(expected in [{-nd}, {nd - 1}])")
+    torch._check(algorithm in _ALGORITHMS, lambda: f"{op}: algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
+
+
+def _check_backward(grad_out, out, dim, algorithm, op):
+    _check(out, dim, algorithm, op, "out")
+    check_same(grad_out, out, f"{op}: grad_out", "out")
+    torch._check(grad_out.shape == out.shape,
+                 lambda: f"{op}: grad_out has shape {tuple(grad_out.shape)} but out has shape {tuple(out.shape)}")
+
+
+@torch.library.register_fake("gpu_puzzles::softmax")
+def _softmax_fake(x, dim=-1, algorithm="auto"):
+    _check(x, dim, algorithm, "softmax")
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("gpu_puzzles::log_softmax")
+def _log_softmax_fake(x, dim=-1, algorithm="auto"):
+    _check(x, dim, algorithm, "log_softmax")
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("gpu_puzzles::softmax_backward")
+def _softmax_backward_fake(grad_out, out, dim, algorithm="auto"):
+    _check_backward(grad_out, out, dim, algorithm, "softmax_backward")
+    return out.new_empty(out.shape)
+
+
+@torch.library.register_fake("gpu_puzzles::log_softmax_backward")
+def _log_softmax_backward_fake(grad_out, out, dim, algorithm="auto"):
+    _check_backward(grad_out, out, dim, algorithm, "log_softmax_backward")
+    return out.new_empty(out.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, dim, algorithm = inputs
+    ctx.save_for_backward(output)  # the output, not the input: all the backward needs
+    ctx.dim = dim
+    ctx.algorithm = algorithm
+
+
+def _softmax_backward(ctx, grad_out):
+    (y,) = ctx.saved_tensors
+    return torch.ops.gpu_puzzles.softmax_backward(grad_out, y, ctx.dim, ctx.algorithm), None, None
+
+
+def _log_softmax_backward(ctx, grad_out):
+    (y,) = ctx.saved_tensors
+    return torch.ops.gpu_puzzles.log_softmax_backward(grad_out, y, ctx.dim, ctx.algorithm), None, None
+
+
+torch.library.register_autograd("gpu_puzzles::softmax", _softmax_backward, setup_context=_setup_context)
+torch.library.register_autograd("gpu_puzzles::log_softmax", _log_softmax_backward, setup_context=_setup_context)
+
+
+def softmax(x: Tensor, dim: int = -1, *, algorithm: str = "auto") -> Tensor:
+    """Softmax of ``x`` over ``dim`` (any rank, including 0-d; any dim, negative too).
+
+    Matches ``torch.softmax``, including its NaN for a row of all ``-inf`` and for
+    a row holding ``+inf``. Differentiable; the backward reuses the output.
+
+    ``algorithm`` picks the CUDA kernel: ``"auto"`` (fastest), or the curriculum's
+    steps ``"tree"``, ``"shuffle"`` and ``"online"`` (see the notebook); the CPU
+    ignores it.
+    """
+    return torch.ops.gpu_puzzles.softmax(x, dim, algorithm)
+
+
+def log_softmax(x: Tensor, dim: int = -1, *, algorithm: str = "auto") -> Tensor:
+    """Log-softmax of ``x`` over ``dim``: ``x - max - log(sum(exp(x - max)))``.
+
+    Same shapes, dtypes and ``algorithm`` choices as :func:`softmax`.
+    """
+    return torch.ops.gpu_puzzles.log_softmax(x, dim, algorithm)

@@ -1,0 +1,318 @@
+"""softmax / log_softmax: seed example, float64 references, extremes, gradients, opcheck, compile, bad input."""
+import math
+
+import pytest
+import torch
+
+import gpu_puzzles as gp
+
+from conftest import DEVICES, HAS_CUDA, assert_close_ref, device_dtypes, requires_cuda
+
+ALGORITHMS = ["auto", "tree", "shuffle", "online"]
+FUNCS = {"softmax": (gp.softmax, torch.softmax), "log_softmax": (gp.log_softmax, torch.log_softmax)}
+INF = float("inf")
+
+
+def _ref64(x, dim, kind):
+    return FUNCS[kind][1](x.double(), dim)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_seed_example(device, algorithm):
+    y = gp.softmax(torch.tensor([1.0, 2.0, 3.0, 4.0], device=device), algorithm=algorithm)
+    torch.testing.assert_close(y.cpu(), torch.tensor([0.0320586, 0.08714432, 0.2368828, 0.6439143]),
+                               rtol=1e-6, atol=1e-7)
+    # The seed's run: 128 random values, a probability distribution.
+    x = torch.randn(128, device=device)
+    y = gp.softmax(x, algorithm=algorithm)
+    assert abs(y.sum().item() - 1.0) < 1e-5
+    assert_close_ref(y, _ref64(x, -1, "softmax"), torch.float32, "seed 128")
+
+
+# (shape, dim): short, medium and long rows, non-last dims, 1-element dims.
+SHAPES = [((1,), 0), ((7,), -1), ((3, 1), -1), ((5, 33), -1), ((4, 300), 1), ((2, 3, 17), 1),
+          ((2, 3, 17), 0), ((6, 1, 4), 1), ((2, 2500), -1), ((3, 4, 5, 6), -2)]
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("shape,dim", SHAPES)
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_forward_matches_reference(device, dtype, shape, dim, kind):
+    torch.manual_seed(hash((shape, dim)) % 2**31)
+    x = torch.randn(shape, device=device, dtype=dtype) * 3
+    y = FUNCS[kind][0](x, dim)
+    assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+    assert_close_ref(y, _ref64(x, dim, kind), dtype, f"{kind} {shape} dim={dim}")
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("shape,dim", [((5, 33), -1), ((2, 3, 17), 1), ((2, 2500), -1), ((7,), 0)])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_backward_matches_reference(device, dtype, shape, dim, kind):
+    torch.manual_seed(11)
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(shape, device=device, dtype=dtype)
+    (dx,) = torch.autograd.grad(FUNCS[kind][0](x, dim), (x,), g)
+    x64 = x.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(_ref64(x64, dim, kind), (x64,), g.double())
+    assert dx.shape == x.shape and dx.dtype == dtype
+    assert_close_ref(dx, ref, dtype, f"{kind} backward")
+
+
+def test_long_row_cpu():
+    x = torch.randn(2, 300_000) * 4
+    assert_close_ref(gp.softmax(x), _ref64(x, -1, "softmax"), torch.float32, "long row")
+    assert_close_ref(gp.log_softmax(x), _ref64(x, -1, "log_softmax"), torch.float32, "long row log")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_extreme_values_match_torch(device, algorithm, kind):
+    # Large magnitudes (stability), -inf entries, and torch's NaN cases: a row of
+    # all -inf, a row holding +inf, a row holding NaN.
+    rows = [[1e4, -1e4, 0.0, 1e4 - 1], [-1e30, 1e30, 5.0, -5.0], [1.0, -INF, 2.0, -INF],
+            [-INF, -INF, -INF, -INF], [INF, 1.0, 2.0, 3.0], [INF, INF, 0.0, 0.0],
+            [float("nan"), 1.0, 2.0, 3.0], [88.0, 89.0, -200.0, 0.0]]
+    x = torch.tensor(rows, device=device)
+    f, ref = FUNCS[kind]
+    y, r = f(x, -1, algorithm=algorithm).cpu(), ref(x.cpu().double(), -1)
+    assert torch.equal(torch.isnan(y), torch.isnan(r)), (y, r)
+    torch.testing.assert_close(y.double(), r, rtol=1e-5, atol=1e-6, equal_nan=True)
+    # the same over a non-last dim
+    xt = x.t().contiguous()
+    y, r = f(xt, 0, algorithm=algorithm).cpu(), ref(xt.cpu().double(), 0)
+    torch.testing.assert_close(y.double(), r, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_gradcheck(device, kind):
+    torch.manual_seed(0)
+    f = FUNCS[kind][0]
+    for shape, dim in (((3, 9), -1), ((2, 5, 3), 1), ((4,), 0)):
+        x = torch.randn(shape, device=device, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda t: f(t, dim), (x,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_dim_and_empty(device):
+    x = torch.tensor(3.5, device=device, requires_grad=True)
+    for f, want in ((gp.softmax, 1.0), (gp.log_softmax, 0.0)):
+        for dim in (0, -1):
+            y = f(x, dim)
+            assert y.shape == () and y.item() == want
+    (dx,) = torch.autograd.grad(gp.softmax(x), (x,))
+    assert dx.item() == 0.0
+    for shape, dim in (((2, 0, 3), 1), ((0, 5), -1), ((4, 0), 0)):
+        e = torch.randn(shape, device=device, requires_grad=True)
+        y = gp.softmax(e, dim)
+        assert y.shape == e.shape
+        (de,) = torch.autograd.grad(y.sum(), (e,))
+        assert de.shape == e.shape
+        for algorithm in ("tree", "online"):
+            assert gp.log_softmax(e.detach(), dim, algorithm=algorithm).shape == e.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_input(device):
+    base = torch.randn(6, 40, 5, device=device)
+    for x, dim in ((base.transpose(1, 2), -1), (base.transpose(1, 2), 1), (base[:, ::3, :], 1), (base[..., 1], -1)):
+        assert not x.is_contiguous()
+        assert_close_ref(gp.softmax(x, dim), _ref64(x, dim, "softmax"), torch.float32, "strided")
+        assert_close_ref(gp.log_softmax(x, dim), _ref64(x, dim, "log_softmax"), torch.float32, "strided log")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    x = torch.randn(3, 10, 4, device=device, requires_grad=requires_grad)
+    for op in (torch.ops.gpu_puzzles.softmax.default, torch.ops.gpu_puzzles.log_softmax.default):
+        torch.library.opcheck(op, (x, -1, "auto"))
+        torch.library.opcheck(op, (x, 1, "auto"))
+    y = torch.softmax(x.detach(), 1)
+    g = torch.randn_like(y)
+    torch.library.opcheck(torch.ops.gpu_puzzles.softmax_backward.default, (g, y, 1, "auto"))
+    torch.library.opcheck(torch.ops.gpu_puzzles.log_softmax_backward.default, (g, y.log(), 1, "auto"))
+
+
+def test_compile_forward_backward():
+    device = "cuda" if HAS_CUDA else "cpu"
+    torch._dynamo.reset()
+    mod = gp.nn.Softmax(dim=-1)
+
+    def f(x):
+        return mod(x) * 2 + gp.log_softmax(x, 0)
+
+    fc = torch.compile(f, fullgraph=True, dynamic=True)
+    for n in (16, 23):
+        x = torch.randn(4, n, device=device, requires_grad=True)
+        y_c, y_e = fc(x), f(x)
+        torch.testing.assert_close(y_c, y_e)
+        (gc,) = torch.autograd.grad(y_c.square().sum(), (x,))
+        (ge,) = torch.autograd.grad(y_e.square().sum(), (x,))
+        torch.testing.assert_close(gc, ge)
+
+
+def test_modules():
+    m = gp.nn.Softmax(1)
+    x = torch.randn(3, 4, 5)
+    torch.testing.assert_close(m(x), torch.softmax(x, 1))
+    torch.testing.assert_close(gp.nn.LogSoftmax()(x), torch.log_softmax(x, -1))
+    assert "dim=1" in repr(m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device):
+    cases = [
+        (lambda: gp.softmax(torch.arange(6, device=device).view(2, 3)), "softmax: x must be a float"),
+        (lambda: gp.log_softmax(torch.randn(2, 3, dtype=torch.complex64, device=device)), "log_softmax: x must be a float"),
+        (lambda: gp.softmax(torch.randn(2, 3, device=device), 2), "dim 2 is out of range"),
+        (lambda: gp.softmax(torch.randn(2, 3, device=device), -3), "dim -3 is out of range"),
+        (lambda: gp.softmax(torch.tensor(1.0, device=device), 1), "dim 1 is out of range"),
+        (lambda: gp.softmax(torch.randn(2, 3, device=device), algorithm="fastest"), "algorithm"),
+        (lambda: torch.ops.gpu_puzzles.softmax_backward(torch.randn(2, 3, device=device),
+                                                        torch.randn(2, 4, device=device), -1), "grad_out has shape"),
+        (lambda: torch.ops.gpu_puzzles.softmax_backward(torch.randn(2, 3, device=device, dtype=torch.float64),
+                                                        torch.randn(2, 3, device=device), -1), "grad_out has dtype"),
+    ]
+    for call, msg in cases:
+        with pytest.raises((RuntimeError, ValueError), match=msg):
+            call()
+
+
+# ---- CUDA: every kernel path, every dtype, misaligned views, poisoned memory -----
+
+# Last-dim rows: warp path (N <= 128 V), block path (<= 2048 V), split path
+# (longer, or few long rows); odd lengths exercise the scalar fallback and tails.
+CUDA_ROWS = [(1, 1), (64, 1), (33, 2), (9, 3), (17, 31), (8, 32), (5, 33), (40, 100), (3, 255), (6, 256), (6, 257),
+             (4, 511), (2, 512), (3, 513), (7, 1000), (3, 1024), (2, 1025), (5, 2047), (3, 2048), (2, 4096),
+             (3, 4097), (2, 8191), (2, 8192), (2, 16384), (2, 16385), (1, 65536), (3, 70001), (2, 131072),
+             (1, 1_000_003), (300, 40000)]
+# Non-last dims (outer, N, inner): cached and uncached tiles, inner not a multiple of the tile.
+CUDA_COLS = [(1, 1, 2), (2, 5, 3), (3, 7, 16), (2, 33, 17), (1, 4096, 256), (2, 5000, 9), (1, 20000, 8),
+             (3, 3, 1000), (1, 100, 129)]
+
+
+def _poison_cache(nbytes=64 << 20):
+    # Fill freed allocator memory with NaN so an output element a kernel fails to
+    # write shows up as NaN (the next allocations reuse these blocks).
+    t = torch.empty(nbytes // 4, device="cuda").fill_(float("nan"))
+    del t
+
+
+def _cuda_check(x, dim, kind, algorithm, dtype, what):
+    _poison_cache()
+    y = FUNCS[kind][0](x, dim, algorithm=algorithm)
+    ref = _ref64(x, dim, kind)
+    assert_close_ref(y, ref, dtype, what)
+    g = torch.randn_like(x)
+    _poison_cache()
+    op = torch.ops.gpu_puzzles.softmax_backward if kind == "softmax" else torch.ops.gpu_puzzles.log_softmax_backward
+    dx = op(g, y, dim, algorithm)
+    # Reference backward from our own output y, in float64.
+    y64, g64 = y.double(), g.double()
+    if kind == "softmax":
+        ref_dx = y64 * (g64 - (g64 * y64).sum(dim, keepdim=True))
+    else:
+        ref_dx = g64 - y64.exp() * g64.sum(dim, keepdim=True)
+    n = x.shape[dim] if x.dim() else 1
+    scale = math.sqrt(max(1, n)) if kind == "log_softmax" else 1.0  # sum(dy) grows like sqrt(N)
+    assert_close_ref(dx / scale, ref_dx / scale, dtype, what + " backward")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_rows_all_paths(dtype, kind):
+    torch.manual_seed(5)
+    for rows, n in CUDA_ROWS:
+        x = torch.randn(rows, n, device="cuda", dtype=dtype) * 2
+        _cuda_check(x, -1, kind, "auto", dtype, f"{kind} rows ({rows},{n}) {dtype}")
+        if rows * n < 5_000_000:  # misaligned view: the scalar path
+            base = torch.randn(rows * n + 1, device="cuda", dtype=dtype)
+            _cuda_check(base[1:].view(rows, n), -1, kind, "auto", dtype, f"{kind} misaligned ({rows},{n})")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_columns_all_paths(dtype, kind):
+    torch.manual_seed(6)
+    for o, n, i in CUDA_COLS:
+        x = torch.randn(o, n, i, device="cuda", dtype=dtype) * 2
+        _cuda_check(x, 1, kind, "auto", dtype, f"{kind} cols ({o},{n},{i}) {dtype}")
+        _cuda_check(x, 0, kind, "auto", dtype, f"{kind} dim0 ({o},{n},{i}) {dtype}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("algorithm", ["tree", "shuffle", "online"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cuda_teaching_algorithms(algorithm, dtype):
+    torch.manual_seed(7)
+    for shape, dim in (((3, 1), -1), ((5, 100), -1), ((2, 4097), -1), ((1, 300_000), -1), ((4, 50, 6), 1)):
+        x = torch.randn(shape, device="cuda", dtype=dtype) * 2
+        for kind in ("softmax", "log_softmax"):
+            _cuda_check(x, dim, kind, algorithm, dtype, f"{algorithm} {kind} {shape}")
+
+
+@requires_cuda
+def test_cuda_fp32_accuracy_tight():
+    # fp32 against float64 at ~1e-6 relative: exp must be the accurate expf, not __expf.
+    torch.manual_seed(8)
+    for shape in ((64, 512), (16, 4096), (2, 200_000)):
+        x = torch.randn(shape, device="cuda") * 5
+        y = gp.softmax(x).double()
+        r = torch.softmax(x.double(), -1)
+        # Rounding x - max to float32 alone costs ~2e-6 relative for the smallest entries
+        # (torch.softmax itself reaches 3e-6 to 2e-5 here).
+        rel = ((y - r).abs() / r.abs().clamp_min(1e-30)).max().item()
+        assert rel < 5e-6, (shape, rel)
+        assert (y - r).abs().max().item() / r.max().item() < 1e-6
+
+
+@requires_cuda
+def test_cuda_matches_cpu_and_large_magnitudes():
+    torch.manual_seed(9)
+    for shape, dim in (((8, 3000), -1), ((4, 700, 3), 1)):
+        x = torch.randn(shape, device="cuda") * 1e3
+        torch.testing.assert_close(gp.softmax(x, dim).cpu(), gp.softmax(x.cpu(), dim), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gp.log_softmax(x, dim).cpu(), gp.log_softmax(x.cpu(), dim), rtol=1e-5, atol=1e-3)
+
+
+@requires_cuda
+def test_cuda_backward_deterministic():
+    y = torch.softmax(torch.randn(8, 200_000, device="cuda"), -1)
+    g = torch.randn_like(y)
+    first = torch.ops.gpu_puzzles.softmax_backward(g, y, -1)
+    for _ in range(3):
+        assert torch.equal(first, torch.ops.gpu_puzzles.softmax_backward(g, y, -1))
+
+
+@requires_cuda
+def test_mixed_devices():
+    with pytest.raises(RuntimeError, match="on the same device"):
+        torch.ops.gpu_puzzles.softmax_backward(torch.randn(2, 3), torch.randn(2, 3, device="cuda"), -1)
+    assert gp.softmax(torch.zeros(2, 4, device="cuda")).sum().item() == 2.0
+
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_extremes_on_every_row_path(kind):
+    # -inf entries, an all -inf row, a +inf row and a NaN row on the warp, block,
+    # cluster and split paths and the column path: NaN exactly where torch has it.
+    torch.manual_seed(10)
+    f, ref = FUNCS[kind]
+    for n in (5, 300, 3000, 20000, 140000):
+        x = torch.randn(6, n, device="cuda") * 10
+        x[0, ::3] = -INF
+        x[1] = -INF
+        x[2, n // 2] = INF
+        x[3, n - 1] = float("nan")
+        x[4, :-1] = -INF  # a single finite entry: probability 1
+        for xx, dim in ((x, -1), (x.t().contiguous(), 0)):
+            y, r = f(xx, dim).cpu().double(), ref(xx.cpu().double(), dim)
+            assert torch.equal(torch.isnan(y), torch.isnan(r)), (n, dim)
+            torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-6, equal_nan=True)
