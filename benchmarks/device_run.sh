@@ -4,6 +4,7 @@
 # STEPS (default all): build tests sanitize tour bench notebooks; OPS limits bench/sanitize.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# The device copy has no .git: pass the commit in, e.g. GPU_PUZZLES_COMMIT=$(git rev-parse --short HEAD).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/r"
 STEPS=${STEPS:-"build tests sanitize tour bench notebooks"}
 OPS=${OPS:-}
