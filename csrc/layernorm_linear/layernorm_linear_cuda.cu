@@ -39,6 +39,21 @@ __device__ __forceinline__ void load_pack(T (&d)[VEC], const T* __restrict__ p) 
   }
 }
 
+// Same, through the coherent path: for z, which the epilogue updates in place.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_pack_rw(T (&d)[VEC], const T* p) {
+  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < (int)(VEC * sizeof(T) / 16); ++i) {
+      const uint4 q = reinterpret_cast<const uint4*>(p)[i];
+      memcpy(reinterpret_cast<char*>(d) + 16 * i, &q, 16);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) d[i] = p[i];
+  }
+}
+
 template <typename T, int VEC>
 __device__ __forceinline__ void store_pack(T* __restrict__ p, const T (&d)[VEC]) {
   if constexpr ((VEC * sizeof(T)) % 16 == 0) {
@@ -319,42 +334,62 @@ __global__ void ln_bwd_reduce(const acc_t<T>* __restrict__ part, T* __restrict__
   }
 }
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void ln_apply(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
                          const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
                          T* __restrict__ xn, int64_t M, int64_t H) {
   using A = acc_t<T>;
+  const int64_t nvec = H / VEC;
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
     const A mu = mean[row], rs = rstd[row];
-    for (int64_t c = threadIdx.x; c < H; c += blockDim.x)
-      xn[row * H + c] = from_acc<T>((to_acc<A>(x[row * H + c]) - mu) * rs * to_acc<A>(gamma[c]) +
-                                    to_acc<A>(beta[c]));
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      T v[VEC], g[VEC], b[VEC];
+      load_pack<T, VEC>(v, x + row * H + c * VEC);
+      load_pack<T, VEC>(g, gamma + c * VEC);
+      load_pack<T, VEC>(b, beta + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] = from_acc<T>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+      store_pack<T, VEC>(xn + row * H + c * VEC, v);
+    }
   }
 }
 
 // ---- fused LayerNorm + Linear: fold and epilogue --------------------------------
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void fold_weight(const T* __restrict__ W, const T* __restrict__ gamma, const T* __restrict__ beta,
                             const T* __restrict__ b, T* __restrict__ wc, acc_t<T>* __restrict__ r,
                             acc_t<T>* __restrict__ bp, int64_t N, int64_t H) {
   using A = acc_t<T>;
   __shared__ A sh[64];
+  const int64_t nvec = H / VEC;
   for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
     const T* wr = W + n * H;
     A sg = 0, sb = 0;
-    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
-      const A w = to_acc<A>(wr[c]);
-      sg += w * to_acc<A>(gamma[c]);
-      sb += w * to_acc<A>(beta[c]);
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      T w[VEC], g[VEC], be[VEC];
+      load_pack<T, VEC>(w, wr + c * VEC);
+      load_pack<T, VEC>(g, gamma + c * VEC);
+      load_pack<T, VEC>(be, beta + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        sg += to_acc<A>(w[i]) * to_acc<A>(g[i]);
+        sb += to_acc<A>(w[i]) * to_acc<A>(be[i]);
+      }
     }
     block_sum2(sg, sb, sh);
     const A m = sg / A(H);
     A rs = 0, unused = 0;
-    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
-      const T v = from_acc<T>(to_acc<A>(wr[c]) * to_acc<A>(gamma[c]) - m);
-      wc[n * H + c] = v;
-      rs += to_acc<A>(v);
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      T w[VEC], g[VEC], o[VEC];
+      load_pack<T, VEC>(w, wr + c * VEC);
+      load_pack<T, VEC>(g, gamma + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        o[i] = from_acc<T>(to_acc<A>(w[i]) * to_acc<A>(g[i]) - m);
+        rs += to_acc<A>(o[i]);
+      }
+      store_pack<T, VEC>(wc + n * H + c * VEC, o);
     }
     block_sum2(rs, unused, sh);
     if (threadIdx.x == 0) {
@@ -392,7 +427,7 @@ __global__ void lnlinear_epilogue(T* __restrict__ z, const T* __restrict__ x, co
       const int64_t nvec = N / VEC;
       for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
         T v[VEC];
-        load_pack<T, VEC>(v, zr + c * VEC);
+        load_pack_rw<T, VEC>(v, zr + c * VEC);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const int64_t n = c * VEC + i;
@@ -531,9 +566,16 @@ LaunchStatus layer_norm_apply_cuda(const void* x, const void* gamma, const void*
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
-    ln_apply<T><<<row_grid(M), 256, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(gamma),
-                                                 static_cast<const T*>(beta), static_cast<const A*>(mean),
-                                                 static_cast<const A*>(rstd), static_cast<T*>(xn), M, H);
+    constexpr int V = vec_of<T>();
+    auto launch = [&](auto kernel) {
+      kernel<<<row_grid(M), 256, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(gamma),
+                                              static_cast<const T*>(beta), static_cast<const A*>(mean),
+                                              static_cast<const A*>(rstd), static_cast<T*>(xn), M, H);
+    };
+    if (H % V == 0 && all_aligned({x, gamma, beta, xn}))
+      launch(ln_apply<T, V>);
+    else
+      launch(ln_apply<T, 1>);
     return 0;
   });
   return cudaGetLastError();
@@ -545,9 +587,16 @@ LaunchStatus lnlinear_fold_weight_cuda(const void* W, const void* gamma, const v
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
-    fold_weight<T><<<row_grid(N), 256, 0, stream>>>(static_cast<const T*>(W), static_cast<const T*>(gamma),
-                                                    static_cast<const T*>(beta), static_cast<const T*>(b),
-                                                    static_cast<T*>(wc), static_cast<A*>(r), static_cast<A*>(bp), N, H);
+    constexpr int V = vec_of<T>();
+    auto launch = [&](auto kernel) {
+      kernel<<<row_grid(N), 256, 0, stream>>>(static_cast<const T*>(W), static_cast<const T*>(gamma),
+                                              static_cast<const T*>(beta), static_cast<const T*>(b),
+                                              static_cast<T*>(wc), static_cast<A*>(r), static_cast<A*>(bp), N, H);
+    };
+    if (H % V == 0 && all_aligned({W, gamma, beta, wc}))
+      launch(fold_weight<T, V>);
+    else
+      launch(fold_weight<T, 1>);
     return 0;
   });
   return cudaGetLastError();
