@@ -263,7 +263,7 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
   }
   if (cuda) {
 #ifdef WITH_CUDA
-    const int64_t G = layer_norm_backward_blocks(M, H);
+    const int64_t G = layer_norm_backward_blocks(M, H, to_dtype(x.scalar_type()));
     Tensor ws = at::empty({2 * G * H}, x.options().dtype(stat_type(x)));
     GP_CUDA_CHECK_STATUS(layer_norm_backward_cuda(dy.data_ptr(), x.data_ptr(), g.data_ptr(), mean.data_ptr(),
                                                   rstd.data_ptr(), dx.data_ptr(), dg.data_ptr(), db.data_ptr(),

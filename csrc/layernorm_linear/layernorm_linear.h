@@ -21,7 +21,7 @@ LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const voi
 
 // Blocks of the backward (each owns one row of partial dgamma/dbeta sums);
 // the workspace holds 2 * blocks * H accumulate-type elements.
-int64_t layer_norm_backward_blocks(int64_t M, int64_t H);
+int64_t layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype);
 
 // dx, dgamma, dbeta from dy (grad of the LayerNorm output). Deterministic:
 // per-block partials reduced in a fixed order.

@@ -20,6 +20,10 @@ namespace gpu_puzzles {
 namespace {
 
 constexpr int kCache = 4;  // vectors per thread held in registers by the cached kernels
+// Widest blocks of the cached kernels: with launch bounds their registers always
+// fit an SM (the backward keeps ~150 per thread for bf16); longer rows loop.
+constexpr int kFwdMaxThreads = 512;
+constexpr int kBwdMaxThreads = 256;
 
 template <typename A> __device__ __forceinline__ A rsqrt_acc(A v) { return A(1) / sqrt(v); }
 template <> __device__ __forceinline__ float rsqrt_acc<float>(float v) { return rsqrtf(v); }
@@ -91,7 +95,7 @@ __device__ __forceinline__ void block_sum2(A& a, A& b, A* sh) {
 // ---- forward -----------------------------------------------------------------
 
 template <typename T, int VEC>
-__global__ void ln_fwd_cached(const T* __restrict__ x, const T* __restrict__ gamma,
+__global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restrict__ x, const T* __restrict__ gamma,
                               const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
                               acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
   using A = acc_t<T>;
@@ -209,7 +213,7 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma.
 // part: [2][gridDim.x][H] partial sums of dy*xhat (dgamma) and dy (dbeta).
 template <typename T, int VEC>
-__global__ void ln_bwd_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
+__global__ void __launch_bounds__(kBwdMaxThreads) ln_bwd_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
                               const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
                               T* __restrict__ dx, acc_t<T>* __restrict__ part, int64_t M, int64_t H) {
   using A = acc_t<T>;
@@ -505,7 +509,7 @@ LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const voi
     const bool vec = H % V == 0 && all_aligned({x, gamma, beta, y});
     const int64_t nvec = vec ? H / V : H;
     const unsigned grid = row_grid(M);
-    if (nvec <= (int64_t)kCache * 1024) {
+    if (nvec <= (int64_t)kCache * kFwdMaxThreads) {
       const int threads = cached_threads(nvec);
       if (vec)
         ln_fwd_cached<T, V><<<grid, threads, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
@@ -521,17 +525,60 @@ LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const voi
   return cudaGetLastError();
 }
 
-int64_t layer_norm_backward_blocks(int64_t M, int64_t H) {
-  (void)H;
-  const int64_t g = 4LL * sm_count();
-  return M < g ? M : g;
+namespace {
+
+// Backward plan: cached kernel or loop, threads, and a persistent grid of as many
+// blocks as fit on the GPU at once (one wave), at most M.
+struct BwdPlan {
+  bool cached;
+  bool vec;
+  int threads;
+  int64_t blocks;
+};
+
+template <typename T>
+BwdPlan bwd_plan(int64_t M, int64_t H, bool vec) {
+  constexpr int V = vec_of<T>();
+  vec = vec && H % V == 0;
+  const int64_t nvec = vec ? H / V : H;
+  BwdPlan p{nvec <= (int64_t)kCache * kBwdMaxThreads, vec, 512, 0};
+  int per_sm = 0;
+  cudaError_t e;
+  if (p.cached) {
+    p.threads = cached_threads(nvec);
+    e = vec ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_bwd_cached<T, V>, p.threads, 0)
+            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_bwd_cached<T, 1>, p.threads, 0);
+  } else {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_bwd_loop<T>, p.threads, 0);
+  }
+  if (e != cudaSuccess || per_sm < 1) {
+    (void)cudaGetLastError();
+    per_sm = 1;
+  }
+  int64_t g = (int64_t)per_sm * sm_count();
+  // At least ~16 rows per block, so the partial sums stay a small part of the traffic.
+  const int64_t by_rows = (M + 15) / 16 > sm_count() ? (M + 15) / 16 : sm_count();
+  g = g < by_rows ? g : by_rows;
+  p.blocks = M < g ? M : g;
+  return p;
+}
+
+}  // namespace
+
+int64_t layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype) {
+  // The workspace is sized for the vector plan; the scalar plan never needs more blocks
+  // than it (fewer registers), but take the larger of the two to be safe.
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t a = bwd_plan<T>(M, H, true).blocks, b = bwd_plan<T>(M, H, false).blocks;
+    return a > b ? a : b;
+  });
 }
 
 LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void* gamma, const void* mean,
                                       const void* rstd, void* dx, void* dgamma, void* dbeta, void* workspace,
                                       int64_t M, int64_t H, DType dtype, cudaStream_t stream) {
-  const int64_t G = layer_norm_backward_blocks(M, H);
-  if (G == 0 || H == 0) return cudaSuccess;  // the host zero-fills dgamma/dbeta for M == 0
+  if (M == 0 || H == 0) return cudaSuccess;  // the host zero-fills dgamma/dbeta for M == 0
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
@@ -540,20 +587,16 @@ LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void*
     const A *mp = static_cast<const A*>(mean), *rp = static_cast<const A*>(rstd);
     T* dxp = static_cast<T*>(dx);
     A* part = static_cast<A*>(workspace);
-    const bool vec = H % V == 0 && all_aligned({dy, x, gamma, dx});
-    const int64_t nvec = vec ? H / V : H;
-    const unsigned grid = static_cast<unsigned>(G);
-    if (nvec <= (int64_t)kCache * 1024) {
-      const int threads = cached_threads(nvec);
-      if (vec)
-        ln_bwd_cached<T, V><<<grid, threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
-      else
-        ln_bwd_cached<T, 1><<<grid, threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
-    } else {
-      ln_bwd_loop<T><<<grid, 512, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
-    }
+    const BwdPlan p = bwd_plan<T>(M, H, all_aligned({dy, x, gamma, dx}));
+    const unsigned grid = static_cast<unsigned>(p.blocks);
+    if (p.cached && p.vec)
+      ln_bwd_cached<T, V><<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
+    else if (p.cached)
+      ln_bwd_cached<T, 1><<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
+    else
+      ln_bwd_loop<T><<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
     ln_bwd_reduce<T><<<dim3(ceil_div_u(H, 32), 2), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(dgamma),
-                                                                            static_cast<T*>(dbeta), G, H);
+                                                                            static_cast<T*>(dbeta), p.blocks, H);
     return 0;
   });
   return cudaGetLastError();
