@@ -42,4 +42,16 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   m.def("log_softmax(Tensor x, int dim=-1, str algorithm=\"auto\") -> Tensor");
   m.def("softmax_backward(Tensor grad_out, Tensor out, int dim, str algorithm=\"auto\") -> Tensor");
   m.def("log_softmax_backward(Tensor grad_out, Tensor out, int dim, str algorithm=\"auto\") -> Tensor");
+
+  // ---- layernorm_linear ----------------------------------------------------
+  // layer_norm returns (y, mean, rstd); mean/rstd are float32 (float64 for a
+  // float64 x), shaped like x without its last dim, and feed the backward.
+  m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps=1e-05) -> (Tensor, Tensor, Tensor)");
+  m.def("layer_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
+  // y = linear_weight @ layer_norm(x) + linear_bias, without writing layer_norm(x); returns (y, mean, rstd).
+  m.def("fused_layernorm_linear(Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor? linear_bias=None, float eps=1e-05) -> (Tensor, Tensor, Tensor)");
+  // -> (dx, d ln_weight, d ln_bias, d linear_weight, d linear_bias)
+  m.def("fused_layernorm_linear_backward(Tensor grad_out, Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The curriculum's kernel (one thread per row computes everything), forward only, for the notebook.
+  m.def("fused_layernorm_linear_naive(Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor? linear_bias=None, float eps=1e-05) -> Tensor");
 }

@@ -107,3 +107,65 @@ class LogSoftmax(nn.Module):
 
     def extra_repr(self):
         return f"dim={self.dim}"
+
+class LayerNormLinear(nn.Module):
+    """``Linear(LayerNorm(x))`` in one op: ``fused=True`` uses :func:`gpu_puzzles.fused_layernorm_linear`
+    (the normalised activation is never written), ``fused=False`` our LayerNorm then ``F.linear``.
+
+    Parameters match ``nn.LayerNorm(in_features)`` (``ln_weight``, ``ln_bias``, initialised to
+    ones/zeros) and ``nn.Linear(in_features, out_features)`` (``weight``, ``bias``, Kaiming-uniform).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, eps: float = 1e-5,
+                 fused: bool = True, device=None, dtype=None):
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"LayerNormLinear: in_features and out_features must be >= 1, got "
+                             f"{in_features}, {out_features}")
+        factory = {"device": device, "dtype": dtype}
+        self.in_features, self.out_features, self.eps, self.fused = in_features, out_features, eps, fused
+        self.ln_weight = nn.Parameter(torch.empty(in_features, **factory))
+        self.ln_bias = nn.Parameter(torch.empty(in_features, **factory))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.ones_(self.ln_weight)
+        nn.init.zeros_(self.ln_bias)
+        # Same as nn.Linear.reset_parameters.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_modules(cls, layer_norm: nn.LayerNorm, linear: nn.Linear, fused: bool = True) -> "LayerNormLinear":
+        """Copy the parameters of an existing ``nn.LayerNorm`` + ``nn.Linear`` pair."""
+        if not isinstance(layer_norm, nn.LayerNorm) or not isinstance(linear, nn.Linear):
+            raise TypeError("LayerNormLinear.from_modules: expects (nn.LayerNorm, nn.Linear), got "
+                            f"({type(layer_norm).__name__}, {type(linear).__name__})")
+        shape = tuple(layer_norm.normalized_shape)
+        if len(shape) != 1 or shape[0] != linear.in_features:
+            raise ValueError(f"LayerNormLinear.from_modules: layer_norm normalises {shape} but linear has "
+                             f"in_features={linear.in_features}; need normalized_shape == ({linear.in_features},)")
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, eps=layer_norm.eps,
+                fused=fused, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            if layer_norm.weight is not None:
+                m.ln_weight.copy_(layer_norm.weight)
+            if getattr(layer_norm, "bias", None) is not None:
+                m.ln_bias.copy_(layer_norm.bias)
+            m.weight.copy_(w)
+            if linear.bias is not None:
+                m.bias.copy_(linear.bias)
+        return m
+
+    def forward(self, x):
+        f = ops.fused_layernorm_linear if self.fused else ops.unfused_layernorm_linear
+        return f(x, self.ln_weight, self.ln_bias, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, eps={self.eps}, "
+                f"fused={self.fused}")

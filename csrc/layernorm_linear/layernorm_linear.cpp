@@ -1,0 +1,482 @@
+// LayerNorm and fused LayerNorm+Linear host side: argument checks, the CPU
+// kernels and the CPU/CUDA registrations. x is viewed as (M, H) rows.
+//
+// Fused forward (CPU and CUDA follow the same algebra, so the CPU is the oracle):
+//   y = W (gamma * (x - mu) * rstd + beta) + b
+//     = rstd * (x @ Wc^T - mu * r) + bp,
+//   Wc[n,:] = W[n,:]*gamma - mean_h(W[n,:]*gamma)   row-centred, stored in x's dtype
+//   r[n]    = sum_h Wc[n,h] as stored                (~0: the rounding residual of the centring)
+//   bp[n]   = W[n,:] @ beta + b[n]
+// Centring Wc removes the mu * sum(W*gamma) term from the GEMM, so x's mean does
+// not cancel catastrophically there; r corrects the rounding of the centring.
+// What is left grows like |mu| * rstd * eps_acc * sqrt(H); rows with
+// |mu| * rstd > kLnLinearMaxMeanRatio are recomputed normalise-first in the
+// epilogue (decided per row on the device: no host sync, graph-safe).
+// The GEMM goes to at::mm (cuBLAS on CUDA); the normalised x is never written.
+// Backward: xn = gamma*xhat + beta is materialised (backward only) for
+// dW = dy^T xn; d(xn) = dy W; our LayerNorm backward gives dx, dgamma, dbeta.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/cuda_launch.h"
+#include "layernorm_linear/layernorm_linear.h"
+
+namespace gpu_puzzles {
+namespace {
+
+using Tensor = at::Tensor;
+using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
+
+at::ScalarType stat_type(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// Stats shape: x's shape without the last dim.
+std::vector<int64_t> lead_shape(const Tensor& x) {
+  return std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - 1);
+}
+
+int64_t check_ln(const Tensor& x, const Tensor& weight, const Tensor& bias, const char* op) {
+  const std::string o(op);
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension, got a scalar");
+  check_float(x, (o + ": x").c_str());
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(H >= 1, op, ": x's last dimension (hidden size) must be >= 1, got shape ", x.sizes());
+  for (auto [t, name] : {std::pair<const Tensor&, const char*>{weight, "weight"}, {bias, "bias"}}) {
+    const std::string n = o + ": " + (std::string(op).find("linear") != std::string::npos ? "ln_" : "") + name;
+    check_same_dtype(t, x, n.c_str(), "x");
+    check_same_device(t, x, n.c_str(), "x");
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == H, n, " must have shape (", H, ",) to match x's last dimension, got ",
+                t.sizes());
+  }
+  return H;
+}
+
+void check_stats(const Tensor& mean, const Tensor& rstd, const Tensor& x, const char* op) {
+  const auto want = lead_shape(x);
+  for (auto [t, name] : {std::pair<const Tensor&, const char*>{mean, "mean"}, {rstd, "rstd"}}) {
+    TORCH_CHECK(t.scalar_type() == stat_type(x), op, ": ", name, " must be ", stat_type(x), ", got ", t.scalar_type());
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(want), op, ": ", name, " must have shape ", at::IntArrayRef(want),
+                ", got ", t.sizes());
+    check_same_device(t, x, (std::string(op) + ": " + name).c_str(), "x");
+  }
+}
+
+void check_grad(const Tensor& g, at::IntArrayRef want, const Tensor& x, const char* op) {
+  TORCH_CHECK(g.sizes() == want, op, ": grad_out has shape ", g.sizes(), " but the output has shape ", want);
+  check_same_dtype(g, x, (std::string(op) + ": grad_out").c_str(), "x");
+  check_same_device(g, x, (std::string(op) + ": grad_out").c_str(), "x");
+}
+
+int64_t check_linear(const Tensor& x, const Tensor& W, const c10::optional<Tensor>& b, int64_t H, const char* op) {
+  const std::string o(op);
+  check_same_dtype(W, x, (o + ": linear_weight").c_str(), "x");
+  check_same_device(W, x, (o + ": linear_weight").c_str(), "x");
+  TORCH_CHECK(W.dim() == 2 && W.size(1) == H, op, ": linear_weight must have shape (N, ", H,
+              ") to match x's last dimension, got ", W.sizes());
+  const int64_t N = W.size(0);
+  if (b.has_value()) {
+    check_same_dtype(*b, x, (o + ": linear_bias").c_str(), "x");
+    check_same_device(*b, x, (o + ": linear_bias").c_str(), "x");
+    TORCH_CHECK(b->dim() == 1 && b->size(0) == N, op, ": linear_bias must have shape (", N,
+                ",) to match linear_weight, got ", b->sizes());
+  }
+  return N;
+}
+
+std::vector<int64_t> out_shape(const Tensor& x, int64_t N) {
+  auto s = lead_shape(x);
+  s.push_back(N);
+  return s;
+}
+
+// ---- CPU kernels -------------------------------------------------------------
+
+template <typename T, typename A>
+void ln_forward_cpu(const T* x, const T* g, const T* b, T* y, A* mean, A* rstd, int64_t M, int64_t H, double eps) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / H), [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) {
+      const T* xr = x + m * H;
+      // Sum x - x[0]: the shift keeps the partial sums small for large-mean rows.
+      const A pivot = static_cast<A>(xr[0]);
+      A s = 0, q = 0;
+      for (int64_t h = 0; h < H; ++h) s += static_cast<A>(xr[h]) - pivot;
+      const A mu = pivot + s / A(H);
+      for (int64_t h = 0; h < H; ++h) {
+        const A d = static_cast<A>(xr[h]) - mu;
+        q += d * d;
+      }
+      const A rs = A(1) / std::sqrt(q / A(H) + A(eps));
+      mean[m] = mu;
+      rstd[m] = rs;
+      if (y)
+        for (int64_t h = 0; h < H; ++h)
+          y[m * H + h] = static_cast<T>((static_cast<A>(xr[h]) - mu) * rs * static_cast<A>(g[h]) + static_cast<A>(b[h]));
+    }
+  });
+}
+
+template <typename T, typename A>
+void ln_backward_cpu(const T* dy, const T* x, const T* g, const A* mean, const A* rstd, T* dx, T* dg, T* db,
+                     int64_t M, int64_t H) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / H), [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) {
+      const A mu = mean[m], rs = rstd[m];
+      A s1 = 0, s2 = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        const A gd = static_cast<A>(dy[m * H + h]) * static_cast<A>(g[h]);
+        s1 += gd;
+        s2 += gd * (static_cast<A>(x[m * H + h]) - mu) * rs;
+      }
+      const A m1 = s1 / A(H), m2 = s2 / A(H);
+      for (int64_t h = 0; h < H; ++h) {
+        const A xh = (static_cast<A>(x[m * H + h]) - mu) * rs;
+        dx[m * H + h] = static_cast<T>(rs * (static_cast<A>(dy[m * H + h]) * static_cast<A>(g[h]) - m1 - xh * m2));
+      }
+    }
+  });
+  // dgamma/dbeta column by column: a fixed summation order (deterministic).
+  at::parallel_for(0, H, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t h = lo; h < hi; ++h) {
+      A sg = 0, sb = 0;
+      for (int64_t m = 0; m < M; ++m) {
+        const A d = static_cast<A>(dy[m * H + h]);
+        sg += d * (static_cast<A>(x[m * H + h]) - mean[m]) * rstd[m];
+        sb += d;
+      }
+      dg[h] = static_cast<T>(sg);
+      db[h] = static_cast<T>(sb);
+    }
+  });
+}
+
+template <typename T, typename A>
+void apply_cpu(const T* x, const T* g, const T* b, const A* mean, const A* rstd, T* xn, int64_t M, int64_t H) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / H), [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m)
+      for (int64_t h = 0; h < H; ++h)
+        xn[m * H + h] = static_cast<T>((static_cast<A>(x[m * H + h]) - mean[m]) * rstd[m] * static_cast<A>(g[h]) +
+                                       static_cast<A>(b[h]));
+  });
+}
+
+template <typename T, typename A>
+void fold_cpu(const T* W, const T* g, const T* be, const T* b, T* wc, A* r, A* bp, int64_t N, int64_t H) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / H), [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n) {
+      const T* wr = W + n * H;
+      A sg = 0, sb = 0, rs = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        sg += static_cast<A>(wr[h]) * static_cast<A>(g[h]);
+        sb += static_cast<A>(wr[h]) * static_cast<A>(be[h]);
+      }
+      const A mw = sg / A(H);
+      for (int64_t h = 0; h < H; ++h) {
+        const T v = static_cast<T>(static_cast<A>(wr[h]) * static_cast<A>(g[h]) - mw);
+        wc[n * H + h] = v;
+        rs += static_cast<A>(v);
+      }
+      r[n] = rs;
+      bp[n] = sb + (b ? static_cast<A>(b[n]) : A(0));
+    }
+  });
+}
+
+template <typename T, typename A>
+void epilogue_cpu(T* z, const T* x, const T* g, const T* be, const T* W, const T* b, const A* mean, const A* rstd,
+                  const A* r, const A* bp, int64_t M, int64_t N, int64_t H) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / N), [&](int64_t lo, int64_t hi) {
+    std::vector<A> xn(H);
+    for (int64_t m = lo; m < hi; ++m) {
+      const A mu = mean[m], rs = rstd[m];
+      T* zr = z + m * N;
+      if (std::abs(mu) * rs > A(kLnLinearMaxMeanRatio)) {  // normalise first (see the file comment)
+        for (int64_t h = 0; h < H; ++h)
+          xn[h] = (static_cast<A>(x[m * H + h]) - mu) * rs * static_cast<A>(g[h]) + static_cast<A>(be[h]);
+        for (int64_t n = 0; n < N; ++n) {
+          A acc = b ? static_cast<A>(b[n]) : A(0);
+          for (int64_t h = 0; h < H; ++h) acc += xn[h] * static_cast<A>(W[n * H + h]);
+          zr[n] = static_cast<T>(acc);
+        }
+      } else {
+        for (int64_t n = 0; n < N; ++n) zr[n] = static_cast<T>(rs * (static_cast<A>(zr[n]) - mu * r[n]) + bp[n]);
+      }
+    }
+  });
+}
+
+#define GP_DISPATCH(x, name, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (x).scalar_type(), name, [&] { \
+    using A = at::opmath_type<scalar_t>;                                                      \
+    __VA_ARGS__();                                                                            \
+  })
+
+template <typename T> const T* opt_ptr(const c10::optional<Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+// ---- ops (one body per backend: `cuda` picks the launchers) ----------------------
+
+Tensor3 layer_norm_impl(const Tensor& x_, const Tensor& weight_, const Tensor& bias_, double eps, bool cuda) {
+  const int64_t H = check_ln(x_, weight_, bias_, "layer_norm");
+  TORCH_CHECK(eps >= 0, "layer_norm: eps must be >= 0, got ", eps);
+  const Tensor x = x_.contiguous(), g = weight_.contiguous(), b = bias_.contiguous();
+  const int64_t M = x.numel() / H;
+  Tensor y = at::empty(x.sizes(), x.options());
+  Tensor mean = at::empty(lead_shape(x), x.options().dtype(stat_type(x)));
+  Tensor rstd = at::empty(lead_shape(x), x.options().dtype(stat_type(x)));
+  if (cuda) {
+#ifdef WITH_CUDA
+    GP_CUDA_CHECK_STATUS(layer_norm_forward_cuda(x.data_ptr(), g.data_ptr(), b.data_ptr(), y.data_ptr(),
+                                                 mean.data_ptr(), rstd.data_ptr(), M, H, eps,
+                                                 to_dtype(x.scalar_type()), current_stream()));
+#endif
+  } else {
+    GP_DISPATCH(x, "layer_norm_cpu", [&] {
+      ln_forward_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
+                                  y.data_ptr<scalar_t>(), mean.data_ptr<A>(), rstd.data_ptr<A>(), M, H, eps);
+    });
+  }
+  return {y, mean, rstd};
+}
+
+Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Tensor& weight_, const Tensor& mean_,
+                                 const Tensor& rstd_, bool cuda) {
+  const char* op = "layer_norm_backward";
+  const int64_t H = check_ln(x_, weight_, weight_, op);
+  check_grad(grad_, x_.sizes(), x_, op);
+  check_stats(mean_, rstd_, x_, op);
+  const Tensor x = x_.contiguous(), g = weight_.contiguous(), dy = grad_.contiguous();
+  const Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
+  const int64_t M = x.numel() / H;
+  Tensor dx = at::empty(x.sizes(), x.options());
+  Tensor dg = at::empty({H}, x.options()), db = at::empty({H}, x.options());
+  if (M == 0) {
+    dg.zero_();
+    db.zero_();
+    return {dx, dg, db};
+  }
+  if (cuda) {
+#ifdef WITH_CUDA
+    const int64_t G = layer_norm_backward_blocks(M, H, to_dtype(x.scalar_type()));
+    Tensor ws = at::empty({2 * G * H}, x.options().dtype(stat_type(x)));
+    GP_CUDA_CHECK_STATUS(layer_norm_backward_cuda(dy.data_ptr(), x.data_ptr(), g.data_ptr(), mean.data_ptr(),
+                                                  rstd.data_ptr(), dx.data_ptr(), dg.data_ptr(), db.data_ptr(),
+                                                  ws.data_ptr(), M, H, to_dtype(x.scalar_type()), current_stream()));
+#endif
+  } else {
+    GP_DISPATCH(x, "layer_norm_backward_cpu", [&] {
+      ln_backward_cpu<scalar_t, A>(dy.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(),
+                                   mean.data_ptr<A>(), rstd.data_ptr<A>(), dx.data_ptr<scalar_t>(),
+                                   dg.data_ptr<scalar_t>(), db.data_ptr<scalar_t>(), M, H);
+    });
+  }
+  return {dx, dg, db};
+}
+
+Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const Tensor& W_,
+                           const c10::optional<Tensor>& b_, double eps, bool cuda) {
+  const char* op = "fused_layernorm_linear";
+  const int64_t H = check_ln(x_, lw_, lb_, op);
+  const int64_t N = check_linear(x_, W_, b_, H, op);
+  TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
+  const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous(), W = W_.contiguous();
+  const c10::optional<Tensor> b = b_.has_value() ? c10::optional<Tensor>(b_->contiguous()) : c10::nullopt;
+  const int64_t M = x.numel() / H;
+  const auto st = x.options().dtype(stat_type(x));
+  Tensor mean = at::empty(lead_shape(x), st), rstd = at::empty(lead_shape(x), st);
+  Tensor wc = at::empty({N, H}, x.options());
+  Tensor r = at::empty({N}, st), bp = at::empty({N}, st);
+  Tensor z;
+  if (cuda) {
+#ifdef WITH_CUDA
+    const DType dt = to_dtype(x.scalar_type());
+    const cudaStream_t s = current_stream();
+    GP_CUDA_CHECK_STATUS(layer_norm_forward_cuda(x.data_ptr(), g.data_ptr(), be.data_ptr(), nullptr, mean.data_ptr(),
+                                                 rstd.data_ptr(), M, H, eps, dt, s));
+    GP_CUDA_CHECK_STATUS(lnlinear_fold_weight_cuda(W.data_ptr(), g.data_ptr(), be.data_ptr(),
+                                                   b ? b->data_ptr() : nullptr, wc.data_ptr(), r.data_ptr(),
+                                                   bp.data_ptr(), N, H, dt, s));
+    z = at::mm(x.view({M, H}), wc.t()).contiguous();  // cuBLAS
+    GP_CUDA_CHECK_STATUS(lnlinear_epilogue_cuda(z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(),
+                                                b ? b->data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(),
+                                                r.data_ptr(), bp.data_ptr(), M, N, H, dt, current_stream()));
+#endif
+  } else {
+    GP_DISPATCH(x, "fused_layernorm_linear_cpu", [&] {
+      ln_forward_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, mean.data_ptr<A>(),
+                                  rstd.data_ptr<A>(), M, H, eps);
+      fold_cpu<scalar_t, A>(W.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), be.data_ptr<scalar_t>(),
+                            opt_ptr<scalar_t>(b), wc.data_ptr<scalar_t>(), r.data_ptr<A>(), bp.data_ptr<A>(), N, H);
+    });
+    z = at::mm(x.view({M, H}), wc.t()).contiguous();
+    GP_DISPATCH(x, "fused_layernorm_linear_cpu_epilogue", [&] {
+      epilogue_cpu<scalar_t, A>(z.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(),
+                                be.data_ptr<scalar_t>(), W.data_ptr<scalar_t>(), opt_ptr<scalar_t>(b),
+                                mean.data_ptr<A>(), rstd.data_ptr<A>(), r.data_ptr<A>(), bp.data_ptr<A>(), M, N, H);
+    });
+  }
+  return {z.view(out_shape(x, N)), mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Tensor& grad_, const Tensor& x_,
+                                                                       const Tensor& lw_, const Tensor& lb_,
+                                                                       const Tensor& W_, const Tensor& mean_,
+                                                                       const Tensor& rstd_, bool cuda) {
+  const char* op = "fused_layernorm_linear_backward";
+  const int64_t H = check_ln(x_, lw_, lb_, op);
+  const int64_t N = check_linear(x_, W_, c10::nullopt, H, op);
+  check_grad(grad_, at::IntArrayRef(out_shape(x_, N)), x_, op);
+  check_stats(mean_, rstd_, x_, op);
+  const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous(), W = W_.contiguous();
+  const Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
+  const int64_t M = x.numel() / H;
+  const Tensor dy = grad_.contiguous().view({M, N});
+  // The normalised activation exists only here, for dW (the forward never writes it).
+  Tensor xn = at::empty({M, H}, x.options());
+  if (cuda) {
+#ifdef WITH_CUDA
+    GP_CUDA_CHECK_STATUS(layer_norm_apply_cuda(x.data_ptr(), g.data_ptr(), be.data_ptr(), mean.data_ptr(),
+                                               rstd.data_ptr(), xn.data_ptr(), M, H, to_dtype(x.scalar_type()),
+                                               current_stream()));
+#endif
+  } else {
+    GP_DISPATCH(x, "fused_layernorm_linear_backward_cpu", [&] {
+      apply_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), be.data_ptr<scalar_t>(),
+                             mean.data_ptr<A>(), rstd.data_ptr<A>(), xn.data_ptr<scalar_t>(), M, H);
+    });
+  }
+  Tensor dW = at::mm(dy.t(), xn);                 // (N, H)
+  Tensor db = dy.sum(0);                          // (N,), accumulated in fp32 for half types
+  Tensor dxn = at::mm(dy, W).view(x.sizes());     // (.., H)
+  xn.reset();
+  auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda);
+  return {dx, dg, dbeta, dW, db};
+}
+
+// The curriculum's one-thread-per-row kernel (CUDA); on the CPU the same loop per row.
+Tensor naive_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const Tensor& W_,
+                  const c10::optional<Tensor>& b_, double eps, bool cuda) {
+  const char* op = "fused_layernorm_linear_naive";
+  const int64_t H = check_ln(x_, lw_, lb_, op);
+  const int64_t N = check_linear(x_, W_, b_, H, op);
+  const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous(), W = W_.contiguous();
+  const c10::optional<Tensor> b = b_.has_value() ? c10::optional<Tensor>(b_->contiguous()) : c10::nullopt;
+  const int64_t M = x.numel() / H;
+  Tensor y = at::empty(out_shape(x, N), x.options());
+  if (cuda) {
+#ifdef WITH_CUDA
+    GP_CUDA_CHECK_STATUS(lnlinear_naive_cuda(x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(),
+                                             b ? b->data_ptr() : nullptr, y.data_ptr(), M, N, H, eps,
+                                             to_dtype(x.scalar_type()), current_stream()));
+#endif
+  } else {
+    const auto st = x.options().dtype(stat_type(x));
+    Tensor mean = at::empty({M}, st), rstd = at::empty({M}, st);
+    GP_DISPATCH(x, "fused_layernorm_linear_naive_cpu", [&] {
+      ln_forward_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, mean.data_ptr<A>(),
+                                  rstd.data_ptr<A>(), M, H, eps);
+      scalar_t* yp = y.data_ptr<scalar_t>();
+      const scalar_t *xp = x.data_ptr<scalar_t>(), *gp = g.data_ptr<scalar_t>(), *bep = be.data_ptr<scalar_t>();
+      const scalar_t *wp = W.data_ptr<scalar_t>(), *bp = opt_ptr<scalar_t>(b);
+      const A *mp = mean.data_ptr<A>(), *rp = rstd.data_ptr<A>();
+      at::parallel_for(0, M, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t m = lo; m < hi; ++m)
+          for (int64_t n = 0; n < N; ++n) {
+            A acc = bp ? static_cast<A>(bp[n]) : A(0);
+            for (int64_t h = 0; h < H; ++h)
+              acc += ((static_cast<A>(xp[m * H + h]) - mp[m]) * rp[m] * static_cast<A>(gp[h]) + static_cast<A>(bep[h])) *
+                     static_cast<A>(wp[n * H + h]);
+            yp[m * N + n] = static_cast<scalar_t>(acc);
+          }
+      });
+    });
+  }
+  return y;
+}
+
+Tensor naive_cpu(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
+                 double eps) {
+  return naive_impl(x, lw, lb, W, b, eps, false);
+}
+
+Tensor3 layer_norm_cpu(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
+  return layer_norm_impl(x, w, b, eps, false);
+}
+Tensor3 layer_norm_backward_cpu(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& m, const Tensor& r) {
+  return layer_norm_backward_impl(g, x, w, m, r, false);
+}
+Tensor3 fused_cpu(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
+                  double eps) {
+  return fused_forward_impl(x, lw, lb, W, b, eps, false);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_cpu(const Tensor& g, const Tensor& x, const Tensor& lw,
+                                                                      const Tensor& lb, const Tensor& W, const Tensor& m,
+                                                                      const Tensor& r) {
+  return fused_backward_impl(g, x, lw, lb, W, m, r, false);
+}
+
+#ifdef WITH_CUDA
+Tensor naive_cuda(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
+                  double eps) {
+  TORCH_CHECK(x.is_cuda(), "fused_layernorm_linear_naive: x must be a CUDA tensor for the CUDA kernel, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  return naive_impl(x, lw, lb, W, b, eps, true);
+}
+
+void on_cuda(const Tensor& x, const char* op) {
+  TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor for the CUDA kernel, got ", x.device());
+}
+Tensor3 layer_norm_cuda(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
+  on_cuda(x, "layer_norm");
+  const c10::cuda::CUDAGuard guard(x.device());
+  return layer_norm_impl(x, w, b, eps, true);
+}
+Tensor3 layer_norm_backward_cuda_op(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& m,
+                                    const Tensor& r) {
+  on_cuda(x, "layer_norm_backward");
+  const c10::cuda::CUDAGuard guard(x.device());
+  return layer_norm_backward_impl(g, x, w, m, r, true);
+}
+Tensor3 fused_cuda(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W,
+                   const c10::optional<Tensor>& b, double eps) {
+  on_cuda(x, "fused_layernorm_linear");
+  const c10::cuda::CUDAGuard guard(x.device());
+  return fused_forward_impl(x, lw, lb, W, b, eps, true);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_cuda(const Tensor& g, const Tensor& x,
+                                                                       const Tensor& lw, const Tensor& lb,
+                                                                       const Tensor& W, const Tensor& m,
+                                                                       const Tensor& r) {
+  on_cuda(x, "fused_layernorm_linear_backward");
+  const c10::cuda::CUDAGuard guard(x.device());
+  return fused_backward_impl(g, x, lw, lb, W, m, r, true);
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gpu_puzzles, CPU, m) {
+  m.impl("layer_norm", &layer_norm_cpu);
+  m.impl("layer_norm_backward", &layer_norm_backward_cpu);
+  m.impl("fused_layernorm_linear", &fused_cpu);
+  m.impl("fused_layernorm_linear_backward", &fused_backward_cpu);
+  m.impl("fused_layernorm_linear_naive", &naive_cpu);
+}
+
+#ifdef WITH_CUDA
+TORCH_LIBRARY_IMPL(gpu_puzzles, CUDA, m) {
+  m.impl("layer_norm", &layer_norm_cuda);
+  m.impl("layer_norm_backward", &layer_norm_backward_cuda_op);
+  m.impl("fused_layernorm_linear", &fused_cuda);
+  m.impl("fused_layernorm_linear_backward", &fused_backward_cuda);
+  m.impl("fused_layernorm_linear_naive", &naive_cuda);
+}
+#endif
+
+}  // namespace gpu_puzzles

@@ -1,0 +1,59 @@
+// Torch-free interface between layernorm_linear.cpp (ATen side) and
+// layernorm_linear_cuda.cu. Rows are contiguous (M, H); statistics (mean, rstd)
+// and the folded vectors are in the accumulate type: float, or double for float64.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace gpu_puzzles {
+
+// Rows whose |mean| * rstd exceeds this are recomputed normalise-first by the
+// fused forward (the folded rewrite loses ~ratio * eps_acc * sqrt(H) there).
+constexpr double kLnLinearMaxMeanRatio = 16.0;
+
+// mean/rstd of every row; y = (x - mean) * rstd * gamma + beta when y != null.
+LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y,
+                                     void* mean, void* rstd, int64_t M, int64_t H, double eps,
+                                     DType dtype, cudaStream_t stream);
+
+// Blocks of the backward (each owns one row of partial dgamma/dbeta sums);
+// the workspace holds 2 * blocks * H accumulate-type elements.
+int64_t layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype);
+
+// dx, dgamma, dbeta from dy (grad of the LayerNorm output). Deterministic:
+// per-block partials reduced in a fixed order.
+LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void* gamma,
+                                      const void* mean, const void* rstd, void* dx, void* dgamma,
+                                      void* dbeta, void* workspace, int64_t M, int64_t H,
+                                      DType dtype, cudaStream_t stream);
+
+// xn = (x - mean) * rstd * gamma + beta (the backward materialises it for dW).
+LaunchStatus layer_norm_apply_cuda(const void* x, const void* gamma, const void* beta,
+                                   const void* mean, const void* rstd, void* xn, int64_t M,
+                                   int64_t H, DType dtype, cudaStream_t stream);
+
+// Fold the LayerNorm affine into the linear layer, per output row n:
+//   wc[n,:] = W[n,:]*gamma - mean_h(W[n,:]*gamma)   (stored in T: the GEMM operand)
+//   r[n]    = sum_h wc[n,h] as stored (the centring's rounding residual)
+//   bp[n]   = b[n] + sum_h W[n,h]*beta[h]            (b may be null)
+LaunchStatus lnlinear_fold_weight_cuda(const void* W, const void* gamma, const void* beta,
+                                       const void* b, void* wc, void* r, void* bp, int64_t N,
+                                       int64_t H, DType dtype, cudaStream_t stream);
+
+// In place on z = x @ wc^T (M, N): y = rstd*(z - mean*r) + bp; then rows with
+// |mean|*rstd > kLnLinearMaxMeanRatio are recomputed as (normalised x) @ W^T + b.
+LaunchStatus lnlinear_epilogue_cuda(void* z, const void* x, const void* gamma, const void* beta,
+                                    const void* W, const void* b, const void* mean,
+                                    const void* rstd, const void* r, const void* bp, int64_t M,
+                                    int64_t N, int64_t H, DType dtype, cudaStream_t stream);
+
+// The curriculum's fused kernel (puzzle 20): one thread per row computes the
+// statistics and then all N outputs. Kept for the notebook's comparison only.
+LaunchStatus lnlinear_naive_cuda(const void* x, const void* gamma, const void* beta, const void* W,
+                                 const void* b, void* y, int64_t M, int64_t N, int64_t H, double eps,
+                                 DType dtype, cudaStream_t stream);
+
+}  // namespace gpu_puzzles

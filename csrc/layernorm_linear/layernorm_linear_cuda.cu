@@ -1,0 +1,686 @@
+// LayerNorm and the fused LayerNorm+Linear pieces on CUDA.
+//   forward  : one block per row; the row is held in registers (16-byte loads),
+//              so mean and variance are an exact two-pass in fp32 (fp64 for
+//              float64) at one read of x. Rows too long for registers, or
+//              unaligned, use a looping kernel that re-reads x.
+//   backward : persistent blocks, each walks rows and keeps its dgamma/dbeta
+//              partial sums per owned column in registers; a second kernel sums
+//              the per-block partials in a fixed order (deterministic).
+//   fused    : the GEMM x @ Wc^T runs in cuBLAS (host side); here we fold gamma
+//              and beta into W/b and apply the per-row statistics in an
+//              in-place epilogue, so the normalised x is never written.
+// Index arithmetic is 64-bit: M*H and M*N may exceed 2^31.
+#include <cstring>
+#include <initializer_list>
+
+#include "common/device.cuh"
+#include "layernorm_linear/layernorm_linear.h"
+
+namespace gpu_puzzles {
+namespace {
+
+constexpr int kCache = 4;  // vectors per thread held in registers by the cached kernels
+// Widest blocks of the cached kernels: with launch bounds their registers always
+// fit an SM (the backward keeps ~150 per thread for bf16); longer rows loop.
+constexpr int kFwdMaxThreads = 512;
+constexpr int kBwdMaxThreads = 256;
+
+template <typename A> __device__ __forceinline__ A rsqrt_acc(A v) { return A(1) / sqrt(v); }
+template <> __device__ __forceinline__ float rsqrt_acc<float>(float v) { return rsqrtf(v); }
+
+// VEC consecutive elements; 16-byte loads when VEC * sizeof(T) is a multiple of 16.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_pack(T (&d)[VEC], const T* __restrict__ p) {
+  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < (int)(VEC * sizeof(T) / 16); ++i) {
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      memcpy(reinterpret_cast<char*>(d) + 16 * i, &q, 16);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) d[i] = p[i];
+  }
+}
+
+// Same, through the coherent path: for z, which the epilogue updates in place.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_pack_rw(T (&d)[VEC], const T* p) {
+  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < (int)(VEC * sizeof(T) / 16); ++i) {
+      const uint4 q = reinterpret_cast<const uint4*>(p)[i];
+      memcpy(reinterpret_cast<char*>(d) + 16 * i, &q, 16);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) d[i] = p[i];
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack(T* __restrict__ p, const T (&d)[VEC]) {
+  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < (int)(VEC * sizeof(T) / 16); ++i) {
+      uint4 q;
+      memcpy(&q, reinterpret_cast<const char*>(d) + 16 * i, 16);
+      reinterpret_cast<uint4*>(p)[i] = q;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p[i] = d[i];
+  }
+}
+
+// Sum of a and b over the block (blockDim.x a multiple of 32, every thread calls).
+// Every warp reduces the same 32 partials in the same order, so all threads get
+// the same bits without a broadcast barrier. `sh` holds 64 elements; the leading
+// barrier protects its previous use.
+template <typename A>
+__device__ __forceinline__ void block_sum2(A& a, A& b, A* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  a = warp_sum(a);
+  b = warp_sum(b);
+  __syncthreads();
+  if (lane == 0) {
+    sh[warp] = a;
+    sh[32 + warp] = b;
+  }
+  __syncthreads();
+  a = warp_sum(lane < nw ? sh[lane] : A(0));
+  b = warp_sum(lane < nw ? sh[32 + lane] : A(0));
+}
+
+// ---- forward -----------------------------------------------------------------
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restrict__ x, const T* __restrict__ gamma,
+                              const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
+                              acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
+  using A = acc_t<T>;
+  __shared__ A sh[64];
+  const int64_t nvec = H / VEC;
+  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+    const T* xr = x + row * H;
+    T v[kCache][VEC];
+    // Sum x - x[0]: a shift close to the mean keeps the partial sums small, so
+    // a large mean costs no accuracy in the first pass.
+    const A pivot = to_acc<A>(xr[0]);
+    A s = 0, unused = 0;
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+      if (c < nvec) {
+        load_pack<T, VEC>(v[k], xr + c * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
+      }
+    }
+    block_sum2(s, unused, sh);
+    const A mu = pivot + s / A(H);
+    A q = 0;
+    unused = 0;
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+      if (c < nvec) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const A d = to_acc<A>(v[k][i]) - mu;
+          q += d * d;
+        }
+      }
+    }
+    block_sum2(q, unused, sh);
+    const A rs = rsqrt_acc<A>(q / A(H) + A(eps));
+    if (threadIdx.x == 0) {
+      mean[row] = mu;
+      rstd[row] = rs;
+    }
+    if (y != nullptr) {
+#pragma unroll
+      for (int k = 0; k < kCache; ++k) {
+        const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+        if (c < nvec) {
+          T g[VEC], b[VEC], o[VEC];
+          load_pack<T, VEC>(g, gamma + c * VEC);
+          load_pack<T, VEC>(b, beta + c * VEC);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i)
+            o[i] = from_acc<T>((to_acc<A>(v[k][i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+          store_pack<T, VEC>(y + row * H + c * VEC, o);
+        }
+      }
+    }
+  }
+}
+
+// Any H: three passes over the row (the later ones mostly hit L1/L2).
+template <typename T, int VEC>
+__global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma,
+                            const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
+                            acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
+  using A = acc_t<T>;
+  __shared__ A sh[64];
+  const int64_t nvec = H / VEC;
+  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+    const T* xr = x + row * H;
+    const A pivot = to_acc<A>(xr[0]);  // see ln_fwd_cached
+    A s = 0, unused = 0;
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      T v[VEC];
+      load_pack<T, VEC>(v, xr + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[i]) - pivot;
+    }
+    block_sum2(s, unused, sh);
+    const A mu = pivot + s / A(H);
+    A q = 0;
+    unused = 0;
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      T v[VEC];
+      load_pack<T, VEC>(v, xr + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const A d = to_acc<A>(v[i]) - mu;
+        q += d * d;
+      }
+    }
+    block_sum2(q, unused, sh);
+    const A rs = rsqrt_acc<A>(q / A(H) + A(eps));
+    if (threadIdx.x == 0) {
+      mean[row] = mu;
+      rstd[row] = rs;
+    }
+    if (y != nullptr) {
+      for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+        T v[VEC], g[VEC], b[VEC], o[VEC];
+        load_pack<T, VEC>(v, xr + c * VEC);
+        load_pack<T, VEC>(g, gamma + c * VEC);
+        load_pack<T, VEC>(b, beta + c * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i)
+          o[i] = from_acc<T>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+        store_pack<T, VEC>(y + row * H + c * VEC, o);
+      }
+    }
+  }
+}
+
+// ---- backward ----------------------------------------------------------------
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma.
+// part: [2][gridDim.x][H] partial sums of dy*xhat (dgamma) and dy (dbeta).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kBwdMaxThreads) ln_bwd_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
+                              const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
+                              T* __restrict__ dx, acc_t<T>* __restrict__ part, int64_t M, int64_t H) {
+  using A = acc_t<T>;
+  __shared__ A sh[64];
+  const int64_t nvec = H / VEC;
+  A g[kCache][VEC], pg[kCache][VEC], pb[kCache][VEC];
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {
+    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+    T t[VEC];
+    if (c < nvec) load_pack<T, VEC>(t, gamma + c * VEC);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      g[k][i] = c < nvec ? to_acc<A>(t[i]) : A(0);
+      pg[k][i] = A(0);
+      pb[k][i] = A(0);
+    }
+  }
+  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+    const A mu = mean[row], rs = rstd[row];
+    T xv[kCache][VEC], dv[kCache][VEC];
+    A s1 = 0, s2 = 0;
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+      if (c < nvec) {
+        load_pack<T, VEC>(xv[k], x + row * H + c * VEC);
+        load_pack<T, VEC>(dv[k], dy + row * H + c * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const A xh = (to_acc<A>(xv[k][i]) - mu) * rs, d = to_acc<A>(dv[k][i]);
+          s1 += d * g[k][i];
+          s2 += d * g[k][i] * xh;
+          pg[k][i] += d * xh;
+          pb[k][i] += d;
+        }
+      }
+    }
+    block_sum2(s1, s2, sh);
+    const A m1 = s1 / A(H), m2 = s2 / A(H);
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+      if (c < nvec) {
+        T o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const A xh = (to_acc<A>(xv[k][i]) - mu) * rs;
+          o[i] = from_acc<T>(rs * (to_acc<A>(dv[k][i]) * g[k][i] - m1 - xh * m2));
+        }
+        store_pack<T, VEC>(dx + row * H + c * VEC, o);
+      }
+    }
+  }
+  A* pgr = part + (int64_t)blockIdx.x * H;
+  A* pbr = part + ((int64_t)gridDim.x + blockIdx.x) * H;
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {
+    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+    if (c < nvec) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        pgr[c * VEC + i] = pg[k][i];
+        pbr[c * VEC + i] = pb[k][i];
+      }
+    }
+  }
+}
+
+// Any H: the block's partial rows live in `part` (each column owned by one thread).
+template <typename T>
+__global__ void ln_bwd_loop(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
+                            const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
+                            T* __restrict__ dx, acc_t<T>* __restrict__ part, int64_t M, int64_t H) {
+  using A = acc_t<T>;
+  __shared__ A sh[64];
+  A* pgr = part + (int64_t)blockIdx.x * H;
+  A* pbr = part + ((int64_t)gridDim.x + blockIdx.x) * H;
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+    pgr[c] = A(0);
+    pbr[c] = A(0);
+  }
+  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+    const A mu = mean[row], rs = rstd[row];
+    const T* xr = x + row * H;
+    const T* dr = dy + row * H;
+    A s1 = 0, s2 = 0;
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+      const A xh = (to_acc<A>(xr[c]) - mu) * rs, d = to_acc<A>(dr[c]), gd = d * to_acc<A>(gamma[c]);
+      s1 += gd;
+      s2 += gd * xh;
+      pgr[c] += d * xh;
+      pbr[c] += d;
+    }
+    block_sum2(s1, s2, sh);
+    const A m1 = s1 / A(H), m2 = s2 / A(H);
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+      const A xh = (to_acc<A>(xr[c]) - mu) * rs;
+      dx[row * H + c] = from_acc<T>(rs * (to_acc<A>(dr[c]) * to_acc<A>(gamma[c]) - m1 - xh * m2));
+    }
+  }
+}
+
+// out[j][c] = sum_b part[j][b][c], b in a fixed order. Block (32, 8), grid (ceil(H/32), 2).
+template <typename T>
+__global__ void ln_bwd_reduce(const acc_t<T>* __restrict__ part, T* __restrict__ dgamma, T* __restrict__ dbeta,
+                              int64_t G, int64_t H) {
+  using A = acc_t<T>;
+  __shared__ A sh[8][33];
+  const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x;
+  const A* p = part + (int64_t)blockIdx.y * G * H;
+  A s = 0;
+  if (c < H)
+    for (int64_t b = threadIdx.y; b < G; b += 8) s += p[b * H + c];
+  sh[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < H) {
+    A t = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) t += sh[j][threadIdx.x];
+    (blockIdx.y == 0 ? dgamma : dbeta)[c] = from_acc<T>(t);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void ln_apply(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+                         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
+                         T* __restrict__ xn, int64_t M, int64_t H) {
+  using A = acc_t<T>;
+  const int64_t nvec = H / VEC;
+  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+    const A mu = mean[row], rs = rstd[row];
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      T v[VEC], g[VEC], b[VEC];
+      load_pack<T, VEC>(v, x + row * H + c * VEC);
+      load_pack<T, VEC>(g, gamma + c * VEC);
+      load_pack<T, VEC>(b, beta + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] = from_acc<T>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+      store_pack<T, VEC>(xn + row * H + c * VEC, v);
+    }
+  }
+}
+
+// ---- fused LayerNorm + Linear: fold and epilogue --------------------------------
+
+template <typename T, int VEC>
+__global__ void fold_weight(const T* __restrict__ W, const T* __restrict__ gamma, const T* __restrict__ beta,
+                            const T* __restrict__ b, T* __restrict__ wc, acc_t<T>* __restrict__ r,
+                            acc_t<T>* __restrict__ bp, int64_t N, int64_t H) {
+  using A = acc_t<T>;
+  __shared__ A sh[64];
+  const int64_t nvec = H / VEC;
+  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+    const T* wr = W + n * H;
+    A sg = 0, sb = 0;
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      T w[VEC], g[VEC], be[VEC];
+      load_pack<T, VEC>(w, wr + c * VEC);
+      load_pack<T, VEC>(g, gamma + c * VEC);
+      load_pack<T, VEC>(be, beta + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        sg += to_acc<A>(w[i]) * to_acc<A>(g[i]);
+        sb += to_acc<A>(w[i]) * to_acc<A>(be[i]);
+      }
+    }
+    block_sum2(sg, sb, sh);
+    const A m = sg / A(H);
+    A rs = 0, unused = 0;
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      T w[VEC], g[VEC], o[VEC];
+      load_pack<T, VEC>(w, wr + c * VEC);
+      load_pack<T, VEC>(g, gamma + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        o[i] = from_acc<T>(to_acc<A>(w[i]) * to_acc<A>(g[i]) - m);
+        rs += to_acc<A>(o[i]);
+      }
+      store_pack<T, VEC>(wc + n * H + c * VEC, o);
+    }
+    block_sum2(rs, unused, sh);
+    if (threadIdx.x == 0) {
+      r[n] = rs;
+      bp[n] = sb + (b != nullptr ? to_acc<A>(b[n]) : A(0));
+    }
+  }
+}
+
+// One block per row (grid-stride). Normal rows: y = rstd*(z - mean*r) + bp, VEC
+// wide. Rows with a large mean (block-uniform branch): each warp recomputes
+// outputs n as dot(normalised x row, W[n]) + b[n] in the accumulate type.
+template <typename T, int VEC>
+__global__ void lnlinear_epilogue(T* __restrict__ z, const T* __restrict__ x, const T* __restrict__ gamma,
+                                  const T* __restrict__ beta, const T* __restrict__ W, const T* __restrict__ b,
+                                  const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
+                                  const acc_t<T>* __restrict__ r, const acc_t<T>* __restrict__ bp, int64_t M,
+                                  int64_t N, int64_t H) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+    const A mu = mean[row], rs = rstd[row];
+    T* zr = z + row * N;
+    if ((mu < A(0) ? -mu : mu) * rs > A(kLnLinearMaxMeanRatio)) {
+      const T* xr = x + row * H;
+      for (int64_t n = warp; n < N; n += nw) {
+        const T* wr = W + n * H;
+        A acc = 0;
+        for (int64_t c = lane; c < H; c += 32)
+          acc += ((to_acc<A>(xr[c]) - mu) * rs * to_acc<A>(gamma[c]) + to_acc<A>(beta[c])) * to_acc<A>(wr[c]);
+        acc = warp_sum(acc);
+        if (lane == 0) zr[n] = from_acc<T>(acc + (b != nullptr ? to_acc<A>(b[n]) : A(0)));
+      }
+    } else {
+      const int64_t nvec = N / VEC;
+      for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+        T v[VEC];
+        load_pack_rw<T, VEC>(v, zr + c * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const int64_t n = c * VEC + i;
+          v[i] = from_acc<T>(rs * (to_acc<A>(v[i]) - mu * r[n]) + bp[n]);
+        }
+        store_pack<T, VEC>(zr + c * VEC, v);
+      }
+    }
+  }
+}
+
+// The curriculum's form: a single thread per row, everything serial.
+template <typename T>
+__global__ void lnlinear_naive(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+                               const T* __restrict__ W, const T* __restrict__ b, T* __restrict__ y, int64_t M,
+                               int64_t N, int64_t H, double eps) {
+  using A = acc_t<T>;
+  const int64_t row = blockIdx.x;
+  if (row >= M || threadIdx.x != 0) return;
+  const T* xr = x + row * H;
+  A s = 0, q = 0;
+  for (int64_t h = 0; h < H; ++h) s += to_acc<A>(xr[h]);
+  const A mu = s / A(H);
+  for (int64_t h = 0; h < H; ++h) q += (to_acc<A>(xr[h]) - mu) * (to_acc<A>(xr[h]) - mu);
+  const A rs = rsqrt_acc<A>(q / A(H) + A(eps));
+  for (int64_t n = 0; n < N; ++n) {
+    A acc = b != nullptr ? to_acc<A>(b[n]) : A(0);
+    for (int64_t h = 0; h < H; ++h)
+      acc += ((to_acc<A>(xr[h]) - mu) * rs * to_acc<A>(gamma[h]) + to_acc<A>(beta[h])) * to_acc<A>(W[n * H + h]);
+    y[row * N + n] = from_acc<T>(acc);
+  }
+}
+
+// ---- launch helpers --------------------------------------------------------------
+
+int sm_count() {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 132;
+  return sms > 0 ? sms : 132;
+}
+
+unsigned int row_grid(int64_t rows) {
+  return static_cast<unsigned int>(rows < 1048576 ? rows : 1048576);  // grid-stride beyond
+}
+
+bool all_aligned(std::initializer_list<const void*> ps) {
+  for (const void* p : ps)
+    if (p != nullptr && (reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
+  return true;
+}
+
+template <typename T> constexpr int vec_of() { return static_cast<int>(16 / sizeof(T)); }
+
+// Threads for a cached kernel on rows of nvec vectors: whole warps, kCache vectors each.
+int cached_threads(int64_t nvec) {
+  int64_t t = (nvec + kCache - 1) / kCache;
+  t = ((t + 31) / 32) * 32;
+  return static_cast<int>(t < 32 ? 32 : t);
+}
+
+}  // namespace
+
+LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y, void* mean,
+                                     void* rstd, int64_t M, int64_t H, double eps, DType dtype,
+                                     cudaStream_t stream) {
+  if (M == 0) return cudaSuccess;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    constexpr int V = vec_of<T>();
+    const T *xp = static_cast<const T*>(x), *gp = static_cast<const T*>(gamma), *bp = static_cast<const T*>(beta);
+    T* yp = static_cast<T*>(y);
+    A *mp = static_cast<A*>(mean), *rp = static_cast<A*>(rstd);
+    const bool vec = H % V == 0 && all_aligned({x, gamma, beta, y});
+    const int64_t nvec = vec ? H / V : H;
+    const unsigned grid = row_grid(M);
+    if (nvec <= (int64_t)kCache * kFwdMaxThreads) {
+      const int threads = cached_threads(nvec);
+      if (vec)
+        ln_fwd_cached<T, V><<<grid, threads, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
+      else
+        ln_fwd_cached<T, 1><<<grid, threads, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
+    } else if (vec) {
+      ln_fwd_loop<T, V><<<grid, 1024, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
+    } else {
+      ln_fwd_loop<T, 1><<<grid, 1024, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
+    }
+    return 0;
+  });
+  return cudaGetLastError();
+}
+
+namespace {
+
+// Backward plan: cached kernel or loop, threads, and a persistent grid of as many
+// blocks as fit on the GPU at once (one wave), at most M.
+struct BwdPlan {
+  bool cached;
+  bool vec;
+  int threads;
+  int64_t blocks;
+};
+
+template <typename T>
+BwdPlan bwd_plan(int64_t M, int64_t H, bool vec) {
+  constexpr int V = vec_of<T>();
+  vec = vec && H % V == 0;
+  const int64_t nvec = vec ? H / V : H;
+  BwdPlan p{nvec <= (int64_t)kCache * kBwdMaxThreads, vec, 512, 0};
+  int per_sm = 0;
+  cudaError_t e;
+  if (p.cached) {
+    p.threads = cached_threads(nvec);
+    e = vec ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_bwd_cached<T, V>, p.threads, 0)
+            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_bwd_cached<T, 1>, p.threads, 0);
+  } else {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_bwd_loop<T>, p.threads, 0);
+  }
+  if (e != cudaSuccess || per_sm < 1) {
+    (void)cudaGetLastError();
+    per_sm = 1;
+  }
+  int64_t g = (int64_t)per_sm * sm_count();
+  // At least ~16 rows per block, so the partial sums stay a small part of the traffic.
+  const int64_t by_rows = (M + 15) / 16 > sm_count() ? (M + 15) / 16 : sm_count();
+  g = g < by_rows ? g : by_rows;
+  p.blocks = M < g ? M : g;
+  return p;
+}
+
+}  // namespace
+
+int64_t layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype) {
+  // The workspace is sized for the vector plan; the scalar plan never needs more blocks
+  // than it (fewer registers), but take the larger of the two to be safe.
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t a = bwd_plan<T>(M, H, true).blocks, b = bwd_plan<T>(M, H, false).blocks;
+    return a > b ? a : b;
+  });
+}
+
+LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void* gamma, const void* mean,
+                                      const void* rstd, void* dx, void* dgamma, void* dbeta, void* workspace,
+                                      int64_t M, int64_t H, DType dtype, cudaStream_t stream) {
+  if (M == 0 || H == 0) return cudaSuccess;  // the host zero-fills dgamma/dbeta for M == 0
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    constexpr int V = vec_of<T>();
+    const T *dyp = static_cast<const T*>(dy), *xp = static_cast<const T*>(x), *gp = static_cast<const T*>(gamma);
+    const A *mp = static_cast<const A*>(mean), *rp = static_cast<const A*>(rstd);
+    T* dxp = static_cast<T*>(dx);
+    A* part = static_cast<A*>(workspace);
+    const BwdPlan p = bwd_plan<T>(M, H, all_aligned({dy, x, gamma, dx}));
+    const unsigned grid = static_cast<unsigned>(p.blocks);
+    if (p.cached && p.vec)
+      ln_bwd_cached<T, V><<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
+    else if (p.cached)
+      ln_bwd_cached<T, 1><<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
+    else
+      ln_bwd_loop<T><<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
+    ln_bwd_reduce<T><<<dim3(ceil_div_u(H, 32), 2), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(dgamma),
+                                                                            static_cast<T*>(dbeta), p.blocks, H);
+    return 0;
+  });
+  return cudaGetLastError();
+}
+
+LaunchStatus layer_norm_apply_cuda(const void* x, const void* gamma, const void* beta, const void* mean,
+                                   const void* rstd, void* xn, int64_t M, int64_t H, DType dtype,
+                                   cudaStream_t stream) {
+  if (M == 0 || H == 0) return cudaSuccess;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    constexpr int V = vec_of<T>();
+    auto launch = [&](auto kernel) {
+      kernel<<<row_grid(M), 256, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(gamma),
+                                              static_cast<const T*>(beta), static_cast<const A*>(mean),
+                                              static_cast<const A*>(rstd), static_cast<T*>(xn), M, H);
+    };
+    if (H % V == 0 && all_aligned({x, gamma, beta, xn}))
+      launch(ln_apply<T, V>);
+    else
+      launch(ln_apply<T, 1>);
+    return 0;
+  });
+  return cudaGetLastError();
+}
+
+LaunchStatus lnlinear_fold_weight_cuda(const void* W, const void* gamma, const void* beta, const void* b, void* wc,
+                                       void* r, void* bp, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    constexpr int V = vec_of<T>();
+    auto launch = [&](auto kernel) {
+      kernel<<<row_grid(N), 256, 0, stream>>>(static_cast<const T*>(W), static_cast<const T*>(gamma),
+                                              static_cast<const T*>(beta), static_cast<const T*>(b),
+                                              static_cast<T*>(wc), static_cast<A*>(r), static_cast<A*>(bp), N, H);
+    };
+    if (H % V == 0 && all_aligned({W, gamma, beta, wc}))
+      launch(fold_weight<T, V>);
+    else
+      launch(fold_weight<T, 1>);
+    return 0;
+  });
+  return cudaGetLastError();
+}
+
+LaunchStatus lnlinear_epilogue_cuda(void* z, const void* x, const void* gamma, const void* beta, const void* W,
+                                    const void* b, const void* mean, const void* rstd, const void* r, const void* bp,
+                                    int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
+  if (M == 0 || N == 0) return cudaSuccess;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    constexpr int V = vec_of<T>();
+    auto args = [&](auto kernel) {
+      kernel<<<row_grid(M), 256, 0, stream>>>(
+          static_cast<T*>(z), static_cast<const T*>(x), static_cast<const T*>(gamma), static_cast<const T*>(beta),
+          static_cast<const T*>(W), static_cast<const T*>(b), static_cast<const A*>(mean),
+          static_cast<const A*>(rstd), static_cast<const A*>(r), static_cast<const A*>(bp), M, N, H);
+    };
+    if (N % V == 0 && all_aligned({z}))
+      args(lnlinear_epilogue<T, V>);
+    else
+      args(lnlinear_epilogue<T, 1>);
+    return 0;
+  });
+  return cudaGetLastError();
+}
+
+LaunchStatus lnlinear_naive_cuda(const void* x, const void* gamma, const void* beta, const void* W, const void* b,
+                                 void* y, int64_t M, int64_t N, int64_t H, double eps, DType dtype,
+                                 cudaStream_t stream) {
+  if (M == 0 || N == 0) return cudaSuccess;
+  if (M > 2147483647LL) return cudaErrorInvalidValue;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    lnlinear_naive<T><<<static_cast<unsigned>(M), 1, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(gamma), static_cast<const T*>(beta), static_cast<const T*>(W),
+        static_cast<const T*>(b), static_cast<T*>(y), M, N, H, eps);
+    return 0;
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace gpu_puzzles

@@ -1,0 +1,378 @@
+"""layer_norm, fused_layernorm_linear, unfused_layernorm_linear: seed config, float64
+references, large-mean inputs, gradients, opcheck, compile, bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gpu_puzzles as gp
+
+from conftest import DEVICES, HAS_CUDA, TOL, assert_close_ref, device_dtypes, requires_cuda
+
+IMPLS = {"fused": gp.fused_layernorm_linear, "unfused": gp.unfused_layernorm_linear}
+
+
+def _params(H, N, device, dtype, bias=True, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lw = (1 + 0.5 * torch.randn(H, generator=g, dtype=torch.float64)).to(device, dtype)
+    lb = (0.5 * torch.randn(H, generator=g, dtype=torch.float64)).to(device, dtype)
+    W = (torch.randn(N, H, generator=g, dtype=torch.float64) / H ** 0.5).to(device, dtype)
+    b = (0.5 * torch.randn(N, generator=g, dtype=torch.float64)).to(device, dtype) if bias else None
+    ps = [lw, lb, W, b]
+    return [p.requires_grad_(grad) if p is not None else None for p in ps]
+
+
+def _ref(x, lw, lb, W, b, eps=1e-5):
+    """float64 F.linear(F.layer_norm(x)) and its inputs as float64 leaves."""
+    leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, lw, lb, W, b)]
+    x64, lw64, lb64, W64, b64 = leaves
+    y = F.linear(F.layer_norm(x64, (x64.shape[-1],), lw64, lb64, eps), W64, b64)
+    return y, leaves
+
+
+# ---- the seed's configuration (batch 4, seq 4, hidden 8, output 16) ------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_seed_config_forward_and_all_five_grads(device, impl):
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, 8, device=device, dtype=torch.float64, requires_grad=True)
+    lw, lb, W, b = _params(8, 16, device, torch.float64, grad=True)
+    y = IMPLS[impl](x, lw, lb, W, b)
+    assert y.shape == (4, 4, 16) and y.dtype == torch.float64
+    y_ref, leaves = _ref(x, lw, lb, W, b)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, lw, lb, W, b), g)
+    refs = torch.autograd.grad(y_ref, leaves, g)
+    for name, a, r in zip(("x", "ln_weight", "ln_bias", "linear_weight", "linear_bias"), grads, refs):
+        assert a.shape == r.shape, name
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10, msg=lambda m: f"d{name}: {m}")
+
+
+# ---- forward against float64 -----------------------------------------------------
+
+SHAPES = [((4, 4), 8, 16), ((3, 7), 33, 5), ((5,), 1, 3), ((2, 50), 100, 64), ((64,), 256, 128), ((9,), 24, 40)]
+CUDA_SHAPES = [((37,), 4096, 96), ((3, 5), 1000, 33), ((6,), 4099, 17), ((4,), 4100, 8), ((2,), 40000, 4)]
+
+
+def _shapes(device):
+    return SHAPES + (CUDA_SHAPES if device == "cuda" else [])
+
+
+def _cases():
+    return [(d, t, s) for d, t in device_dtypes() for s in _shapes(d)]
+
+
+@pytest.mark.parametrize("device,dtype,shape", _cases())
+def test_layer_norm_forward(device, dtype, shape):
+    lead, H, _ = shape
+    torch.manual_seed(H)
+    x = (torch.randn(*lead, H, dtype=torch.float64) * 2 + 0.3).to(device, dtype)
+    lw, lb, _, _ = _params(H, 1, device, dtype)
+    y = gp.layer_norm(x, lw, lb)
+    y_ref = F.layer_norm(x.double(), (H,), lw.double(), lb.double(), 1e-5)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert_close_ref(y, y_ref, dtype, "layer_norm")
+    y2, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
+    assert mean.shape == x.shape[:-1] and mean.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device,dtype,shape", _cases())
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_matches_reference(device, dtype, shape, impl, bias):
+    lead, H, N = shape
+    torch.manual_seed(H * 31 + N)
+    x = (torch.randn(*lead, H, dtype=torch.float64) + 0.2).to(device, dtype)
+    lw, lb, W, b = _params(H, N, device, dtype, bias=bias)
+    y = IMPLS[impl](x, lw, lb, W, b)
+    assert y.shape == (*lead, N) and y.dtype == dtype
+    assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"{impl} forward")
+
+
+# ---- backward against float64 -----------------------------------------------------
+
+@pytest.mark.parametrize("device,dtype,shape", _cases())
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_backward_matches_reference(device, dtype, shape, impl):
+    lead, H, N = shape
+    torch.manual_seed(H * 7 + N)
+    x = (torch.randn(*lead, H, dtype=torch.float64) - 0.4).to(device, dtype).requires_grad_()
+    lw, lb, W, b = _params(H, N, device, dtype, grad=True)
+    y = IMPLS[impl](x, lw, lb, W, b)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, lw, lb, W, b), g)
+    y_ref, leaves = _ref(x, lw, lb, W, b)
+    refs = torch.autograd.grad(y_ref, leaves, g.double())
+    M = x.numel() // H
+    for name, a, r in zip(("dx", "dln_weight", "dln_bias", "dlinear_weight", "dlinear_bias"), grads, refs):
+        assert a.shape == r.shape and a.dtype == dtype, name
+        # Parameter gradients sum over M rows (and dx over N outputs): scale by sqrt of that.
+        k = (N if name == "dx" else M) ** 0.5
+        assert_close_ref(a / k, r / k, dtype, f"{impl} {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_norm_backward_matches_reference(device):
+    torch.manual_seed(1)
+    for dtype in ([torch.float32, torch.float64] + ([torch.bfloat16] if device == "cuda" else [])):
+        for H in (1, 7, 64, 300) + ((4099, 4100, 40000) if device == "cuda" else ()):
+            x = torch.randn(6, H, device=device, dtype=dtype, requires_grad=True)
+            lw, lb, _, _ = _params(H, 1, device, dtype, grad=True)
+            g = torch.randn_like(x)
+            grads = torch.autograd.grad(gp.layer_norm(x, lw, lb), (x, lw, lb), g)
+            leaves = [t.detach().double().requires_grad_() for t in (x, lw, lb)]
+            refs = torch.autograd.grad(F.layer_norm(leaves[0], (H,), leaves[1], leaves[2]), leaves, g.double())
+            for name, a, r in zip(("dx", "dweight", "dbias"), grads, refs):
+                assert_close_ref(a, r, dtype, f"layer_norm {name} H={H} {dtype}")
+
+
+# ---- large-mean inputs: the guard of the folded rewrite ------------------------------
+
+def _large_mean_x(lead, H, means, device, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.tensor(means, dtype=torch.float64)[torch.randint(len(means), lead, generator=g)]
+    return (m[..., None] + torch.randn(*lead, H, generator=g, dtype=torch.float64)).to(device, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("means", [[8.0], [1000.0], [0.0, 3000.0, -12.0, 20.0]])
+def test_large_mean_inputs(device, dtype, means):
+    # Rows with |mean|/std below the guard go through the folded rewrite, rows above it
+    # are recomputed normalise-first; both must stay as accurate as PyTorch's own
+    # LayerNorm+Linear in the same dtype (whose mean itself carries eps * |mean|).
+    lead, H, N = (3, 21), 256, 48
+    x = _large_mean_x(lead, H, means, device, dtype, seed=len(means))
+    lw, lb, W, b = _params(H, N, device, dtype)
+    y_ref = _ref(x, lw, lb, W, b)[0]
+    eager = F.linear(F.layer_norm(x, (H,), lw, lb), W, b)
+    err_eager = (eager.double() - y_ref).abs().max().item()
+    scale = max(1.0, y_ref.abs().max().item())
+    for impl, f in IMPLS.items():
+        y = f(x, lw, lb, W, b)
+        err = (y.double() - y_ref).abs().max().item()
+        assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"{impl}: error {err:.3e} vs eager {err_eager:.3e}"
+    # and the gradients stay finite and close
+    xg = x.clone().requires_grad_()
+    grads = torch.autograd.grad(gp.fused_layernorm_linear(xg, lw, lb, W, b).sum(), (xg,))
+    assert torch.isfinite(grads[0]).all()
+
+
+# ---- gradcheck, opcheck, compile -------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck(device):
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 6, device=device, dtype=torch.float64, requires_grad=True)
+    lw, lb, W, b = _params(6, 5, device, torch.float64, grad=True)
+    assert torch.autograd.gradcheck(gp.fused_layernorm_linear, (x, lw, lb, W, b))
+    assert torch.autograd.gradcheck(lambda *a: gp.fused_layernorm_linear(*a, None), (x, lw, lb, W))
+    assert torch.autograd.gradcheck(gp.unfused_layernorm_linear, (x, lw, lb, W, b))
+    assert torch.autograd.gradcheck(gp.layer_norm, (x, lw, lb))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    x = torch.randn(2, 3, 8, device=device, requires_grad=requires_grad)
+    lw, lb, W, b = _params(8, 5, device, torch.float32, grad=requires_grad)
+    ops = torch.ops.gpu_puzzles
+    torch.library.opcheck(ops.layer_norm.default, (x, lw, lb, 1e-5))
+    torch.library.opcheck(ops.fused_layernorm_linear.default, (x, lw, lb, W, b, 1e-5))
+    torch.library.opcheck(ops.fused_layernorm_linear.default, (x, lw, lb, W, None, 1e-5))
+    xd, lwd, lbd, Wd = (t.detach() for t in (x, lw, lb, W))
+    _, mean, rstd = ops.layer_norm(xd, lwd, lbd, 1e-5)
+    torch.library.opcheck(ops.layer_norm_backward.default, (torch.randn_like(xd), xd, lwd, mean, rstd))
+    torch.library.opcheck(ops.fused_layernorm_linear_backward.default,
+                          (torch.randn(2, 3, 5, device=device), xd, lwd, lbd, Wd, mean, rstd))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_forward_backward(device):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    fused = gp.nn.LayerNormLinear(16, 12, device=device)
+    with torch.no_grad():
+        fused.ln_weight.normal_(1, 0.3)
+        fused.ln_bias.normal_(0, 0.3)
+
+    def f(x):  # both ops in one graph: the fused op and our layer_norm (the unfused path)
+        return fused(x) + gp.unfused_layernorm_linear(x, fused.ln_weight, fused.ln_bias, fused.weight, fused.bias)
+
+    fc = torch.compile(f, fullgraph=True, dynamic=True)
+    params = (fused.ln_weight, fused.ln_bias, fused.weight, fused.bias)
+    for M in (5, 9):
+        x = torch.randn(M, 16, device=device, requires_grad=True)
+        y_c, y_e = fc(x), f(x)
+        torch.testing.assert_close(y_c, y_e)
+        gc = torch.autograd.grad(y_c.square().sum(), (x, *params))
+        ge = torch.autograd.grad(y_e.square().sum(), (x, *params))
+        for a, b in zip(gc, ge):
+            torch.testing.assert_close(a, b)
+
+
+# ---- module ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_module_from_modules_matches_pair(fused):
+    torch.manual_seed(0)
+    ln, lin = torch.nn.LayerNorm(10, eps=1e-6), torch.nn.Linear(10, 7)
+    with torch.no_grad():
+        ln.weight.normal_(1, 0.2)
+        ln.bias.normal_(0, 0.2)
+    m = gp.nn.LayerNormLinear.from_modules(ln, lin, fused=fused)
+    assert m.eps == 1e-6 and m.fused == fused
+    x = torch.randn(3, 4, 10)
+    torch.testing.assert_close(m(x), lin(ln(x)), rtol=1e-5, atol=1e-5)
+    m.weight.sum().backward()  # parameters are leaves of their own
+    assert ln.weight.grad is None
+    m2 = gp.nn.LayerNormLinear(10, 7, bias=False)
+    assert m2.bias is None and (m2.ln_weight == 1).all() and (m2.ln_bias == 0).all()
+    assert m2(x).shape == (3, 4, 7)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        gp.nn.LayerNormLinear.from_modules(torch.nn.LayerNorm(9), lin)
+    with pytest.raises(ValueError, match="in_features"):
+        gp.nn.LayerNormLinear(0, 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_rows(device):
+    x = torch.randn(0, 8, device=device, requires_grad=True)
+    lw, lb, W, b = _params(8, 4, device, torch.float32, grad=True)
+    y = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    assert y.shape == (0, 4)
+    grads = torch.autograd.grad(y.sum(), (x, lw, lb, W, b), allow_unused=True)
+    assert grads[0].shape == (0, 8)
+    for gr in grads[1:]:
+        assert (gr == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_input(device):
+    x = torch.randn(12, 5, device=device).t()  # (5, 12), strided
+    lw, lb, W, b = _params(12, 6, device, torch.float32)
+    assert not x.is_contiguous()
+    assert_close_ref(gp.fused_layernorm_linear(x, lw, lb, W, b), _ref(x, lw, lb, W, b)[0], torch.float32, "strided")
+
+
+# ---- bad input --------------------------------------------------------------------------
+
+def _bad(d):
+    f32 = dict(device=d)
+    x = torch.randn(2, 3, 8, **f32)
+    lw, lb, W, b = torch.ones(8, **f32), torch.zeros(8, **f32), torch.randn(5, 8, **f32), torch.zeros(5, **f32)
+    return [
+        ((x, torch.ones(7, **f32), lb, W, b), "ln_weight must have shape"),
+        ((x, lw, torch.zeros(9, **f32), W, b), "ln_bias must have shape"),
+        ((x, lw, lb, torch.randn(5, 7, **f32), b), "linear_weight must have shape"),
+        ((x, lw, lb, W, torch.zeros(4, **f32)), "linear_bias must have shape"),
+        ((x, lw, lb, W.double(), b), "linear_weight has dtype"),
+        ((x, lw.double(), lb, W, b), "ln_weight has dtype"),
+        ((x, lw, lb, W, b.double()), "linear_bias has dtype"),
+        ((x.long(), lw, lb, W, b), "x must be a float"),
+        ((torch.tensor(1.0, **f32), lw, lb, W, b), "at least one dimension"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", range(9))
+def test_bad_input(device, k):
+    args, msg = _bad(device)[k]
+    with pytest.raises((RuntimeError, ValueError), match=msg):
+        gp.fused_layernorm_linear(*args)
+    if "linear" not in msg:
+        with pytest.raises((RuntimeError, ValueError), match=msg.replace("ln_", "")):
+            gp.layer_norm(args[0], args[1], args[2])
+
+
+@requires_cuda
+def test_mixed_devices():
+    x = torch.randn(4, 8, device="cuda")
+    lw, lb, W, b = _params(8, 3, "cuda", torch.float32)
+    with pytest.raises(RuntimeError, match="linear_weight is on"):
+        gp.fused_layernorm_linear(x, lw, lb, W.cpu(), b)
+    with pytest.raises(RuntimeError, match="ln_bias is on"):
+        gp.fused_layernorm_linear(x, lw, lb.cpu(), W, b)
+    with pytest.raises(RuntimeError, match="weight is on"):
+        gp.layer_norm(x.cpu(), lw, lb)
+    assert torch.isfinite(gp.fused_layernorm_linear(x, lw, lb, W, b)).all()  # context still usable
+
+
+# ---- CUDA-only: poisoned allocator, odd/misaligned views, determinism -------------------
+
+def _poison_allocator():
+    """Fill a large block with NaN and free it: the next allocations likely reuse it, so an
+    output element a kernel fails to write shows up as NaN."""
+    t = torch.full((64 * 2**20,), float("nan"), device="cuda")
+    del t
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("M,H,N", [(1, 8, 8), (33, 1, 5), (257, 4096, 64), (19, 1000, 33), (7, 4099, 9),
+                                   (3, 40000, 3), (1000, 128, 1000), (4, 2048, 2049)])
+def test_cuda_every_element_written(dtype, M, H, N):
+    torch.manual_seed(M + H + N)
+    x = torch.randn(M, H, device="cuda", dtype=dtype) + 0.5
+    lw, lb, W, b = _params(H, N, "cuda", dtype, grad=True)
+    x.requires_grad_()
+    _poison_allocator()
+    for f in (gp.fused_layernorm_linear, gp.unfused_layernorm_linear):
+        y = f(x, lw, lb, W, b)
+        assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"{f.__name__} M={M} H={H} N={N}")
+        _poison_allocator()
+        grads = torch.autograd.grad(y, (x, lw, lb, W, b), torch.randn_like(y))
+        for gr in grads:
+            assert torch.isfinite(gr).all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_misaligned_views(dtype):
+    # Storage offset by one element: the 16-byte vector paths must fall back to scalar.
+    torch.manual_seed(5)
+    M, H, N = 9, 64, 16
+    xb = torch.randn(M * H + 1, device="cuda", dtype=dtype)
+    x = xb[1:].view(M, H)
+    lwb = torch.randn(H + 1, device="cuda", dtype=dtype)
+    lw = lwb[1:]
+    lb = torch.randn(H, device="cuda", dtype=dtype)
+    W = torch.randn(N, H, device="cuda", dtype=dtype) / 8
+    for f in (gp.fused_layernorm_linear, gp.unfused_layernorm_linear):
+        assert_close_ref(f(x, lw, lb, W, None), _ref(x, lw, lb, W, None)[0], dtype, "misaligned")
+    assert_close_ref(gp.layer_norm(x, lw, lb), F.layer_norm(x.double(), (H,), lw.double(), lb.double()), dtype, "ln")
+
+
+@requires_cuda
+def test_cuda_matches_cpu_float64():
+    torch.manual_seed(11)
+    x = torch.randn(3, 50, 300, dtype=torch.float64) * 3 + 1
+    lw, lb, W, b = _params(300, 70, "cpu", torch.float64)
+    y_cpu = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    y_gpu = gp.fused_layernorm_linear(*(t.cuda() for t in (x, lw, lb, W, b)))
+    torch.testing.assert_close(y_gpu.cpu(), y_cpu, rtol=1e-12, atol=1e-12)
+
+
+@requires_cuda
+def test_cuda_backward_deterministic():
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    lw, lb, W, b = _params(1024, 256, "cuda", torch.bfloat16, grad=True)
+    g = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
+    first = torch.autograd.grad(gp.fused_layernorm_linear(x, lw, lb, W, b), (x, lw, lb), g)
+    for _ in range(3):
+        again = torch.autograd.grad(gp.fused_layernorm_linear(x, lw, lb, W, b), (x, lw, lb), g)
+        for a, c in zip(first, again):
+            assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+def test_naive_curriculum_kernel(device, dtype):
+    torch.manual_seed(2)
+    x = torch.randn(4, 4, 8, device=device, dtype=dtype) + 0.5
+    lw, lb, W, b = _params(8, 16, device, dtype)
+    for bias in (b, None):
+        y = torch.ops.gpu_puzzles.fused_layernorm_linear_naive(x, lw, lb, W, bias, 1e-5)
+        assert_close_ref(y, _ref(x, lw, lb, W, bias)[0], dtype, "naive")
+    torch.library.opcheck(torch.ops.gpu_puzzles.fused_layernorm_linear_naive.default, (x, lw, lb, W, b, 1e-5))
