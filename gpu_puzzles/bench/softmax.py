@@ -6,6 +6,7 @@ saved output y) reads y and dy and writes dx.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -41,9 +42,7 @@ def fwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), nam
     impls["eager"] = functools.partial(torch.softmax, dim=dim)
     if compile_:
         impls["compile"] = torch.compile(functools.partial(torch.softmax, dim=dim), dynamic=False)
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     params = dict(shape=list(shape), dim=dim, dtype=str(dtype).replace("torch.", ""))
     return Case(OP, name or f"{tuple(shape)} dim={dim}", "fwd", make, impls, bytes=2 * n * _esize(dtype),
                 params=params)
@@ -59,9 +58,7 @@ def bwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), nam
     if compile_:
         cf = torch.compile(functools.partial(_softmax_bwd_math, dim=dim), dynamic=False)
         impls["compile"] = lambda y, dy: cf(dy, y)
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     params = dict(shape=list(shape), dim=dim, dtype=str(dtype).replace("torch.", ""))
     return Case(OP, name or f"{tuple(shape)} dim={dim}", "bwd", make, impls, bytes=3 * n * _esize(dtype),
                 params=params)
