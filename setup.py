@@ -8,7 +8,11 @@ always wins.
 import glob
 import os
 import re
+import shlex
+import shutil
 import subprocess
+import sys
+import tempfile
 
 import torch
 from setuptools import find_packages, setup
@@ -44,7 +48,44 @@ def _want_cuda():
     return True
 
 
+def _links_libstdcxx_dynamically(cxx):
+    """Whether `cxx -shared` output depends on libstdc++.so (None: cannot tell)."""
+    with tempfile.TemporaryDirectory() as d:
+        src, lib = os.path.join(d, "t.cpp"), os.path.join(d, "t.so")
+        with open(src, "w") as f:
+            f.write("#include <sstream>\nint f(int v) { std::ostringstream o; o << v; return (int)o.str().size(); }\n")
+        try:
+            subprocess.run(shlex.split(cxx) + ["-shared", "-fPIC", src, "-o", lib], check=True, capture_output=True)
+            dyn = subprocess.run(["readelf", "-d", lib], check=True, capture_output=True, text=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    return "libstdc++" in dyn
+
+
+def _check_compiler():
+    # A compiler that links its own libstdc++ statically (seen on the H100 machine,
+    # where CXX=/opt/gcc/bin/g++) puts a second C++ runtime beside the one torch
+    # loads; the two share the locale data, and the first number formatted in an
+    # error message then segfaults. Fall back to the system g++ in that case.
+    if not sys.platform.startswith("linux"):
+        return
+    cxx = os.environ.get("CXX", "c++")
+    if _links_libstdcxx_dynamically(cxx) is not False:
+        return
+    for alt_cxx, alt_cc in (("g++", "gcc"), ("c++", "cc")):
+        if shutil.which(alt_cxx) and shutil.which(alt_cc) and _links_libstdcxx_dynamically(alt_cxx):
+            print(f"gpu_puzzles: the C++ compiler {cxx!r} links libstdc++ statically, which crashes beside "
+                  f"torch's shared libstdc++; building with {alt_cxx!r} / {alt_cc!r} instead")
+            os.environ["CXX"], os.environ["CC"] = alt_cxx, alt_cc
+            os.environ.pop("LDSHARED", None)
+            os.environ.pop("LDCXXSHARED", None)
+            return
+    raise RuntimeError(f"gpu_puzzles: the C++ compiler {cxx!r} links libstdc++ statically and no system g++ "
+                       "that links it dynamically was found; set CXX/CC to one that does")
+
+
 def extensions():
+    _check_compiler()
     with_cuda = _want_cuda()
     cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     cu = sorted(glob.glob("csrc/**/*.cu", recursive=True))

@@ -13,8 +13,9 @@ STEPS=${STEPS:-"build tests memcheck racecheck tour bench notebooks"}
 log() { echo "== $* ($(date +%T))"; }
 pack() { tar -czf "$OUT/results.tar.gz" -C "$OUT" r; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/r/gpu.txt"
+echo "CXX=${CXX:-unset}: $(${CXX:-c++} --version | head -1)" >> "$OUT/r/gpu.txt"
 
-sanitize() {  # $1 = memcheck | racecheck
+sanitize() {  # $1 = memcheck | racecheck | synccheck
   # No caching allocator: every tensor is its own allocation, so memcheck sees
   # out-of-bounds accesses that the pool would otherwise hide.
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$1" \
@@ -34,7 +35,7 @@ for step in $STEPS; do
       echo "build seconds: $(( $(date +%s) - t0 ))" | tee -a "$OUT/r/build.log" ;;
     tests)
       python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/r/pytest.log" | grep -v "^  File" | tail -15 ;;
-    memcheck|racecheck) sanitize "$step" ;;
+    memcheck|racecheck|synccheck) sanitize "$step" ;;
     tour) python3 -m gpu_puzzles 2>&1 | tee "$OUT/r/tour.txt" | tail -40 ;;
     bench) python3 -m gpu_puzzles.bench ${OPS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/r/bench.txt" | tail -60 ;;
     notebooks) python3 notebooks/execute.py ${NOTEBOOKS:-notebooks/*.ipynb} --out-dir "$OUT/r/notebooks" 2>&1 | tail -20 ;;

@@ -5,16 +5,6 @@
 #include <Python.h>
 #include <torch/library.h>
 
-#include <ios>
-
-// Error messages format numbers through iostreams. Objects built by GCC >= 13
-// no longer construct std::ios_base::Init in every translation unit; on the
-// H100 machine (g++ 13 extension, torch built by an older GCC) the first
-// number streamed by a TORCH_CHECK in this library crashed inside num_put.
-// Holding an Init object here initialises the standard streams and locale
-// for this library regardless of the toolchain.
-static std::ios_base::Init gpu_puzzles_ios_init;
-
 extern "C" {
 // An empty module: importing gpu_puzzles._C loads this library, whose static
 // initialisers register the ops with the dispatcher. No pybind11 needed.
