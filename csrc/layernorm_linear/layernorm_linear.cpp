@@ -422,30 +422,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_cpu(const Tens
 }
 
 #ifdef WITH_CUDA
+// The dispatcher picks the CUDA kernel when any argument is on the GPU; when x
+// is not, name the argument that pulled the call here.
+struct Named {
+  const Tensor& t;
+  const char* name;
+};
+void on_cuda(const Tensor& x, const char* op, std::initializer_list<Named> others) {
+  if (x.is_cuda()) return;
+  for (const Named& o : others) {
+    TORCH_CHECK(!o.t.is_cuda(), op, ": x is on ", x.device(), " but ", o.name, " is on ", o.t.device(),
+                "; they must be on the same device");
+  }
+  TORCH_CHECK(false, op, ": x must be a CUDA tensor for the CUDA kernel, got ", x.device());
+}
+
 Tensor naive_cuda(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
                   double eps) {
-  TORCH_CHECK(x.is_cuda(), "fused_layernorm_linear_naive: x must be a CUDA tensor for the CUDA kernel, got ", x.device());
+  on_cuda(x, "fused_layernorm_linear_naive", {{lw, "ln_weight"}, {lb, "ln_bias"}, {W, "linear_weight"}});
   const c10::cuda::CUDAGuard guard(x.device());
   return naive_impl(x, lw, lb, W, b, eps, true);
 }
 
-void on_cuda(const Tensor& x, const char* op) {
-  TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor for the CUDA kernel, got ", x.device());
-}
 Tensor3 layer_norm_cuda(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
-  on_cuda(x, "layer_norm");
+  on_cuda(x, "layer_norm", {{w, "weight"}, {b, "bias"}});
   const c10::cuda::CUDAGuard guard(x.device());
   return layer_norm_impl(x, w, b, eps, true);
 }
 Tensor3 layer_norm_backward_cuda_op(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& m,
                                     const Tensor& r) {
-  on_cuda(x, "layer_norm_backward");
+  on_cuda(x, "layer_norm_backward", {{g, "grad_out"}, {w, "weight"}, {m, "mean"}, {r, "rstd"}});
   const c10::cuda::CUDAGuard guard(x.device());
   return layer_norm_backward_impl(g, x, w, m, r, true);
 }
 Tensor3 fused_cuda(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W,
                    const c10::optional<Tensor>& b, double eps) {
-  on_cuda(x, "fused_layernorm_linear");
+  on_cuda(x, "fused_layernorm_linear", {{lw, "ln_weight"}, {lb, "ln_bias"}, {W, "linear_weight"}});
   const c10::cuda::CUDAGuard guard(x.device());
   return fused_forward_impl(x, lw, lb, W, b, eps, true);
 }
@@ -453,7 +465,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_cuda(const Ten
                                                                        const Tensor& lw, const Tensor& lb,
                                                                        const Tensor& W, const Tensor& m,
                                                                        const Tensor& r) {
-  on_cuda(x, "fused_layernorm_linear_backward");
+  on_cuda(x, "fused_layernorm_linear_backward", {{g, "grad_out"}, {lw, "ln_weight"}, {lb, "ln_bias"}, {W, "linear_weight"}, {m, "mean"}, {r, "rstd"}});
   const c10::cuda::CUDAGuard guard(x.device());
   return fused_backward_impl(g, x, lw, lb, W, m, r, true);
 }
