@@ -1,29 +1,40 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, CUDA tests, compute-sanitizer, tour,
 # benchmarks, notebooks, in the order STEPS names them
-# (default: build tests memcheck racecheck tour bench notebooks).
+# (default: build tests memcheck racecheck synccheck tour bench notebooks).
 # Results are packed into $OUT/results.tar.gz after every step (so a run cut
 # short still returns what it did) plus $OUT/bench.json.
 # The device copy has no .git: pass the commit in, e.g. GPU_PUZZLES_COMMIT=$(git rev-parse --short HEAD).
-# Knobs: TESTS (test files), SANITIZE_FILES, SANITIZE_K, SANITIZE_TIMEOUT, OPS (bench), NOTEBOOKS.
+# Knobs: TESTS (test files), SANITIZE_FILES (default: every tests/test_*.py, one sanitizer process each,
+# concurrently), SANITIZE_K (pytest -k, default "not cpu"), SANITIZE_TIMEOUT, OPS (bench), NOTEBOOKS.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/r"
-STEPS=${STEPS:-"build tests memcheck racecheck tour bench notebooks"}
+STEPS=${STEPS:-"build tests memcheck racecheck synccheck tour bench notebooks"}
 log() { echo "== $* ($(date +%T))"; }
 pack() { tar -czf "$OUT/results.tar.gz" -C "$OUT" r; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/r/gpu.txt"
 echo "CXX=${CXX:-unset}: $(${CXX:-c++} --version | head -1)" >> "$OUT/r/gpu.txt"
 
 sanitize() {  # $1 = memcheck | racecheck | synccheck
-  # No caching allocator: every tensor is its own allocation, so memcheck sees
-  # out-of-bounds accesses that the pool would otherwise hide.
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$1" \
-    --print-limit 20 --error-exitcode 99 \
-    python3 -m pytest -q -p no:cacheprovider -x ${SANITIZE_FILES:-tests} -k "${SANITIZE_K:-cuda}" \
-    > "$OUT/r/sanitizer_$1.log" 2>&1
-  echo "$1 exit: $?" | tee -a "$OUT/r/sanitizer_$1.log"
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/r/sanitizer_$1.log" | tail -3
+  # One compute-sanitizer process per test file, all at once: the tool's
+  # overhead is mostly host-side, and the whole suite in one process outlasts a
+  # device call. No caching allocator: every tensor is its own allocation, so
+  # memcheck sees out-of-bounds accesses that the pool would otherwise hide.
+  local f name pids=()
+  for f in ${SANITIZE_FILES:-tests/test_*.py}; do
+    name=$(basename "$f" .py)
+    ( PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$1" \
+        --print-limit 20 --error-exitcode 99 \
+        python3 -m pytest -q -p no:cacheprovider "$f" -k "${SANITIZE_K:-not cpu}" \
+        > "$OUT/r/sanitizer_$1_$name.log" 2>&1
+      echo "exit: $? (99: sanitizer error, 124: timeout)" >> "$OUT/r/sanitizer_$1_$name.log" ) &
+    pids+=($!)
+  done
+  for f in "${pids[@]}"; do wait "$f"; done
+  for f in "$OUT"/r/sanitizer_"$1"_*.log; do
+    echo "$(basename "$f"): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$f" | tail -1) | $(grep -E " passed| failed" "$f" | tail -1) | $(tail -1 "$f")"
+  done | tee "$OUT/r/sanitizer_$1.summary"
 }
 
 for step in $STEPS; do
