@@ -50,7 +50,6 @@ def _check_backward(grad_out, indices, num_weights, padding_idx, op):
 
 def _register(name):
     qual = f"gpu_puzzles::{name}"
-    bwd_op = getattr(torch.ops.gpu_puzzles, f"{name}_backward")
 
     @torch.library.register_fake(qual)
     def _fake(indices, weight, padding_idx=None):
@@ -62,25 +61,16 @@ def _register(name):
         _check_backward(grad_out, indices, num_weights, padding_idx, f"{name}_backward")
         return grad_out.new_empty((num_weights, grad_out.shape[-1]))
 
-    def _setup_context(ctx, inputs, output):
-        indices, weight, padding_idx = inputs
-        ctx.save_for_backward(indices)
-        ctx.num_weights = weight.shape[0]
-        ctx.padding_idx = padding_idx
-
-    def _backward(ctx, grad_out):
-        (indices,) = ctx.saved_tensors
-        if not ctx.needs_input_grad[1]:
-            return None, None, None
-        gw = bwd_op(grad_out, indices, ctx.num_weights, ctx.padding_idx,
-                    torch.are_deterministic_algorithms_enabled())
-        return None, gw, None
-
-    torch.library.register_autograd(qual, _backward, setup_context=_setup_context)
+    # Autograd is registered in C++ (csrc/embedding/embedding_autograd.cpp): the Python
+    # autograd kernel would cost more host time per call than the seed-size lookup.
 
 
 _register("embedding")
 _register("embedding_2d")
+
+# The overloads themselves: skips the packet lookup on every call.
+_embedding = torch.ops.gpu_puzzles.embedding.default
+_embedding_2d = torch.ops.gpu_puzzles.embedding_2d.default
 
 
 def embedding(indices: Tensor, weight: Tensor, padding_idx: Optional[int] = None) -> Tensor:
@@ -95,7 +85,7 @@ def embedding(indices: Tensor, weight: Tensor, padding_idx: Optional[int] = None
     The weight gradient is dense ``(V, E)``, summed in float32 for half types, in a
     fixed order (bit-identical run to run) on every device.
     """
-    return torch.ops.gpu_puzzles.embedding(indices, weight, padding_idx)
+    return _embedding(indices, weight, padding_idx)
 
 
 def embedding_2d(indices: Tensor, weight: Tensor, padding_idx: Optional[int] = None) -> Tensor:
@@ -106,4 +96,4 @@ def embedding_2d(indices: Tensor, weight: Tensor, padding_idx: Optional[int] = N
     Its backward uses float atomics on the same grid (non-deterministic) unless
     ``torch.are_deterministic_algorithms_enabled()``, which selects the sorted path.
     """
-    return torch.ops.gpu_puzzles.embedding_2d(indices, weight, padding_idx)
+    return _embedding_2d(indices, weight, padding_idx)
