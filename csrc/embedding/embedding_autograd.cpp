@@ -1,21 +1,10 @@
-// Autograd for embedding and embedding_2d, in C++.
-//
-// The other ops register their autograd from Python (torch.library.register_autograd).
-// That path runs a Python autograd kernel on every call, about 10-20 us of host time,
-// which is longer than the seed-size lookup itself (16 MB, ~6 us on an H100): the
-// embedding issue's latency target is a dispatch-overhead target. A C++ Autograd
-// kernel keeps the whole call in the dispatcher. The backward still calls the op's
-// own registered backward op, so torch.compile sees the same graph as before.
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/library.h>
-
+// Autograd for embedding and embedding_2d (why in C++: common/autograd.h).
 #include <string>
+
+#include "common/autograd.h"
 
 namespace gpu_puzzles {
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 using ForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, c10::optional<int64_t>);
 using BackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymInt, c10::optional<int64_t>, bool);
@@ -26,8 +15,7 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction<Tw
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& indices, const at::Tensor& weight,
                             c10::optional<int64_t> padding_idx) {
-    static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow(kName, "").template typed<ForwardSig>();
+    static const auto op = typed_op<ForwardSig>(kName);
     ctx->save_for_backward({indices});
     ctx->saved_data["num_weights"] = weight.sym_size(0);
     ctx->saved_data["padding_idx"] = padding_idx;
@@ -36,9 +24,7 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction<Tw
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow((std::string(kName) + "_backward").c_str(), "")
-                               .template typed<BackwardSig>();
+    static const auto op = typed_op<BackwardSig>((std::string(kName) + "_backward").c_str());
     if (!ctx->needs_input_grad(1)) return {at::Tensor(), at::Tensor(), at::Tensor()};
     const at::Tensor indices = ctx->get_saved_variables()[0];
     const c10::SymInt V = ctx->saved_data["num_weights"].toSymInt();

@@ -45,24 +45,8 @@ def _conv1d_backward_fake(grad_out, x, weight, causal, algorithm="auto"):
     return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty((C,))
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, causal, algorithm = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.causal = causal
-    ctx.algorithm = algorithm
-    ctx.bias_shape = None if bias is None else bias.shape
-
-
-def _backward(ctx, grad_out):
-    x, weight = ctx.saved_tensors
-    dx, dw, db = torch.ops.gpu_puzzles.conv1d_backward(grad_out, x, weight, ctx.causal, ctx.algorithm)
-    # needs_input_grad is as long as the call's arguments: bias may be absent.
-    need_x, need_w, need_b = (tuple(ctx.needs_input_grad) + (False, False))[:3]
-    db = db.reshape(ctx.bias_shape) if (need_b and ctx.bias_shape is not None) else None
-    return dx if need_x else None, dw if need_w else None, db, None, None
-
-
-torch.library.register_autograd("gpu_puzzles::conv1d", _backward, setup_context=_setup_context)
+# Autograd is registered in C++ (csrc/conv1d/conv1d_autograd.cpp; why: csrc/common/autograd.h).
+_conv1d = torch.ops.gpu_puzzles.conv1d.default  # the overload: no packet lookup per call
 
 
 def conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, causal: bool = False,
@@ -77,4 +61,4 @@ def conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, causal: 
     ``algorithm`` picks the CUDA kernel: ``"auto"`` (fastest), or the curriculum's
     steps ``"fast"`` (K <= 9), ``"tiled"`` and ``"naive"``; the CPU ignores it.
     """
-    return torch.ops.gpu_puzzles.conv1d(x, weight, bias, causal, algorithm)
+    return _conv1d(x, weight, bias, causal, algorithm)

@@ -68,23 +68,7 @@ def _layer_norm_backward_fake(grad_out, x, weight, mean, rstd):
     return x.new_empty(x.shape), x.new_empty((H,)), x.new_empty((H,))
 
 
-def _ln_setup(ctx, inputs, output):
-    x, weight, bias, eps = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.mark_non_differentiable(mean, rstd)
-
-
-def _ln_backward(ctx, grad_y, _gm, _gr):
-    x, weight, mean, rstd = ctx.saved_tensors
-    if grad_y is None:
-        return None, None, None, None
-    dx, dw, db = torch.ops.gpu_puzzles.layer_norm_backward(grad_y, x, weight, mean, rstd)
-    nx, nw, nb = ctx.needs_input_grad[:3]
-    return dx if nx else None, dw if nw else None, db if nb else None, None
-
-
-torch.library.register_autograd("gpu_puzzles::layer_norm", _ln_backward, setup_context=_ln_setup)
+# Autograd is registered in C++ (csrc/layernorm_linear/layernorm_linear_autograd.cpp; why: csrc/common/autograd.h).
 
 
 # ---- fused_layernorm_linear -------------------------------------------------------
@@ -114,25 +98,8 @@ def _naive_fake(x, ln_weight, ln_bias, linear_weight, linear_bias=None, eps=1e-5
     return x.new_empty((*x.shape[:-1], N))
 
 
-def _fused_setup(ctx, inputs, output):
-    x, ln_weight, ln_bias, linear_weight, linear_bias, eps = inputs
-    _, mean, rstd = output
-    # Only x and the statistics (M floats) are kept: no normalised activation.
-    ctx.save_for_backward(x, ln_weight, ln_bias, linear_weight, mean, rstd)
-    ctx.mark_non_differentiable(mean, rstd)
-
-
-def _fused_backward(ctx, grad_y, _gm, _gr):
-    x, ln_weight, ln_bias, linear_weight, mean, rstd = ctx.saved_tensors
-    if grad_y is None:
-        return None, None, None, None, None, None
-    grads = torch.ops.gpu_puzzles.fused_layernorm_linear_backward(grad_y, x, ln_weight, ln_bias, linear_weight,
-                                                                  mean, rstd)
-    needs = tuple(ctx.needs_input_grad) + (False,) * 6
-    return tuple(g if n else None for g, n in zip(grads, needs[:5])) + (None,)
-
-
-torch.library.register_autograd("gpu_puzzles::fused_layernorm_linear", _fused_backward, setup_context=_fused_setup)
+_layer_norm = torch.ops.gpu_puzzles.layer_norm.default  # the overloads: no packet lookup per call
+_fused = torch.ops.gpu_puzzles.fused_layernorm_linear.default
 
 
 # ---- public functions ----------------------------------------------------------------
@@ -158,7 +125,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
     ``F.layer_norm(x, (H,), weight, bias, eps)``.
     """
     weight, bias = _affine(x, weight, bias)
-    return torch.ops.gpu_puzzles.layer_norm(x, weight, bias, eps)[0]
+    return _layer_norm(x, weight, bias, eps)[0]
 
 
 def fused_layernorm_linear(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], linear_weight: Tensor,
@@ -171,7 +138,7 @@ def fused_layernorm_linear(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Opti
     the backward (which recomputes it); the backward returns all five gradients.
     """
     ln_weight, ln_bias = _affine(x, ln_weight, ln_bias)
-    return torch.ops.gpu_puzzles.fused_layernorm_linear(x, ln_weight, ln_bias, linear_weight, linear_bias, eps)[0]
+    return _fused(x, ln_weight, ln_bias, linear_weight, linear_bias, eps)[0]
 
 
 def unfused_layernorm_linear(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor],

@@ -53,25 +53,9 @@ def _log_softmax_backward_fake(grad_out, out, dim, algorithm="auto"):
     return out.new_empty(out.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    _, dim, algorithm = inputs
-    ctx.save_for_backward(output)  # the output, not the input: all the backward needs
-    ctx.dim = dim
-    ctx.algorithm = algorithm
-
-
-def _softmax_backward(ctx, grad_out):
-    (y,) = ctx.saved_tensors
-    return torch.ops.gpu_puzzles.softmax_backward(grad_out, y, ctx.dim, ctx.algorithm), None, None
-
-
-def _log_softmax_backward(ctx, grad_out):
-    (y,) = ctx.saved_tensors
-    return torch.ops.gpu_puzzles.log_softmax_backward(grad_out, y, ctx.dim, ctx.algorithm), None, None
-
-
-torch.library.register_autograd("gpu_puzzles::softmax", _softmax_backward, setup_context=_setup_context)
-torch.library.register_autograd("gpu_puzzles::log_softmax", _log_softmax_backward, setup_context=_setup_context)
+# Autograd is registered in C++ (csrc/softmax/softmax_autograd.cpp; why: csrc/common/autograd.h).
+_softmax = torch.ops.gpu_puzzles.softmax.default  # the overloads: no packet lookup per call
+_log_softmax = torch.ops.gpu_puzzles.log_softmax.default
 
 
 def softmax(x: Tensor, dim: int = -1, *, algorithm: str = "auto") -> Tensor:
@@ -84,7 +68,7 @@ def softmax(x: Tensor, dim: int = -1, *, algorithm: str = "auto") -> Tensor:
     steps ``"tree"``, ``"shuffle"`` and ``"online"`` (see the notebook); the CPU
     ignores it.
     """
-    return torch.ops.gpu_puzzles.softmax(x, dim, algorithm)
+    return _softmax(x, dim, algorithm)
 
 
 def log_softmax(x: Tensor, dim: int = -1, *, algorithm: str = "auto") -> Tensor:
@@ -92,4 +76,4 @@ def log_softmax(x: Tensor, dim: int = -1, *, algorithm: str = "auto") -> Tensor:
 
     Same shapes, dtypes and ``algorithm`` choices as :func:`softmax`.
     """
-    return torch.ops.gpu_puzzles.log_softmax(x, dim, algorithm)
+    return _log_softmax(x, dim, algorithm)

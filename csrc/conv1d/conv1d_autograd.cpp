@@ -1,0 +1,48 @@
+// Autograd for conv1d (why in C++: common/autograd.h).
+#include <string>
+
+#include "common/autograd.h"
+
+namespace gpu_puzzles {
+namespace {
+
+using Tensor = at::Tensor;
+using ForwardSig = Tensor(const Tensor&, const Tensor&, const c10::optional<Tensor>&, bool, c10::string_view);
+using BackwardSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, bool,
+                                                        c10::string_view);
+
+struct Conv1dFunction : public torch::autograd::Function<Conv1dFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
+                        const c10::optional<Tensor>& bias, bool causal, c10::string_view algorithm) {
+    static const auto op = typed_op<ForwardSig>("gpu_puzzles::conv1d");
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["algorithm"] = std::string(algorithm);
+    // The bias gradient comes back as (C,); a 0-d bias (1-D x) wants it 0-d.
+    ctx->saved_data["bias_dim"] = bias.has_value() ? bias->dim() : int64_t(-1);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, weight, bias, causal, algorithm);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = typed_op<BackwardSig>("gpu_puzzles::conv1d_backward");
+    const auto saved = ctx->get_saved_variables();
+    const std::string algorithm = ctx->saved_data["algorithm"].toStringRef();
+    auto [dx, dw, db] = op.call(grads[0], saved[0], saved[1], ctx->saved_data["causal"].toBool(), algorithm);
+    const int64_t bias_dim = ctx->saved_data["bias_dim"].toInt();
+    if (bias_dim == 0) db = db.reshape({});
+    return {if_needed(ctx, 0, dx), if_needed(ctx, 1, dw), bias_dim >= 0 ? if_needed(ctx, 2, db) : Tensor(),
+            Tensor(), Tensor()};
+  }
+};
+
+Tensor conv1d_autograd(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias, bool causal,
+                       c10::string_view algorithm) {
+  return Conv1dFunction::apply(x, weight, bias, causal, algorithm);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) { m.impl("conv1d", &conv1d_autograd); }
+
+}  // namespace gpu_puzzles

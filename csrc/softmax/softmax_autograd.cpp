@@ -1,0 +1,53 @@
+// Autograd for softmax and log_softmax (why in C++: common/autograd.h).
+#include <string>
+
+#include "common/autograd.h"
+
+namespace gpu_puzzles {
+namespace {
+
+using Tensor = at::Tensor;
+using ForwardSig = Tensor(const Tensor&, int64_t, c10::string_view);
+
+template <bool Log>
+struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction<Log>> {
+  static constexpr const char* kName = Log ? "gpu_puzzles::log_softmax" : "gpu_puzzles::softmax";
+
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, int64_t dim, c10::string_view algorithm) {
+    static const auto op = typed_op<ForwardSig>(kName);
+    Tensor y;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      y = op.call(x, dim, algorithm);
+    }
+    ctx->save_for_backward({y});  // the output, not the input: all the backward needs
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["algorithm"] = std::string(algorithm);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // backward(grad_out, out, dim, algorithm) has the forward's signature plus grad_out.
+    using BackwardSig = Tensor(const Tensor&, const Tensor&, int64_t, c10::string_view);
+    static const auto op = typed_op<BackwardSig>((std::string(kName) + "_backward").c_str());
+    const Tensor y = ctx->get_saved_variables()[0];
+    const std::string algorithm = ctx->saved_data["algorithm"].toStringRef();
+    return {op.call(grads[0], y, ctx->saved_data["dim"].toInt(), algorithm), Tensor(), Tensor()};
+  }
+};
+
+Tensor softmax_autograd(const Tensor& x, int64_t dim, c10::string_view algorithm) {
+  return SoftmaxFunction<false>::apply(x, dim, algorithm);
+}
+Tensor log_softmax_autograd(const Tensor& x, int64_t dim, c10::string_view algorithm) {
+  return SoftmaxFunction<true>::apply(x, dim, algorithm);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
+  m.impl("softmax", &softmax_autograd);
+  m.impl("log_softmax", &log_softmax_autograd);
+}
+
+}  // namespace gpu_puzzles
