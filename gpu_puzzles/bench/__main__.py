@@ -73,9 +73,11 @@ def main(argv=None):
     rows = []
     from rich.progress import Progress
 
+    memory = []
     with Progress() as prog:
         for op in args.ops:
-            cases = op_module(op).bench_cases(device)
+            mod = op_module(op)
+            cases = mod.bench_cases(device)
             task = prog.add_task(f"{op}", total=len(cases))
             for case in cases:
                 new = run_case(case, device, copy_gbs, rep=args.rep)
@@ -87,10 +89,18 @@ def main(argv=None):
                 rows += new
                 prog.advance(task)
                 torch._dynamo.reset()
+            if hasattr(mod, "peak_memory"):  # peak memory above the inputs, per implementation
+                try:
+                    memory += mod.peak_memory(device)
+                except Exception as e:  # report, don't hide
+                    memory.append({"op": op, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+                torch._dynamo.reset()
     rows += derive_backward(rows)
     order = {"fwd": 0, "bwd": 1, "fwd+bwd": 2}
     rows.sort(key=lambda r: (r["op"], r["case"], order.get(r["direction"], 3)))
     print_rows(rows, f"gpu_puzzles on {device_name(device)}")
+    for m in memory:
+        print("peak memory:", ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()))
     if args.json:
         meta = {
             "device": device_name(device),
@@ -101,6 +111,7 @@ def main(argv=None):
             "copy_GBps": copy_gbs,
             "timing": "CUDA events, median of --rep calls after warm-up, inputs rotated past L2",
             "rows": rows,
+            "memory": memory,
         }
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
