@@ -238,7 +238,7 @@ def test_hostile_input_names_the_argument(device, case):
 
 @requires_cuda
 @pytest.mark.parametrize("case", OPS, ids=str)
-def test_runs_on_current_stream(case):
+def test_cuda_runs_on_current_stream(case):
     """Inputs are written on a side stream after a long sleep kernel, then the op (and its
     backward) runs there: a kernel launched on any other stream reads the poison first."""
     real = case.inputs("cuda", seed=2)
@@ -271,7 +271,7 @@ def test_runs_on_current_stream(case):
 
 @requires_2_gpus
 @pytest.mark.parametrize("case", OPS, ids=str)
-def test_device_guard_on_second_gpu(case):
+def test_cuda_device_guard_on_second_gpu(case):
     """Tensors on cuda:1 while cuda:0 is current: results (and grads) on cuda:1, correct."""
     with torch.cuda.device(0):
         ins = case.inputs("cuda:1", seed=3, requires_grad=True)
@@ -399,3 +399,174 @@ def test_backward_bit_identical_by_default(device, case):
     """The ops that promise a deterministic backward without being asked (docstrings)."""
     for dtype in _dtypes(device):
         _backward_runs_equal(case, device, dtype)
+
+
+# ---- tensors past 2^31 elements (device only) ---------------------------------------------
+# bf16 keeps each tensor at ~4.3 GB. Outputs land on memory poisoned with NaN first (the
+# caching allocator hands the freed block back), and the whole output is checked for NaN:
+# an element a kernel forgets shows up wherever it is. Values are compared on slices
+# (first rows, rows across flat index 2^31, last rows) against float64 references
+# computed on those slices only; full reductions (weight grads) against float64 sums in chunks.
+
+BIG = 2**31
+HUGE_DTYPE = torch.bfloat16
+
+
+def _need(nbytes):
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    free, _ = torch.cuda.mem_get_info()
+    if free < nbytes * 1.15:
+        pytest.skip(f"needs {nbytes / 2**30:.0f} GiB free on the GPU, has {free / 2**30:.0f} GiB")
+
+
+def _poison_next(numel, dtype):
+    """Fill a block of this size with NaN and free it: the next allocation of that size gets it."""
+    torch.empty(numel, dtype=dtype, device="cuda").fill_(float("nan"))
+    torch.cuda.synchronize()
+
+
+def _no_nan(t, what):
+    assert not torch.isnan(t).any().item(), f"{what}: NaN in the output (an element never written)"
+
+
+def _huge_randn(shape, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(shape, generator=g, device="cuda", dtype=HUGE_DTYPE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_huge_conv1d(causal):
+    C, K = 2, 4
+    L = BIG // C + 5  # C * L > 2^31; channel 1 spans flat index 2^31
+    n = 4096
+    _need(5 * C * L * 2)
+    x = _huge_randn((1, C, L), 0)
+    w = torch.randn(C, K, device="cuda", dtype=HUGE_DTYPE).requires_grad_()
+    b = torch.randn(C, device="cuda", dtype=HUGE_DTYPE).requires_grad_()
+    x.requires_grad_()
+    _poison_next(x.numel(), HUGE_DTYPE)
+    y = gp.conv1d(x, w, b, causal=causal)
+    _no_nan(y, "conv1d forward")
+    w64, b64 = w.detach().double(), b.detach().double()
+    halo = K - 1
+    for lo in (0, BIG - L - n // 2, L - n):  # start, across flat index 2^31 (in channel 1), end
+        win_lo, win_hi = max(0, lo - halo), min(L, lo + n + halo)
+        ref = conv1d_ref(x.detach()[..., win_lo:win_hi].double(), w64, b64, causal)[..., lo - win_lo:lo - win_lo + n]
+        # inside the window the zero padding only matters where the window meets the real edge
+        assert_close_ref(y.detach()[..., lo:lo + n], ref, HUGE_DTYPE, f"conv1d forward at {lo}")
+    g = _huge_randn((1, C, L), 1)
+    del y
+    _poison_next(x.numel(), HUGE_DTYPE)
+    dx, dw, db = torch.autograd.grad(gp.conv1d(x, w, b, causal=causal), (x, w, b), g)
+    _no_nan(dx, "conv1d dx")
+    for lo in (0, L - n):
+        win_lo, win_hi = max(0, lo - halo), min(L, lo + n + halo)
+        xw = x.detach()[..., win_lo:win_hi].double().requires_grad_()
+        (dxw,) = torch.autograd.grad(conv1d_ref(xw, w64, b64, causal), (xw,), g[..., win_lo:win_hi].double())
+        assert_close_ref(dx[..., lo:lo + n], dxw[..., lo - win_lo:lo - win_lo + n], HUGE_DTYPE, f"conv1d dx at {lo}")
+    # dw[c, j] = sum_i g[c, i] x[c, i + j - s] (s = K - 1 causal, else 0): float64, in chunks
+    s = K - 1 if causal else 0
+    dw_ref = torch.zeros(C, K, dtype=torch.float64, device="cuda")
+    chunk = 2**26
+    for c0 in range(0, L, chunk):
+        c1 = min(L, c0 + chunk)
+        gc = g[0, :, c0:c1].double()
+        for j in range(K):
+            a, bnd = c0 + j - s, c1 + j - s  # x positions paired with g[c0:c1]
+            xs = x.detach()[0, :, max(0, a):min(L, bnd)].double()
+            lo_pad, hi_pad = max(0, -a), max(0, bnd - L)
+            xs = F.pad(xs, (lo_pad, hi_pad))
+            dw_ref[:, j] += (gc * xs).sum(-1)
+    grad_close(dw, dw_ref, HUGE_DTYPE, "conv1d dw", L)
+    grad_close(db, g.sum((0, 2), dtype=torch.float64), HUGE_DTYPE, "conv1d dbias", L)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["coalesced", "2d"])
+def test_huge_embedding(kernel):
+    fn = gp.embedding if kernel == "coalesced" else gp.embedding_2d
+    E, V = 1024, 4099
+    T = BIG // E + 3  # output T * E > 2^31 elements
+    _need(3 * T * E * 2)
+    idx = torch.randint(0, V, (T,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    idx[-1], idx[-2], idx[-3] = V + 7, -1, V - 1  # out of range: zero rows; the last row
+    w = torch.randn(V, E, device="cuda", dtype=HUGE_DTYPE).requires_grad_()
+    _poison_next(T * E, HUGE_DTYPE)
+    y = fn(idx, w)
+    _no_nan(y, f"{kernel} forward")
+    mid = BIG // E
+    for sl in (slice(0, 64), slice(mid - 3, mid + 3), slice(T - 64, T)):
+        assert torch.equal(y.detach()[sl], embedding_ref(idx[sl], w.detach())), f"{kernel} rows {sl}"
+    del y
+    g = _huge_randn((T, E), 3)
+    (gw,) = torch.autograd.grad(fn(idx, w), (w,), g)
+    gw_ref = torch.zeros(V, E, dtype=torch.float64, device="cuda")
+    chunk = 2**18
+    for t0 in range(0, T, chunk):
+        gw_ref += embedding_ref_grad(g[t0:t0 + chunk], idx[t0:t0 + chunk], V)
+    counts = torch.bincount(idx[(idx >= 0) & (idx < V)], minlength=V)
+    grad_close(gw, gw_ref, HUGE_DTYPE, f"{kernel} dweight", counts.max().item())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,dim", [("softmax", -1), ("log_softmax", -1), ("softmax", 0)])
+def test_huge_softmax(kind, dim):
+    f, f_ref = (gp.softmax, torch.softmax) if kind == "softmax" else (gp.log_softmax, torch.log_softmax)
+    N = 1024
+    M = BIG // N + 3
+    shape = (M, N) if dim == -1 else (N, M)  # dim 0: the strided (column) path
+    _need(5 * M * N * 2)
+    x = (_huge_randn(shape, 4) * 3).requires_grad_()
+    _poison_next(M * N, HUGE_DTYPE)
+    y = f(x, dim)
+    _no_nan(y, f"{kind} forward")
+    g = _huge_randn(shape, 5)
+    _poison_next(M * N, HUGE_DTYPE)
+    (dx,) = torch.autograd.grad(y, (x,), g)
+    _no_nan(dx, f"{kind} dx")
+    mid = BIG // N
+    for sl in (slice(0, 8), slice(mid - 2, mid + 2), slice(M - 8, M)):
+        idx = (sl, slice(None)) if dim == -1 else (slice(None), sl)
+        xs = x.detach()[idx].double().requires_grad_()
+        ys = f_ref(xs, dim)
+        (dxs,) = torch.autograd.grad(ys, (xs,), g[idx].double())
+        assert_close_ref(y.detach()[idx], ys, HUGE_DTYPE, f"{kind} dim={dim} forward at {sl}")
+        assert_close_ref(dx[idx], dxs, HUGE_DTYPE, f"{kind} dim={dim} dx at {sl}")
+
+
+@pytest.mark.slow
+def test_huge_layer_norm():
+    H = 1024
+    M = BIG // H + 3
+    _need(5 * M * H * 2)
+    x = (_huge_randn((M, H), 6) + 0.5).requires_grad_()
+    w = (1 + 0.3 * torch.randn(H, device="cuda", dtype=HUGE_DTYPE)).requires_grad_()
+    b = torch.randn(H, device="cuda", dtype=HUGE_DTYPE).requires_grad_()
+    _poison_next(M * H, HUGE_DTYPE)
+    y = gp.layer_norm(x, w, b)
+    _no_nan(y, "layer_norm forward")
+    g = _huge_randn((M, H), 7)
+    _poison_next(M * H, HUGE_DTYPE)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), g)
+    _no_nan(dx, "layer_norm dx")
+    w64, b64 = w.detach().double(), b.detach().double()
+    mid = BIG // H
+    for sl in (slice(0, 8), slice(mid - 2, mid + 2), slice(M - 8, M)):
+        xs = x.detach()[sl].double().requires_grad_()
+        ys = F.layer_norm(xs, (H,), w64, b64)
+        (dxs,) = torch.autograd.grad(ys, (xs,), g[sl].double())
+        assert_close_ref(y.detach()[sl], ys, HUGE_DTYPE, f"layer_norm forward at {sl}")
+        assert_close_ref(dx[sl], dxs, HUGE_DTYPE, f"layer_norm dx at {sl}")
+    dw_ref = torch.zeros(H, dtype=torch.float64, device="cuda")
+    db_ref = torch.zeros(H, dtype=torch.float64, device="cuda")
+    chunk = 2**18
+    for r0 in range(0, M, chunk):
+        xc = x.detach()[r0:r0 + chunk].double()
+        xhat = (xc - xc.mean(-1, keepdim=True)) * (xc.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+        gc = g[r0:r0 + chunk].double()
+        dw_ref += (gc * xhat).sum(0)
+        db_ref += gc.sum(0)
+    grad_close(dw, dw_ref, HUGE_DTYPE, "layer_norm dweight", M)
+    grad_close(db, db_ref, HUGE_DTYPE, "layer_norm dbias", M)
