@@ -420,148 +420,142 @@ def _need(nbytes):
         pytest.skip(f"needs {nbytes / 2**30:.0f} GiB free on the GPU, has {free / 2**30:.0f} GiB")
 
 
-def _poison_next(numel, dtype):
+def _poison_next(numel, dtype, device):
     """Fill a block of this size with NaN and free it: the next allocation of that size gets it."""
-    torch.empty(numel, dtype=dtype, device="cuda").fill_(float("nan"))
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.empty(numel, dtype=dtype, device=device).fill_(float("nan"))
+        torch.cuda.synchronize()
 
 
 def _no_nan(t, what):
     assert not torch.isnan(t).any().item(), f"{what}: NaN in the output (an element never written)"
 
 
-def _huge_randn(shape, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(shape, generator=g, device="cuda", dtype=HUGE_DTYPE)
+def _randn(shape, seed, device):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=g, device=device, dtype=HUGE_DTYPE)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("causal", [False, True])
-def test_huge_conv1d(causal):
+# Each check takes `big`, the flat index it must cross (2^31 on the GPU), so that the same
+# code runs at toy size on the CPU in CI: that tests the checking logic itself.
+
+def _huge_conv1d(device, big, causal):
     C, K = 2, 4
-    L = BIG // C + 5  # C * L > 2^31; channel 1 spans flat index 2^31
-    n = 4096
-    _need(5 * C * L * 2)
-    x = _huge_randn((1, C, L), 0)
-    w = torch.randn(C, K, device="cuda", dtype=HUGE_DTYPE).requires_grad_()
-    b = torch.randn(C, device="cuda", dtype=HUGE_DTYPE).requires_grad_()
-    x.requires_grad_()
-    _poison_next(x.numel(), HUGE_DTYPE)
+    L = 3 * big // 4 + 7  # C * L = 1.5 big; flat index `big` falls mid-channel 1
+    n = min(4096, L // 8)
+    x = _randn((1, C, L), 0, device).requires_grad_()
+    w = torch.randn(C, K, device=device, dtype=HUGE_DTYPE).requires_grad_()
+    b = torch.randn(C, device=device, dtype=HUGE_DTYPE).requires_grad_()
+    _poison_next(x.numel(), HUGE_DTYPE, device)
     y = gp.conv1d(x, w, b, causal=causal)
     _no_nan(y, "conv1d forward")
     w64, b64 = w.detach().double(), b.detach().double()
     halo = K - 1
-    for lo in (0, BIG - L - n // 2, L - n):  # start, across flat index 2^31 (in channel 1), end
+    starts = (0, big - L - n // 2, L - n)  # start, across flat index `big`, end (of each channel)
+    for lo in starts:
+        # a window with a halo: inside it the zero padding only matters at the real edges
         win_lo, win_hi = max(0, lo - halo), min(L, lo + n + halo)
         ref = conv1d_ref(x.detach()[..., win_lo:win_hi].double(), w64, b64, causal)[..., lo - win_lo:lo - win_lo + n]
-        # inside the window the zero padding only matters where the window meets the real edge
         assert_close_ref(y.detach()[..., lo:lo + n], ref, HUGE_DTYPE, f"conv1d forward at {lo}")
-    g = _huge_randn((1, C, L), 1)
     del y
-    _poison_next(x.numel(), HUGE_DTYPE)
+    g = _randn((1, C, L), 1, device)
+    _poison_next(x.numel(), HUGE_DTYPE, device)
     dx, dw, db = torch.autograd.grad(gp.conv1d(x, w, b, causal=causal), (x, w, b), g)
     _no_nan(dx, "conv1d dx")
-    for lo in (0, L - n):
+    for lo in starts:
         win_lo, win_hi = max(0, lo - halo), min(L, lo + n + halo)
         xw = x.detach()[..., win_lo:win_hi].double().requires_grad_()
         (dxw,) = torch.autograd.grad(conv1d_ref(xw, w64, b64, causal), (xw,), g[..., win_lo:win_hi].double())
         assert_close_ref(dx[..., lo:lo + n], dxw[..., lo - win_lo:lo - win_lo + n], HUGE_DTYPE, f"conv1d dx at {lo}")
     # dw[c, j] = sum_i g[c, i] x[c, i + j - s] (s = K - 1 causal, else 0): float64, in chunks
     s = K - 1 if causal else 0
-    dw_ref = torch.zeros(C, K, dtype=torch.float64, device="cuda")
-    chunk = 2**26
+    dw_ref = torch.zeros(C, K, dtype=torch.float64, device=device)
+    chunk = max(1, big // 32)
     for c0 in range(0, L, chunk):
         c1 = min(L, c0 + chunk)
         gc = g[0, :, c0:c1].double()
         for j in range(K):
-            a, bnd = c0 + j - s, c1 + j - s  # x positions paired with g[c0:c1]
-            xs = x.detach()[0, :, max(0, a):min(L, bnd)].double()
-            lo_pad, hi_pad = max(0, -a), max(0, bnd - L)
-            xs = F.pad(xs, (lo_pad, hi_pad))
+            a, e = c0 + j - s, c1 + j - s  # the x positions paired with g[c0:c1]
+            xs = F.pad(x.detach()[0, :, max(0, a):min(L, e)].double(), (max(0, -a), max(0, e - L)))
             dw_ref[:, j] += (gc * xs).sum(-1)
     grad_close(dw, dw_ref, HUGE_DTYPE, "conv1d dw", L)
     grad_close(db, g.sum((0, 2), dtype=torch.float64), HUGE_DTYPE, "conv1d dbias", L)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["coalesced", "2d"])
-def test_huge_embedding(kernel):
+def _huge_embedding(device, big, kernel):
     fn = gp.embedding if kernel == "coalesced" else gp.embedding_2d
-    E, V = 1024, 4099
-    T = BIG // E + 3  # output T * E > 2^31 elements
-    _need(3 * T * E * 2)
-    idx = torch.randint(0, V, (T,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
-    idx[-1], idx[-2], idx[-3] = V + 7, -1, V - 1  # out of range: zero rows; the last row
-    w = torch.randn(V, E, device="cuda", dtype=HUGE_DTYPE).requires_grad_()
-    _poison_next(T * E, HUGE_DTYPE)
+    E = 1024 if big > 2**20 else 16
+    V = 4099 if big > 2**20 else 37
+    T = big // E + 3  # the output has T * E > big elements
+    idx = torch.randint(0, V, (T,), device=device, generator=torch.Generator(device=device).manual_seed(2))
+    idx[-1], idx[-2], idx[-3] = V + 7, -1, V - 1  # out of range (zero rows), the last row
+    w = torch.randn(V, E, device=device, dtype=HUGE_DTYPE).requires_grad_()
+    _poison_next(T * E, HUGE_DTYPE, device)
     y = fn(idx, w)
     _no_nan(y, f"{kernel} forward")
-    mid = BIG // E
+    mid = big // E  # row `mid` starts at flat index `big`
     for sl in (slice(0, 64), slice(mid - 3, mid + 3), slice(T - 64, T)):
         assert torch.equal(y.detach()[sl], embedding_ref(idx[sl], w.detach())), f"{kernel} rows {sl}"
     del y
-    g = _huge_randn((T, E), 3)
+    g = _randn((T, E), 3, device)
     (gw,) = torch.autograd.grad(fn(idx, w), (w,), g)
-    gw_ref = torch.zeros(V, E, dtype=torch.float64, device="cuda")
-    chunk = 2**18
+    gw_ref = torch.zeros(V, E, dtype=torch.float64, device=device)
+    chunk = max(1, T // 8)
     for t0 in range(0, T, chunk):
         gw_ref += embedding_ref_grad(g[t0:t0 + chunk], idx[t0:t0 + chunk], V)
     counts = torch.bincount(idx[(idx >= 0) & (idx < V)], minlength=V)
     grad_close(gw, gw_ref, HUGE_DTYPE, f"{kernel} dweight", counts.max().item())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind,dim", [("softmax", -1), ("log_softmax", -1), ("softmax", 0)])
-def test_huge_softmax(kind, dim):
+def _huge_softmax(device, big, kind, dim):
     f, f_ref = (gp.softmax, torch.softmax) if kind == "softmax" else (gp.log_softmax, torch.log_softmax)
-    N = 1024
-    M = BIG // N + 3
+    N = 1024 if big > 2**20 else 16
+    M = big // N + 3
     shape = (M, N) if dim == -1 else (N, M)  # dim 0: the strided (column) path
-    _need(5 * M * N * 2)
-    x = (_huge_randn(shape, 4) * 3).requires_grad_()
-    _poison_next(M * N, HUGE_DTYPE)
+    x = (_randn(shape, 4, device) * 3).requires_grad_()
+    _poison_next(M * N, HUGE_DTYPE, device)
     y = f(x, dim)
     _no_nan(y, f"{kind} forward")
-    g = _huge_randn(shape, 5)
-    _poison_next(M * N, HUGE_DTYPE)
+    g = _randn(shape, 5, device)
+    _poison_next(M * N, HUGE_DTYPE, device)
     (dx,) = torch.autograd.grad(y, (x,), g)
     _no_nan(dx, f"{kind} dx")
-    mid = BIG // N
+    mid = big // N
+    # dim -1: row `mid` starts at flat index `big`; dim 0: the last columns of the last row lie past it
     for sl in (slice(0, 8), slice(mid - 2, mid + 2), slice(M - 8, M)):
-        idx = (sl, slice(None)) if dim == -1 else (slice(None), sl)
-        xs = x.detach()[idx].double().requires_grad_()
+        at = (sl, slice(None)) if dim == -1 else (slice(None), sl)
+        xs = x.detach()[at].double().requires_grad_()
         ys = f_ref(xs, dim)
-        (dxs,) = torch.autograd.grad(ys, (xs,), g[idx].double())
-        assert_close_ref(y.detach()[idx], ys, HUGE_DTYPE, f"{kind} dim={dim} forward at {sl}")
-        assert_close_ref(dx[idx], dxs, HUGE_DTYPE, f"{kind} dim={dim} dx at {sl}")
+        (dxs,) = torch.autograd.grad(ys, (xs,), g[at].double())
+        assert_close_ref(y.detach()[at], ys, HUGE_DTYPE, f"{kind} dim={dim} forward at {sl}")
+        assert_close_ref(dx[at], dxs, HUGE_DTYPE, f"{kind} dim={dim} dx at {sl}")
 
 
-@pytest.mark.slow
-def test_huge_layer_norm():
-    H = 1024
-    M = BIG // H + 3
-    _need(5 * M * H * 2)
-    x = (_huge_randn((M, H), 6) + 0.5).requires_grad_()
-    w = (1 + 0.3 * torch.randn(H, device="cuda", dtype=HUGE_DTYPE)).requires_grad_()
-    b = torch.randn(H, device="cuda", dtype=HUGE_DTYPE).requires_grad_()
-    _poison_next(M * H, HUGE_DTYPE)
+def _huge_layer_norm(device, big):
+    H = 1024 if big > 2**20 else 16
+    M = big // H + 3
+    x = (_randn((M, H), 6, device) + 0.5).requires_grad_()
+    w = (1 + 0.3 * torch.randn(H, device=device, dtype=HUGE_DTYPE)).requires_grad_()
+    b = torch.randn(H, device=device, dtype=HUGE_DTYPE).requires_grad_()
+    _poison_next(M * H, HUGE_DTYPE, device)
     y = gp.layer_norm(x, w, b)
     _no_nan(y, "layer_norm forward")
-    g = _huge_randn((M, H), 7)
-    _poison_next(M * H, HUGE_DTYPE)
+    g = _randn((M, H), 7, device)
+    _poison_next(M * H, HUGE_DTYPE, device)
     dx, dw, db = torch.autograd.grad(y, (x, w, b), g)
     _no_nan(dx, "layer_norm dx")
     w64, b64 = w.detach().double(), b.detach().double()
-    mid = BIG // H
+    mid = big // H
     for sl in (slice(0, 8), slice(mid - 2, mid + 2), slice(M - 8, M)):
         xs = x.detach()[sl].double().requires_grad_()
         ys = F.layer_norm(xs, (H,), w64, b64)
         (dxs,) = torch.autograd.grad(ys, (xs,), g[sl].double())
         assert_close_ref(y.detach()[sl], ys, HUGE_DTYPE, f"layer_norm forward at {sl}")
-        assert_close_ref(dx[sl], dxs, HUGE_DTYPE, f"layer_norm dx at {sl}")
-    dw_ref = torch.zeros(H, dtype=torch.float64, device="cuda")
-    db_ref = torch.zeros(H, dtype=torch.float64, device="cuda")
-    chunk = 2**18
+        # dx carries rstd (about 1 here) and sums H terms
+        grad_close(dx[sl], dxs, HUGE_DTYPE, f"layer_norm dx at {sl}", H)
+    dw_ref = torch.zeros(H, dtype=torch.float64, device=device)
+    db_ref = torch.zeros(H, dtype=torch.float64, device=device)
+    chunk = max(1, M // 8)
     for r0 in range(0, M, chunk):
         xc = x.detach()[r0:r0 + chunk].double()
         xhat = (xc - xc.mean(-1, keepdim=True)) * (xc.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
@@ -570,3 +564,29 @@ def test_huge_layer_norm():
         db_ref += gc.sum(0)
     grad_close(dw, dw_ref, HUGE_DTYPE, "layer_norm dweight", M)
     grad_close(db, db_ref, HUGE_DTYPE, "layer_norm dbias", M)
+
+
+# (id, check(device, big), GPU bytes it needs: about five tensors of the huge size, bf16)
+HUGE = [("conv1d", lambda d, big: _huge_conv1d(d, big, False), 5 * (3 * BIG // 2) * 2),
+        ("conv1d_causal", lambda d, big: _huge_conv1d(d, big, True), 5 * (3 * BIG // 2) * 2),
+        ("embedding", lambda d, big: _huge_embedding(d, big, "coalesced"), 4 * BIG * 2),
+        ("embedding_2d", lambda d, big: _huge_embedding(d, big, "2d"), 4 * BIG * 2),
+        ("softmax_rows", lambda d, big: _huge_softmax(d, big, "softmax", -1), 5 * BIG * 2),
+        ("log_softmax_rows", lambda d, big: _huge_softmax(d, big, "log_softmax", -1), 5 * BIG * 2),
+        ("softmax_columns", lambda d, big: _huge_softmax(d, big, "softmax", 0), 5 * BIG * 2),
+        ("layer_norm", _huge_layer_norm, 5 * BIG * 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,check,nbytes", HUGE, ids=[h[0] for h in HUGE])
+def test_huge_past_2_31_elements(name, check, nbytes):
+    """Device only: every output past flat index 2^31 written, values right across it."""
+    _need(nbytes)
+    check("cuda", BIG)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("name,check,nbytes", HUGE, ids=[h[0] for h in HUGE])
+def test_huge_checks_at_toy_size(name, check, nbytes):
+    """The same checks on the CPU with `big` = 2^12: the checking code itself is right."""
+    check("cpu", 2**12)
