@@ -431,7 +431,7 @@ def _no_nan(t, what):
     assert not torch.isnan(t).any().item(), f"{what}: NaN in the output (an element never written)"
 
 
-def _randn(shape, seed, device):
+def _huge_randn(shape, seed, device):
     g = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(shape, generator=g, device=device, dtype=HUGE_DTYPE)
 
@@ -443,7 +443,7 @@ def _huge_conv1d(device, big, causal):
     C, K = 2, 4
     L = 3 * big // 4 + 7  # C * L = 1.5 big; flat index `big` falls mid-channel 1
     n = min(4096, L // 8)
-    x = _randn((1, C, L), 0, device).requires_grad_()
+    x = _huge_randn((1, C, L), 0, device).requires_grad_()
     w = torch.randn(C, K, device=device, dtype=HUGE_DTYPE).requires_grad_()
     b = torch.randn(C, device=device, dtype=HUGE_DTYPE).requires_grad_()
     _poison_next(x.numel(), HUGE_DTYPE, device)
@@ -458,7 +458,7 @@ def _huge_conv1d(device, big, causal):
         ref = conv1d_ref(x.detach()[..., win_lo:win_hi].double(), w64, b64, causal)[..., lo - win_lo:lo - win_lo + n]
         assert_close_ref(y.detach()[..., lo:lo + n], ref, HUGE_DTYPE, f"conv1d forward at {lo}")
     del y
-    g = _randn((1, C, L), 1, device)
+    g = _huge_randn((1, C, L), 1, device)
     _poison_next(x.numel(), HUGE_DTYPE, device)
     dx, dw, db = torch.autograd.grad(gp.conv1d(x, w, b, causal=causal), (x, w, b), g)
     _no_nan(dx, "conv1d dx")
@@ -497,7 +497,7 @@ def _huge_embedding(device, big, kernel):
     for sl in (slice(0, 64), slice(mid - 3, mid + 3), slice(T - 64, T)):
         assert torch.equal(y.detach()[sl], embedding_ref(idx[sl], w.detach())), f"{kernel} rows {sl}"
     del y
-    g = _randn((T, E), 3, device)
+    g = _huge_randn((T, E), 3, device)
     (gw,) = torch.autograd.grad(fn(idx, w), (w,), g)
     gw_ref = torch.zeros(V, E, dtype=torch.float64, device=device)
     chunk = max(1, T // 8)
@@ -512,11 +512,11 @@ def _huge_softmax(device, big, kind, dim):
     N = 1024 if big > 2**20 else 16
     M = big // N + 3
     shape = (M, N) if dim == -1 else (N, M)  # dim 0: the strided (column) path
-    x = (_randn(shape, 4, device) * 3).requires_grad_()
+    x = (_huge_randn(shape, 4, device) * 3).requires_grad_()
     _poison_next(M * N, HUGE_DTYPE, device)
     y = f(x, dim)
     _no_nan(y, f"{kind} forward")
-    g = _randn(shape, 5, device)
+    g = _huge_randn(shape, 5, device)
     _poison_next(M * N, HUGE_DTYPE, device)
     (dx,) = torch.autograd.grad(y, (x,), g)
     _no_nan(dx, f"{kind} dx")
@@ -534,13 +534,13 @@ def _huge_softmax(device, big, kind, dim):
 def _huge_layer_norm(device, big):
     H = 1024 if big > 2**20 else 16
     M = big // H + 3
-    x = (_randn((M, H), 6, device) + 0.5).requires_grad_()
+    x = (_huge_randn((M, H), 6, device) + 0.5).requires_grad_()
     w = (1 + 0.3 * torch.randn(H, device=device, dtype=HUGE_DTYPE)).requires_grad_()
     b = torch.randn(H, device=device, dtype=HUGE_DTYPE).requires_grad_()
     _poison_next(M * H, HUGE_DTYPE, device)
     y = gp.layer_norm(x, w, b)
     _no_nan(y, "layer_norm forward")
-    g = _randn((M, H), 7, device)
+    g = _huge_randn((M, H), 7, device)
     _poison_next(M * H, HUGE_DTYPE, device)
     dx, dw, db = torch.autograd.grad(y, (x, w, b), g)
     _no_nan(dx, "layer_norm dx")
