@@ -163,6 +163,8 @@ def hostile_calls(case, device):
         if HAS_CUDA and (i > 0 or role == "index"):
             other = "cpu" if device == "cuda" else "cuda"
             calls.append((f"{name} on {other}", sub(t.to(other)), name))
+            if TWO_GPUS and device == "cuda":  # two GPUs: cuda:0 and cuda:1 do not mix either
+                calls.append((f"{name} on cuda:1", sub(t.to("cuda:1")), name))
     return calls
 
 
@@ -217,8 +219,8 @@ def _check_against_ref(case, inputs, y, grads, grad_out, dtype, what):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", OPS, ids=str)
 def test_hostile_input_names_the_argument(device, case):
-    """Every input made integer, complex, bool, another float dtype, another device (float
-    indices for embedding), plus the op's wrong shapes: an exception naming the argument.
+    """Every input made integer, complex, bool, another float dtype, another device (cpu/cuda,
+    cuda:0/cuda:1 where two GPUs exist; float indices for embedding), plus the op's wrong shapes: an exception naming the argument.
     On CUDA the context stays usable: a correct call afterwards gives the right result."""
     for label, bad, name in hostile_calls(case, device):
         _check_raises_naming(lambda: case.fn(*bad), name, f"{case.name} {label}")
