@@ -101,6 +101,7 @@ OPS = [
            [("weight with 4 channels", lambda x, w, b: gp.conv1d(x, w.new_zeros(4, 4), b), "weight"),
             ("bias (4,)", lambda x, w, b: gp.conv1d(x, w, b.new_zeros(4)), "bias"),
             ("x 4-D", lambda x, w, b: gp.conv1d(x[None], w, b), "x"),
+            ("x 0-d", lambda x, w, b: gp.conv1d(x[0, 0, 0], w[0, :1]), "x"),
             ("algorithm", lambda x, w, b: gp.conv1d(x, w, b, algorithm="best"), "algorithm")]),
     OpCase("embedding", gp.embedding, _embedding_make, ("indices", "weight"), ("index", "float"),
            lambda i, w: embedding_ref(i, w),
