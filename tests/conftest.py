@@ -1,6 +1,14 @@
-"""Shared test fixtures: the devices under test and dtype tolerances."""
-import pytest
-import torch
+"""Shared test fixtures: the devices under test, dtype tolerances, hypothesis profiles."""
+import os
+
+# cuBLAS is only deterministic with a fixed workspace; PyTorch refuses matmuls under
+# torch.use_deterministic_algorithms(True) without it (tests/test_reliability.py). Set
+# before any cuBLAS handle exists.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 import gpu_puzzles  # noqa: F401  registers the ops
 
@@ -12,6 +20,16 @@ CUDA_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 # Relative-to-scale tolerance of a result against a float64 reference.
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+# Property tests (tests/strategies.py): "ci" is small and derandomized (the same examples
+# every run, so CI is stable and fast); "device" searches far more, randomly. Pick with
+# GPU_PUZZLES_HYPOTHESIS_PROFILE=device (README, "Checking correctness").
+_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+settings.register_profile("ci", max_examples=20, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=_HEALTH, print_blob=True)
+settings.register_profile("device", max_examples=300, deadline=None, suppress_health_check=_HEALTH,
+                          print_blob=True)
+settings.load_profile(os.environ.get("GPU_PUZZLES_HYPOTHESIS_PROFILE", "ci"))
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
@@ -27,6 +45,9 @@ def device_dtypes():
 def assert_close_ref(actual, ref, dtype, what=""):
     """Compare with a float64 reference: max error relative to the reference's scale."""
     assert not torch.isnan(actual).any(), f"{what}: NaN in result"
+    if ref.numel() == 0:
+        assert actual.numel() == 0, f"{what}: {actual.numel()} elements, reference has none"
+        return
     scale = max(1.0, ref.abs().max().item())
     err = (actual.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
     assert err <= TOL[dtype] * scale * 4, f"{what}: max error {err:.3e} > {TOL[dtype] * scale * 4:.3e} ({dtype})"

@@ -193,3 +193,50 @@ def test_cuda_backward_deterministic():
         again = torch.autograd.grad(gp.conv1d(x, w, causal=True), (x, w), g)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
+
+
+# ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from strategies import dtypes, extents, extents_or_zero, grad_close, layouts, make_tensor, seeds  # noqa: E402
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(data=st.data())
+def test_property_forward_backward(device, data):
+    """Random rank (1-3), extents (0, 1, primes; K past L), causal, bias, dtype and strides
+    (transposed, sliced, misaligned, stride 0) against float64, forward and all grads."""
+    dtype = data.draw(dtypes(device), "dtype")
+    rank = data.draw(st.integers(1, 3), "rank")
+    B = data.draw(extents_or_zero(4), "B")
+    C = data.draw(extents_or_zero(9), "C") if rank > 1 else 1
+    L = data.draw(extents_or_zero(300 if device == "cpu" else 3000), "L")
+    K = data.draw(extents(13), "K")
+    causal = data.draw(st.booleans(), "causal")
+    algorithm = data.draw(st.sampled_from(["auto", "fast", "tiled", "naive"]), "algorithm")
+    shape = {1: (L,), 2: (C, L), 3: (B, C, L)}[rank]
+    wshape = (K,) if rank == 1 else (C, K)
+    seed = data.draw(seeds(), "seed")
+    x = make_tensor(shape, dtype, device, data.draw(layouts(rank), "x layout"), seed, requires_grad=True)
+    w = make_tensor(wshape, dtype, device, data.draw(layouts(len(wshape)), "w layout"), seed + 1,
+                    requires_grad=True)
+    b = None
+    if data.draw(st.booleans(), "bias"):
+        b = make_tensor((C,), dtype, device, data.draw(layouts(1), "b layout"), seed + 2, requires_grad=True)
+    y = gp.conv1d(x, w, b, causal=causal, algorithm=algorithm)
+    assert y.shape == x.shape and y.dtype == dtype
+    leaves = [t for t in (x, w, b) if t is not None]
+    g = make_tensor(shape, dtype, device, seed=seed + 3)
+    grads = torch.autograd.grad(y, leaves, g)
+    if x.numel() == 0:  # (the F.conv1d reference cannot take it) nothing to sum: zero grads
+        assert grads[0].shape == x.shape and all((t == 0).all() for t in grads[1:])
+        return
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    y_ref = reference(leaves64[0], leaves64[1], leaves64[2] if b is not None else None, causal)
+    assert_close_ref(y, y_ref, dtype, "forward")
+    refs = torch.autograd.grad(y_ref, leaves64, g.double())
+    n_rows = x.numel() // max(1, C * L) if rank > 1 else 1
+    for name, a, r in zip(("dx", "dw", "dbias"), grads, refs):
+        # dx sums K products; dw and dbias sum over every (batch, position)
+        grad_close(a, r, dtype, name, K if name == "dx" else n_rows * L)

@@ -320,3 +320,42 @@ def test_cuda_large_bf16_matches_f_embedding():
     (gw,) = torch.autograd.grad(y, (w,), g)
     _grad_close(gw, reference_grad(g, idx, V), torch.bfloat16, "grad")
 
+
+
+# ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from strategies import (dtypes, extents_or_zero, grad_close, index_dtypes, layouts, make_indices,  # noqa: E402
+                        make_tensor, seeds, shapes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernel", FNS)
+@given(data=st.data())
+def test_property_forward_backward(device, kernel, data):
+    """Random index shape (0-d, empty, primes), V and E (0 included), int32/int64, indices
+    partly out of range, padding_idx, dtype and strides of both inputs (stride 0: repeated
+    indices, or rows shared in the table) against F.embedding (bit-exact) and a float64 weight gradient."""
+    dtype = data.draw(dtypes(device), "dtype")
+    ishape = data.draw(shapes(min_dims=0, max_dims=3, max_side=40, allow_empty=True, max_numel=600), "index shape")
+    V = data.draw(extents_or_zero(300), "V")
+    E = data.draw(extents_or_zero(260 if device == "cpu" else 1100), "E")
+    padding_idx = data.draw(st.none() | st.integers(-V, V - 1), "padding_idx") if V > 0 else None
+    seed = data.draw(seeds(), "seed")
+    idx = make_indices(ishape, -3, V + 3, data.draw(index_dtypes(), "index dtype"), device,
+                       data.draw(layouts(len(ishape)), "index layout"), seed)
+    w = make_tensor((V, E), dtype, device, data.draw(layouts(2), "w layout"), seed + 1,
+                    requires_grad=True)
+    y = FNS[kernel](idx, w, padding_idx)
+    assert y.shape == (*ishape, E) and y.dtype == dtype
+    g = make_tensor(y.shape, dtype, device, seed=seed + 2)
+    (gw,) = torch.autograd.grad(y, (w,), g)
+    if V == 0 or E == 0:  # (F.embedding cannot take an empty table) all rows are zero
+        assert (y == 0).all() and gw.shape == (V, E)
+        return
+    assert torch.equal(y, reference(idx, w.detach(), padding_idx))  # a copy: bit-exact
+    ref = reference_grad(g, idx, V, padding_idx)
+    flat = idx.reshape(-1).long().cpu()
+    counts = torch.bincount(flat[(flat >= 0) & (flat < V)], minlength=V)
+    grad_close(gw, ref, dtype, "dweight", counts.max().item())

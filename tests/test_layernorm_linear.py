@@ -379,3 +379,88 @@ def test_naive_curriculum_kernel(device, dtype):
         y = torch.ops.gpu_puzzles.fused_layernorm_linear_naive(x, lw, lb, W, bias, 1e-5)
         assert_close_ref(y, _ref(x, lw, lb, W, bias)[0], dtype, "naive")
     torch.library.opcheck(torch.ops.gpu_puzzles.fused_layernorm_linear_naive.default, (x, lw, lb, W, b, 1e-5))
+
+
+# ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from strategies import dtypes, extents, grad_close, layouts, make_tensor, seeds, shapes  # noqa: E402
+
+
+def _draw_x(device, data, max_H):
+    dtype = data.draw(dtypes(device), "dtype")
+    lead = data.draw(shapes(min_dims=0, max_dims=3, max_side=40, allow_empty=True, max_numel=200), "leading shape")
+    H = data.draw(extents(max_H), "H")
+    seed = data.draw(seeds(), "seed")
+    # an offset mean makes the centring matter (and the fused op's large-mean guard)
+    shift = data.draw(st.sampled_from([0.0, 0.3, 20.0]), "mean")
+    x = make_tensor((*lead, H), dtype, device, data.draw(layouts(len(lead) + 1), "x layout"), seed,
+                    shift=shift, requires_grad=True)
+    return x, dtype, seed
+
+
+def _check_grads(grads, refs, names, x, dtype, N):
+    M = x.numel() // x.shape[-1]
+    rstd_max = (x.detach().double().var(-1, unbiased=False) + 1e-5).rsqrt().max().item() if M else 1.0
+    for name, a, r in zip(names, grads, refs):
+        # dx is scaled by rstd and sums N outputs; parameter grads sum over M rows
+        if name == "dx":
+            grad_close(a / max(1.0, rstd_max), r / max(1.0, rstd_max), dtype, name, N)
+        else:
+            grad_close(a, r, dtype, name, M)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(data=st.data())
+def test_property_layer_norm(device, data):
+    """Random leading shape (none, empty, primes), H (1, primes, vector edges), mean offset,
+    dtype and strides (transposed: a strided last dim; stride 0) against float64."""
+    x, dtype, seed = _draw_x(device, data, 300 if device == "cpu" else 5000)
+    H = x.shape[-1]
+    lw = make_tensor((H,), dtype, device, data.draw(layouts(1), "w layout"), seed + 1, shift=1.0, requires_grad=True)
+    lb = make_tensor((H,), dtype, device, data.draw(layouts(1), "b layout"), seed + 2, requires_grad=True)
+    y = gp.layer_norm(x, lw, lb)
+    assert y.shape == x.shape and y.dtype == dtype
+    leaves = [t.detach().double().requires_grad_() for t in (x, lw, lb)]
+    y_ref = F.layer_norm(leaves[0], (H,), leaves[1], leaves[2], 1e-5)
+    assert_close_ref(y, y_ref, dtype, "layer_norm")
+    g = make_tensor(x.shape, dtype, device, seed=seed + 3)
+    grads = torch.autograd.grad(y, (x, lw, lb), g)
+    refs = torch.autograd.grad(y_ref, leaves, g.double())
+    _check_grads(grads, refs, ("dx", "dweight", "dbias"), x, dtype, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+@given(data=st.data())
+def test_property_layernorm_linear(device, impl, data):
+    """fused / unfused LayerNorm+Linear (and the naive kernel's forward) on random shapes,
+    N, bias, dtype and strides (a transposed linear_weight too) against float64, all five grads."""
+    x, dtype, seed = _draw_x(device, data, 200 if device == "cpu" else 1100)
+    H = x.shape[-1]
+    N = data.draw(extents(70 if device == "cpu" else 300), "N")
+    lw, lb, W, b = _params(H, N, device, dtype, bias=data.draw(st.booleans(), "bias"), grad=True, seed=seed)
+    W = W.detach().t().contiguous().t() if data.draw(st.booleans(), "W column-major") else W
+    W = W.detach().requires_grad_()
+    y = IMPLS[impl](x, lw, lb, W, b)
+    assert y.shape == (*x.shape[:-1], N) and y.dtype == dtype
+    y_ref, leaves = _ref(x, lw, lb, W, b)
+    # x's mean shift enters the GEMM in the folded form: compare like test_large_mean_inputs
+    eager = F.linear(F.layer_norm(x.detach(), (H,), lw.detach(), lb.detach()), W.detach(),
+                     None if b is None else b.detach())
+    err_eager = (eager.double() - y_ref).abs().max().item() if y.numel() else 0.0
+    err = (y.double() - y_ref).abs().max().item() if y.numel() else 0.0
+    scale = max(1.0, y_ref.abs().max().item()) if y.numel() else 1.0
+    assert not torch.isnan(y).any()
+    assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"{impl}: error {err:.3e} vs eager {err_eager:.3e}"
+    if impl == "fused":
+        y_naive = torch.ops.gpu_puzzles.fused_layernorm_linear_naive(x.detach(), lw.detach(), lb.detach(),
+                                                                     W.detach(), None if b is None else b.detach())
+        err_naive = (y_naive.double() - y_ref).abs().max().item() if y.numel() else 0.0
+        assert err_naive <= 2 * err_eager + 4 * TOL[dtype] * scale, f"naive: error {err_naive:.3e}"
+    g = make_tensor(y.shape, dtype, device, seed=seed + 3)
+    params = [t for t in (x, lw, lb, W, b) if t is not None]
+    grads = torch.autograd.grad(y, params, g)
+    refs = torch.autograd.grad(y_ref, [t for t in leaves if t is not None], g.double())
+    _check_grads(grads, refs, ("dx", "dln_weight", "dln_bias", "dlinear_weight", "dlinear_bias"), x, dtype, N)

@@ -316,3 +316,41 @@ def test_cuda_extremes_on_every_row_path(kind):
             y, r = f(xx, dim).cpu().double(), ref(xx.cpu().double(), dim)
             assert torch.equal(torch.isnan(y), torch.isnan(r)), (n, dim)
             torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+# ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from strategies import dtypes, grad_close, layouts, make_tensor, seeds, shapes  # noqa: E402
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+@given(data=st.data())
+def test_property_forward_backward(device, kind, data):
+    """Random rank (0-d to 4-d), extents (0, 1, primes, warp/vector edges), dim (negative
+    too), algorithm, dtype, value scale and strides (stride 0 along the reduced dim too)
+    against float64, forward and backward."""
+    dtype = data.draw(dtypes(device), "dtype")
+    cap = 3000 if device == "cpu" else 20000
+    shape = data.draw(shapes(min_dims=0, max_dims=4, max_side=1100, allow_empty=True, max_numel=cap), "shape")
+    nd = max(1, len(shape))
+    dim = data.draw(st.integers(-nd, nd - 1), "dim")
+    algorithm = data.draw(st.sampled_from(ALGORITHMS), "algorithm")
+    scale = data.draw(st.sampled_from([1.0, 8.0, 60.0]), "scale")
+    seed = data.draw(seeds(), "seed")
+    x = make_tensor(shape, dtype, device, data.draw(layouts(len(shape)), "layout"), seed, scale=scale,
+                    requires_grad=True)
+    f = FUNCS[kind][0]
+    y = f(x, dim, algorithm=algorithm)
+    assert y.shape == x.shape and y.dtype == dtype
+    x64 = x.detach().double().requires_grad_()
+    y_ref = _ref64(x64, dim, kind)
+    assert_close_ref(y, y_ref, dtype, "forward")
+    g = make_tensor(shape, dtype, device, seed=seed + 1)
+    (dx,) = torch.autograd.grad(y, (x,), g)
+    (dx_ref,) = torch.autograd.grad(y_ref, (x64,), g.double())
+    n = shape[dim] if shape else 1
+    # log_softmax's dx holds sum(dy) over the row: rounding grows like sqrt(n)
+    grad_close(dx, dx_ref, dtype, "dx", n if kind == "log_softmax" else 1)
