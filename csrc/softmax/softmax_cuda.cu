@@ -16,6 +16,14 @@
 //                                      reducing over N with a running (max, sum);
 //                                      the block's tile is kept in shared memory
 //                                      when it fits, so x is read once.
+// The forward (2- and 4-byte types) takes faster kernels where they apply:
+//   rows, 128 V < N <= 512 V        : one warp per row, packed in registers, no
+//                                      block barrier (row_warp_fwd_kernel);
+//   rows, 2048 V < N <= 131072      : a cluster per row with a single DSMEM
+//                                      exchange and 2 blocks per SM (cluster_fwd_kernel);
+//   columns, 512 < N <= 4096        : a cluster per 128-byte column tile, N split
+//                                      over its blocks, in registers (inner_cluster_fwd_kernel).
+// A refused cluster launch falls back to the split / column kernels.
 // The teaching kernels (tree / shuffle / online) run one block per row.
 // Statistics are float (double for float64); exp is the accurate expf/exp.
 // Index arithmetic is 64-bit: tensors may exceed 2^31 elements.
@@ -704,7 +712,9 @@ cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, i
 #pragma unroll
         for (int k = 0; k < V; ++k) v[c][k] = (v[c][k] - M) - ls;
     } else {
-      const A scale = S == A(0) ? nan : exp_a(shift - M) / S;
+      // An empty warp (s == 0, shift 0) writes 0: exp(0 - M) would overflow for
+      // a very negative M and make 0 * inf = NaN.
+      const A scale = S == A(0) ? nan : (s == A(0) ? A(0) : exp_a(shift - M) / S);
 #pragma unroll
       for (int c = 0; c < CH; ++c)
 #pragma unroll
