@@ -318,6 +318,124 @@ def test_cuda_extremes_on_every_row_path(kind):
             torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
+# ---- CUDA: the fast forward kernels (warp per row, cluster per row, cluster per column tile) ----
+# Auto forward thresholds (V = elements per 16 bytes: 8 for 2-byte types, 4 for float32):
+#   warp per row, packed : 128 V < N <= 512 V (CH = 8 up to 256 V, else 16), 2- and 4-byte types;
+#   cluster per row      : 2048 V < N <= 131072, 2 to 8 blocks of 128-512 threads, 2- and 4-byte types;
+#   cluster per column   : dim not last, 512 < N <= 4096, inner % V == 0, inner * size >= 64, aligned.
+# The backward of these shapes keeps the older kernels (checked by _cuda_check too).
+
+
+def _fast_row_lengths(v):
+    return [128 * v - 1, 128 * v + 1, 200 * v + 3, 256 * v, 256 * v + 1, 333 * v + 5, 512 * v - 1, 512 * v,
+            512 * v + 1]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_fast_row_warp_thresholds(dtype, kind):
+    torch.manual_seed(21)
+    v = 16 // torch.empty((), dtype=dtype).element_size()
+    for n in _fast_row_lengths(v):
+        for rows in (1, 5, 131):  # 131: blocks of 4 warps with a ragged last block
+            x = torch.randn(rows, n, device="cuda", dtype=dtype) * 3
+            _cuda_check(x, -1, kind, "auto", dtype, f"{kind} row-warp ({rows},{n}) {dtype}")
+        base = torch.randn(3 * n + 1, device="cuda", dtype=dtype)
+        _cuda_check(base[1:].view(3, n), -1, kind, "auto", dtype, f"{kind} row-warp misaligned (3,{n})")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_fast_cluster_rows(dtype, kind):
+    torch.manual_seed(22)
+    v = 16 // torch.empty((), dtype=dtype).element_size()
+    # Around the block/cluster edge, each cluster size (16384 elements per block of 512) and the
+    # cluster/split edge at 131072.
+    lengths = [2048 * v + 1, 2048 * v + v, 16383, 16385, 24577, 32768, 32769, 65535, 65537, 100003, 131071, 131072,
+               131073]
+    for n in sorted(set(x for x in lengths if x > 2048 * v)):
+        rows = 3 if n > 60000 else 7
+        x = torch.randn(rows, n, device="cuda", dtype=dtype) * 3
+        _cuda_check(x, -1, kind, "auto", dtype, f"{kind} cluster ({rows},{n}) {dtype}")
+        base = torch.randn(2 * n + 1, device="cuda", dtype=dtype)
+        _cuda_check(base[1:].view(2, n), -1, kind, "auto", dtype, f"{kind} cluster misaligned (2,{n})")
+    # Many rows: clusters retire and start while others still read their partials.
+    x = torch.randn(300, 40000, device="cuda", dtype=dtype)
+    _cuda_check(x, -1, kind, "auto", dtype, f"{kind} cluster (300,40000) {dtype}")
+
+
+# (outer, N, inner): cluster sizes 2 / 4 / 8, N odd, inner a multiple of the tile or not, inner just
+# wide enough, and shapes next to the path that must take the older column kernel (N = 512, 4097,
+# inner too narrow or not a multiple of V).
+FAST_COLS = [(64, 4096, 256), (2, 513, 64), (3, 1000, 40), (2, 1025, 256), (1, 2047, 264), (2, 2049, 96),
+             (1, 3001, 520), (2, 4096, 32), (1, 4096, 8), (2, 512, 64), (1, 4097, 64), (2, 1500, 33)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_fast_cluster_columns(dtype, kind):
+    torch.manual_seed(23)
+    for o, n, i in FAST_COLS:
+        x = torch.randn(o, n, i, device="cuda", dtype=dtype) * 3
+        _cuda_check(x, 1, kind, "auto", dtype, f"{kind} cols ({o},{n},{i}) {dtype}")
+        if o * n * i < 2_000_000:  # misaligned view: the older column kernel
+            base = torch.randn(o * n * i + 1, device="cuda", dtype=dtype)
+            _cuda_check(base[1:].view(o, n, i), 1, kind, "auto", dtype, f"{kind} cols misaligned ({o},{n},{i})")
+    # A 4-d tensor over a middle dim (outer and inner both products of sizes).
+    x = torch.randn(2, 3, 1100, 8, 16, device="cuda", dtype=dtype)
+    _cuda_check(x, 2, kind, "auto", dtype, f"{kind} 5-d dim=2 {dtype}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fast_kernels_extremes(kind, dtype):
+    # -inf, whole warps / blocks / cluster ranks of -inf (empty partial pairs), an all -inf line,
+    # +inf, NaN and a single finite entry, on each fast path: NaN exactly where torch has it.
+    torch.manual_seed(24)
+    f, ref = FUNCS[kind]
+    v = 16 // torch.empty((), dtype=dtype).element_size()
+    for n in (300 * v, 50000, 131072, 3000):
+        x = torch.randn(7, n, device="cuda", dtype=torch.float32) * 10
+        x[0, ::3] = -INF
+        x[1] = -INF
+        x[2, n // 2] = INF
+        x[3, n - 1] = float("nan")
+        x[4, :-1] = -INF
+        x[5, : (2 * n) // 3] = -INF  # leading warps and blocks hold nothing but -inf
+        x[6, n // 3:] = -INF          # trailing ones do
+        x = x.to(dtype)
+        lines = [(x, -1)]
+        if n <= 4096:  # the column path: (1, n, 7 * 64) over dim 1, every column one of the rows above
+            lines.append((x.t().contiguous().repeat_interleave(64, dim=1).unsqueeze(0), 1))
+        for xx, dim in lines:
+            y, r = f(xx, dim).cpu().double(), ref(xx.cpu().double(), dim)
+            assert torch.equal(torch.isnan(y), torch.isnan(r)), (n, dim, dtype)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(y, r, rtol=tol, atol=tol, equal_nan=True)
+        # Every entry far below 0 (exp(-max) overflows float) with padding and -inf warps about.
+        x = (torch.randn(3, n, device="cuda") - 300).to(dtype)
+        x[1, : n // 2] = -INF
+        y, r = f(x, -1).cpu().double(), ref(x.cpu().double(), -1)
+        assert not torch.isnan(y).any(), (n, dtype)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(y, r, rtol=tol, atol=tol)
+
+
+@requires_cuda
+def test_cuda_fast_kernels_deterministic():
+    # Cluster merges run in a fixed order: the same input gives the same bits.
+    torch.manual_seed(25)
+    for shape, dim in (((4, 100000), -1), ((3, 3000, 256), 1), ((64, 4000), -1)):
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        first = gp.softmax(x, dim)
+        for _ in range(3):
+            assert torch.equal(first, gp.softmax(x, dim))
+
+
 # ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
 
 from hypothesis import given, strategies as st  # noqa: E402

@@ -16,12 +16,22 @@
 //                                      reducing over N with a running (max, sum);
 //                                      the block's tile is kept in shared memory
 //                                      when it fits, so x is read once.
+// The forward (2- and 4-byte types) takes faster kernels where they apply:
+//   rows, 128 V < N <= 512 V        : one warp per row, packed in registers, no
+//                                      block barrier (row_warp_fwd_kernel);
+//   rows, 2048 V < N <= 131072      : a cluster per row with a single DSMEM
+//                                      exchange and 2 blocks per SM (cluster_fwd_kernel);
+//   columns, 512 < N <= 4096        : a cluster per 128-byte column tile, N split
+//                                      over its blocks, in registers (inner_cluster_fwd_kernel).
+// A refused cluster launch falls back to the split / column kernels.
 // The teaching kernels (tree / shuffle / online) run one block per row.
 // Statistics are float (double for float64); exp is the accurate expf/exp.
 // Index arithmetic is 64-bit: tensors may exceed 2^31 elements.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <initializer_list>
+#include <type_traits>
 
 #include <cooperative_groups.h>
 
@@ -434,6 +444,412 @@ cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restr
 #endif
 }
 
+// ---- fast forward kernels (Auto, forward only) ---------------------------------
+// Shared pieces: exp(x - m) and stores that do not linger in L2.
+//
+// Half types: exp(x - m) = 2^(x log2e - m log2e) as one FFMA and MUFU.EX2. The
+// rounding of m log2e is a factor common to every element of the row (the sum
+// too), so it cancels in softmax; ex2.approx's own error (~2^-22) is far under
+// half precision. float / double keep the accurate expf / exp (the fp32 tests
+// hold softmax to 5e-6 relative).
+constexpr float kLog2e = 1.4426950408889634f;
+__device__ __forceinline__ float ex2_approx(float v) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+  return r;
+}
+template <typename T, bool HALF = (sizeof(T) == 2)> struct ExpShift {
+  using A = acc_t<T>;
+  A m;
+  __device__ __forceinline__ explicit ExpShift(A m_) : m(m_) {}
+  __device__ __forceinline__ A operator()(A x) const { return exp_a(x - m); }
+};
+template <typename T> struct ExpShift<T, true> {
+  float nml;  // -m log2e; m = -inf (an all -inf row) gives NaN, as torch does
+  __device__ __forceinline__ explicit ExpShift(float m) : nml(-m * kLog2e) {}
+  __device__ __forceinline__ float operator()(float x) const { return ex2_approx(fmaf(x, kLog2e, nml)); }
+};
+
+// Raw 16-byte chunks (the row kept packed in registers: 8 KB of bf16 is 64
+// registers per lane of a warp, not 128). Out of range elements read as -inf.
+template <typename T, int V>
+__device__ __forceinline__ void load_raw(Vec<T, V>& r, const T* __restrict__ p, int64_t i0, int64_t N, bool vec) {
+  if (vec) {
+    if (i0 < N) {
+      load_vec(r, p + i0);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) r.e[k] = from_acc<T>(neg_inf<acc_t<T>>());
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) r.e[k] = i0 + k < N ? p[i0 + k] : from_acc<T>(neg_inf<acc_t<T>>());
+  }
+}
+
+// Half types: make the packed words opaque between passes, so the compiler
+// converts them again instead of keeping every converted float live (which
+// doubles the registers and spills). Costs no instruction.
+template <typename T, int V> __device__ __forceinline__ void pin(Vec<T, V>& r) {
+  if constexpr (sizeof(T) == 2) {
+#pragma unroll
+    for (int i = 0; i < Vec<T, V>::kWords; ++i) asm volatile("" : "+r"(r.w[i]));
+  }
+}
+
+// Streaming 16-byte store (st.global.cs): the output is not read again here.
+template <typename T, int V>
+__device__ __forceinline__ void store_raw(T* __restrict__ p, const Vec<T, V>& r, int64_t i0, int64_t N, bool vec) {
+  if (vec) {
+    if (i0 < N) __stcs(reinterpret_cast<uint4*>(p + i0), r.q[0]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (i0 + k < N) p[i0 + k] = r.e[k];
+  }
+}
+
+// Merge running pair (m2, s2) into (m, s), where s = sum of exp(x - m). A pair
+// with s == 0 is empty (all its x are -inf, or padding): its m takes no part,
+// so an empty part can never drag the shift away from the real maximum. NaN
+// sums are not empty and poison the result, as in torch. Commutative (a
+// butterfly gives every lane the same bits).
+template <typename A> __device__ __forceinline__ void pair_merge(A& m, A& s, A m2, A s2) {
+  if (s2 == A(0)) return;
+  if (s == A(0)) { m = m2; s = s2; return; }
+  const A mn = max_a(m, m2);
+  s = s * exp_a(m - mn) + s2 * exp_a(m2 - mn);
+  m = mn;
+}
+
+// ---- rows of 128 V < N <= 512 V (8 KB), 2- and 4-byte types: a warp per row ----
+// Lane l holds chunks c = 0..CH-1 at (c * 32 + l) * V as raw 32-bit words (8 KB
+// of bf16 is 64 registers per lane, not 128 floats): each warp load is a
+// contiguous 512 bytes and all CH loads are in flight before the first use. No
+// block barrier (the block path syncs 6 times per row): warps retire rows on
+// their own, 4 per block. ptxas holds the converted floats too (~157 registers
+// for 8 KB rows of bf16, no spill): 3 blocks, 12 rows, 96 KB of loads in flight
+// per SM (the block path had 5 rows).
+constexpr int kRowWarpThreads = 128;
+
+// Element k (compile-time) of a chunk of 4 words, as float; bf16 and fp16 take
+// two per word (element 2i in the low half), float one.
+template <typename T> __device__ __forceinline__ float word_elem(const uint32_t (&w)[4], int k) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(w[k]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __uint_as_float(k & 1 ? w[k >> 1] & 0xffff0000u : w[k >> 1] << 16);
+  } else {
+    const uint32_t h = k & 1 ? w[k >> 1] >> 16 : w[k >> 1] & 0xffffu;
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+  }
+}
+template <typename T> __device__ __forceinline__ uint32_t bits_of(float v) {
+  if constexpr (sizeof(T) == 4) return __float_as_uint(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  else return __half_as_ushort(__float2half_rn(v));
+}
+template <typename T> __device__ __forceinline__ void set_word_elem(uint32_t (&w)[4], int k, float v) {
+  if constexpr (sizeof(T) == 4) {
+    w[k] = __float_as_uint(v);
+  } else if (k & 1) {
+    w[k >> 1] = (w[k >> 1] & 0xffffu) | (bits_of<T>(v) << 16);
+  } else {
+    w[k >> 1] = (w[k >> 1] & 0xffff0000u) | bits_of<T>(v);
+  }
+}
+
+template <typename T, int CH, bool LOG>
+__global__ void __launch_bounds__(kRowWarpThreads, 3)
+row_warp_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, bool vec) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "2- and 4-byte types");
+  constexpr int V = 16 / sizeof(T);
+  const int lane = threadIdx.x & 31;
+  constexpr int kWarps = kRowWarpThreads / 32;
+  const uint32_t ninf = bits_of<T>(-INFINITY) * (sizeof(T) == 2 ? 0x10001u : 1u);  // -inf in every slot
+  const int64_t step = int64_t(gridDim.x) * kWarps;
+  for (int64_t row = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); row < rows; row += step) {  // warp-uniform
+    const T* ar = a + row * N + lane * V;
+    T* outr = out + row * N + lane * V;
+    const int64_t rem = N - int64_t(lane) * V;  // elements from this lane's first
+    uint32_t r[CH][4];
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+      const int i0 = c * 32 * V;  // < 8 KB / 2: int is enough
+      if (vec) {
+        if (i0 < rem) {
+          const uint4 q = __ldg(reinterpret_cast<const uint4*>(ar + i0));
+          r[c][0] = q.x; r[c][1] = q.y; r[c][2] = q.z; r[c][3] = q.w;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) r[c][i] = ninf;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r[c][i] = ninf;
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          if (i0 + k < rem) set_word_elem<T>(r[c], k, to_acc<float>(ar[i0 + k]));
+      }
+    }
+    float m = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < CH; ++c)
+#pragma unroll
+      for (int k = 0; k < V; ++k) m = fmaxf(m, word_elem<T>(r[c], k));
+    m = warp_max(m);
+    const ExpShift<T> ex(m);
+    float s = 0.f;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) s += ex(word_elem<T>(r[c], k));  // padding: exp(-inf) = 0
+    }
+    s = warp_sum(s);
+    const float ls = LOG ? logf(s) : 0.f;
+    const float inv = 1.f / s;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float x = word_elem<T>(r[c], k);
+        set_word_elem<T>(r[c], k, LOG ? (x - m) - ls : ex(x) * inv);
+      }
+      const int i0 = c * 32 * V;
+      if (vec) {
+        if (i0 < rem) __stcs(reinterpret_cast<uint4*>(outr + i0), make_uint4(r[c][0], r[c][1], r[c][2], r[c][3]));
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          if (i0 + k < rem) outr[i0 + k] = from_acc<T>(word_elem<T>(r[c], k));
+      }
+    }
+  }
+}
+
+// ---- long rows, forward, on Hopper: a cluster per row, one cluster barrier -----
+// CS blocks (2..8) of up to 512 threads share a row; thread t of the cluster
+// holds CH chunks of V (32 elements) at (c * G + t) * V in registers. Each warp
+// reduces its values to a pair (shift, sum of exp(x - shift)) with its own
+// maximum as the shift, the block merges its warps' pairs, and the blocks swap
+// pairs through distributed shared memory once (one cluster barrier per row,
+// not two). 512 threads at <= 64 registers give 2 blocks per SM: one block's
+// loads overlap the other's barrier. Softmax keeps e = exp(x - shift) and
+// scales it by exp(shift - M) / S; log_softmax keeps x.
+constexpr int kClusterFwdThreads = 512;
+constexpr int kClusterFwdElems = 32;  // elements per thread
+
+template <typename T, bool LOG>
+__global__ void __launch_bounds__(kClusterFwdThreads, 2)
+cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, bool vec) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  constexpr int V = 16 / sizeof(T);
+  constexpr int CH = kClusterFwdElems / V;
+  __shared__ A wred[kClusterFwdThreads / 32][2];
+  __shared__ A part[2][2];  // [row parity][shift, sum]: a slower block may still read the last row's
+  cg::cluster_group cluster = cg::this_cluster();
+  const int CS = int(cluster.num_blocks());
+  const int G = int(blockDim.x) * CS;
+  const int t = int(cluster.block_rank()) * int(blockDim.x) + int(threadIdx.x);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int64_t step = gridDim.x / CS;
+  int parity = 0;
+  for (int64_t row = blockIdx.x / CS; row < rows; row += step, parity ^= 1) {  // cluster-uniform
+    // Rebased on this thread's first element: 32-bit chunk offsets (c G V <= N <=
+    // 131072), fewer live 64-bit addresses.
+    const T* ar = a + row * N + int64_t(t) * V;
+    T* outr = out + row * N + int64_t(t) * V;
+    const int64_t rem = N - int64_t(t) * V;
+    A v[CH][V];
+#pragma unroll
+    for (int c = 0; c < CH; ++c) load_chunk<T, V>(v[c], ar, int64_t(c * G * V), rem, vec, neg_inf<A>());
+    A mw = neg_inf<A>();
+#pragma unroll
+    for (int c = 0; c < CH; ++c)
+#pragma unroll
+      for (int k = 0; k < V; ++k) mw = max_a(mw, v[c][k]);
+    mw = warp_max(mw);
+    // A warp of only -inf (or padding) shifts by 0: exp(-inf) = 0, sum 0 (empty),
+    // while a NaN among them still makes the sum NaN.
+    const A shift = mw == neg_inf<A>() ? A(0) : mw;
+    const ExpShift<T> ex(shift);
+    A s = A(0);
+#pragma unroll
+    for (int c = 0; c < CH; ++c)
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const A e = ex(v[c][k]);
+        s += e;
+        if (!LOG) v[c][k] = e;
+      }
+    s = warp_sum(s);
+    if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
+    __syncthreads();
+    if (w == 0) {
+      A bm = lane < nw ? wred[lane][0] : A(0), bs = lane < nw ? wred[lane][1] : A(0);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const A m2 = __shfl_xor_sync(0xffffffffu, bm, o), s2 = __shfl_xor_sync(0xffffffffu, bs, o);
+        pair_merge(bm, bs, m2, s2);
+      }
+      if (lane == 0) { part[parity][0] = bm; part[parity][1] = bs; }
+    }
+    // Release/acquire across the cluster: every block's pair is visible after it;
+    // also orders this row's wred reads before the next row's wred writes.
+    cluster.sync();
+    A M = A(0), S = A(0);
+    for (int r = 0; r < CS; ++r) {  // rank order: identical bits in every block
+      const A* p = cluster.map_shared_rank(&part[parity][0], r);
+      pair_merge(M, S, p[0], p[1]);
+    }
+    // S == 0 only for a row of all -inf: NaN there, as torch.
+    const A nan = A(NAN);
+    if (LOG) {
+      const A ls = S == A(0) ? nan : log_a(S);
+#pragma unroll
+      for (int c = 0; c < CH; ++c)
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[c][k] = (v[c][k] - M) - ls;
+    } else {
+      // An empty warp (s == 0, shift 0) writes 0: exp(0 - M) would overflow for
+      // a very negative M and make 0 * inf = NaN.
+      const A scale = S == A(0) ? nan : (s == A(0) ? A(0) : exp_a(shift - M) / S);
+#pragma unroll
+      for (int c = 0; c < CH; ++c)
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[c][k] *= scale;
+    }
+#pragma unroll
+    for (int c = 0; c < CH; ++c) store_chunk<T, V>(outr, v[c], int64_t(c * G * V), rem, vec);
+  }
+  cluster.sync();  // no block exits while another may still read its `part`
+#endif
+}
+
+// ---- a non-last dim, forward, on Hopper: a cluster per column tile -------------
+// Tile = 8 16-byte vectors across inner (128 bytes of each of the N rows: whole
+// cache lines) of one outer index. The cluster's CS blocks split N: block r
+// holds rows [r NB, r NB + NB) of the tile, NB <= 32 * 16, in registers (thread
+// (tx, ty) holds rows ty, ty + 32, ... of vector tx, 16 loads in flight). Per
+// column (shift, sum) pairs are merged over the 4 lanes sharing tx (shuffles),
+// the block's 8 warps (shared memory) and the cluster's blocks (distributed
+// shared memory, one cluster barrier). x is read once and written once.
+constexpr int kIcTx = 8, kIcTy = 32, kIcRows = 16;
+constexpr int kIcThreads = kIcTx * kIcTy;  // 256
+constexpr int kIcMaxCols = kIcTx * 8;      // columns of a tile, bf16 / fp16 (fp32: 32)
+
+template <typename T, bool LOG>
+__global__ void __launch_bounds__(kIcThreads, 2)
+inner_cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t outer, int64_t N, int64_t inner,
+                         int64_t tiles, int64_t NB) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  constexpr int V = 16 / sizeof(T);
+  constexpr int TW = kIcTx * V;  // tile width in elements
+  static_assert(TW <= kIcMaxCols, "tile width");
+  __shared__ A red[kIcThreads / 32][TW][2];
+  __shared__ A part[2][TW][2];  // [tile parity][column][shift, sum]
+  __shared__ A fin[TW][2];      // the cluster's (M, S) per column
+  cg::cluster_group cluster = cg::this_cluster();
+  const int CS = int(cluster.num_blocks());
+  const int tx = threadIdx.x % kIcTx, ty = threadIdx.x / kIcTx, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int64_t n0 = int64_t(cluster.block_rank()) * NB;
+  const int64_t n1 = min(N, n0 + NB);
+  const int64_t step = gridDim.x / CS;
+  int parity = 0;
+  for (int64_t tile = blockIdx.x / CS; tile < outer * tiles; tile += step, parity ^= 1) {  // cluster-uniform
+    const int64_t o = tile / tiles;
+    const int64_t col = (tile % tiles) * TW + int64_t(tx) * V;
+    const bool active = col < inner;  // inner % V == 0: a vector is wholly in or out
+    const T* ap = a + o * N * inner + col;
+    T* op = out + o * N * inner + col;
+    Vec<T, V> r[kIcRows];
+#pragma unroll
+    for (int j = 0; j < kIcRows; ++j) {
+      const int64_t n = n0 + ty + int64_t(j) * kIcTy;
+      if (active && n < n1) {
+        load_vec(r[j], ap + n * inner);
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) r[j].e[k] = from_acc<T>(neg_inf<A>());
+      }
+    }
+    A sh[V], s[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      A m = neg_inf<A>();
+#pragma unroll
+      for (int j = 0; j < kIcRows; ++j) m = max_a(m, to_acc<A>(r[j].e[k]));
+      sh[k] = m == neg_inf<A>() ? A(0) : m;  // nothing but -inf: empty (sum 0), see pair_merge
+      const ExpShift<T> ex(sh[k]);
+      A acc = A(0);
+#pragma unroll
+      for (int j = 0; j < kIcRows; ++j) acc += ex(to_acc<A>(r[j].e[k]));
+      s[k] = acc;
+    }
+#pragma unroll
+    for (int j = 0; j < kIcRows; ++j) pin(r[j]);
+    // Lanes tx, tx + 8, tx + 16, tx + 24 share the columns.
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+#pragma unroll
+      for (int of = kIcTx; of < 32; of <<= 1) {
+        const A m2 = __shfl_xor_sync(0xffffffffu, sh[k], of), s2 = __shfl_xor_sync(0xffffffffu, s[k], of);
+        pair_merge(sh[k], s[k], m2, s2);
+      }
+    if (lane < kIcTx) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) { red[w][tx * V + k][0] = sh[k]; red[w][tx * V + k][1] = s[k]; }
+    }
+    __syncthreads();
+    if (threadIdx.x < TW) {
+      A bm = A(0), bs = A(0);
+      for (int ww = 0; ww < kIcThreads / 32; ++ww) pair_merge(bm, bs, red[ww][threadIdx.x][0], red[ww][threadIdx.x][1]);
+      part[parity][threadIdx.x][0] = bm;
+      part[parity][threadIdx.x][1] = bs;
+    }
+    cluster.sync();  // every block's pairs visible (release/acquire); red reads done
+    if (threadIdx.x < TW) {
+      A M = A(0), S = A(0);
+      for (int rk = 0; rk < CS; ++rk) {  // rank order: identical bits in every block
+        const A* p = cluster.map_shared_rank(&part[parity][threadIdx.x][0], rk);
+        pair_merge(M, S, p[0], p[1]);
+      }
+      fin[threadIdx.x][0] = M;
+      fin[threadIdx.x][1] = S;
+    }
+    __syncthreads();
+    A M[V], mul[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const A Mk = fin[tx * V + k][0], Sk = fin[tx * V + k][1];
+      // S == 0 only for a column of all -inf: NaN there, as torch. Log: (x - M) - log S.
+      M[k] = Mk;
+      mul[k] = Sk == A(0) ? A(NAN) : (LOG ? log_a(Sk) : A(1) / Sk);
+    }
+    // fin is rewritten only after the next cluster barrier, which every thread
+    // reaches after these reads.
+    if (active) {
+#pragma unroll
+      for (int j = 0; j < kIcRows; ++j) {
+        const int64_t n = n0 + ty + int64_t(j) * kIcTy;
+        if (n < n1) {
+          Vec<T, V> y;
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            const A x = to_acc<A>(r[j].e[k]);
+            y.e[k] = from_acc<T>(LOG ? (x - M[k]) - mul[k] : ExpShift<T>(M[k])(x) * mul[k]);
+          }
+          __stcs(reinterpret_cast<uint4*>(op + n * inner), y.q[0]);
+        }
+      }
+    }
+  }
+  cluster.sync();  // no block exits while another may still read its `part`
+#endif
+}
+
 // ---- a non-last dim: columns over inner -------------------------------------
 // Block (TC, TY) owns TC adjacent columns of one outer index; thread (tx, ty)
 // walks n = ty, ty + TY, ... of column tx, so each warp reads whole 16/32-byte
@@ -571,16 +987,18 @@ looped_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ 
 
 // ---- planning ----------------------------------------------------------------
 
-enum class Kind { WarpRows, BlockRows, ClusterRows, Split, Inner, Looped };
+enum class Kind { WarpRows, RowWarp, BlockRows, ClusterRows, ClusterFwd, Split, Inner, InnerCluster, Looped };
 
 struct Plan {
   Kind kind;
   int ch = 1;        // chunks per thread (register paths)
   int lanes = 32;    // lanes per row (WarpRows)
   int threads = 0;   // block size (BlockRows, ClusterRows), TC (Inner)
-  int64_t S = 1;     // chunks per row (Split), blocks per cluster (ClusterRows)
+  int64_t S = 1;     // chunks per row (Split), blocks per cluster (ClusterRows, ClusterFwd, InnerCluster)
   bool cache = false;
   int64_t smem = 0;  // dynamic shared memory bytes (Inner)
+  // InnerCluster keeps threads / cache / smem of the Inner plan: its fallback
+  // when the cluster launch is refused.
 };
 
 int esize(DType dt) { return dt == DType::Float64 ? 8 : (dt == DType::Float32 ? 4 : 2); }
@@ -604,6 +1022,37 @@ bool cluster_ok(bool bwd) {
   return fa.ptxVersion >= 90;
 }
 
+// The forward cluster kernels: sm_90 code present, and the GPU can hold at least
+// one cluster of the largest size at the kernel's block size (asked once per
+// device and kernel; the answer does not change).
+template <typename K> bool cluster_fwd_ok(K kernel, int threads) {
+  static std::atomic<int> known[64];  // 0 unknown, 1 yes, 2 no
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) { cudaGetLastError(); return false; }
+  const int k = known[dev].load(std::memory_order_relaxed);
+  if (k) return k == 1;
+  bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+  cudaFuncAttributes fa{};
+  ok = ok && cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.ptxVersion >= 90;
+  if (ok) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(kClusterMax);
+    cfg.blockDim = dim3(unsigned(threads));
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kClusterMax;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+  }
+  cudaGetLastError();  // a refused query leaves no error behind
+  known[dev].store(ok ? 1 : 2, std::memory_order_relaxed);
+  return ok;
+}
+
 Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
   Plan p{};
   const int es = esize(a.dtype), V = 16 / es;
@@ -614,11 +1063,20 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
     const int64_t arrays = bwd ? 2 : 1;
     // Narrower tiles read part of a 32-byte sector each; the neighbouring tiles
     // (adjacent blocks, resident together) use the rest of it from L2.
+    p.threads = int(full);
     for (int64_t tc : {full, std::max<int64_t>(1, full / 2), std::max<int64_t>(1, full / 4)}) {
       const int64_t bytes = a.N * tc * es * arrays;
-      if (bytes <= kInnerCacheBytes) { p.threads = int(tc); p.cache = true; p.smem = bytes; return p; }
+      if (bytes <= kInnerCacheBytes) { p.threads = int(tc); p.cache = true; p.smem = bytes; break; }
     }
-    p.threads = int(full);
+    // Forward, 512 < N <= 4096, whole 16-byte vectors across inner, at least half
+    // a 128-byte tile used: a cluster of 2-8 blocks per tile holds it in registers
+    // (one read of x, whole cache lines) instead of narrow tiles in shared memory.
+    if (!bwd && es <= 4 && a.N > int64_t(kIcTy) * kIcRows && a.N <= int64_t(kClusterMax) * kIcTy * kIcRows &&
+        a.inner % V == 0 && a.inner * es >= 64 && al16(a.a) && al16(a.out) &&
+        cluster_fwd_ok(inner_cluster_fwd_kernel<float, false>, kIcThreads)) {
+      p.kind = Kind::InnerCluster;
+      p.S = pow2ceil(cdiv(a.N, int64_t(kIcTy) * kIcRows));
+    }
     return p;
   }
   const int64_t rows = a.outer, N = a.N;
@@ -627,6 +1085,22 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
     p.ch = N <= 32 * V ? 1 : (N <= 64 * V ? 2 : 4);
     // Short rows share a warp: one lane per 16-byte vector of the row.
     if (N <= 16 * V) p.lanes = int(pow2ceil(cdiv(N, V)));
+    return p;
+  }
+  // Forward, rows up to 8 KB: still one warp per row, the row packed in
+  // registers, no block barrier (the block path below syncs 6 times per row).
+  if (!bwd && es <= 4 && N <= 32 * 16 * V) {
+    p.kind = Kind::RowWarp;
+    p.ch = N <= 32 * 8 * V ? 8 : 16;
+    return p;
+  }
+  // Forward, long rows: a cluster per row with one cluster barrier and two
+  // blocks per SM (the backward keeps the 1024-thread cluster kernel below).
+  if (!bwd && N > 2048 * V && es <= 4 && N <= int64_t(kClusterMax) * kClusterFwdThreads * kClusterFwdElems &&
+      cluster_fwd_ok(cluster_fwd_kernel<float, false>, kClusterFwdThreads)) {
+    p.kind = Kind::ClusterFwd;
+    p.S = std::max<int64_t>(2, pow2ceil(cdiv(N, int64_t(kClusterFwdThreads) * kClusterFwdElems)));
+    p.threads = int(std::max<int64_t>(128, pow2ceil(cdiv(N, p.S * kClusterFwdElems))));
     return p;
   }
   // Too long for one block's registers: a cluster per row where the GPU has
@@ -650,6 +1124,52 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
 }
 
 unsigned grid_for(int64_t blocks) { return unsigned(std::max<int64_t>(1, std::min(blocks, kMaxGrid))); }
+
+cudaLaunchAttribute cluster_attr(int64_t cs) {
+  cudaLaunchAttribute at{};
+  at.id = cudaLaunchAttributeClusterDimension;
+  at.val.clusterDim.x = unsigned(cs);
+  at.val.clusterDim.y = 1;
+  at.val.clusterDim.z = 1;
+  return at;
+}
+
+// The split path: also the fallback of the cluster paths when a cluster launch
+// is refused (the workspace is sized for it; see softmax_workspace_bytes).
+template <typename T, bool BWD>
+cudaError_t launch_split(const SoftmaxArgs& a, void* workspace, cudaStream_t st, bool vec) {
+  if (workspace == nullptr) return cudaErrorInvalidValue;
+  const T* A_ = static_cast<const T*>(a.a);
+  const T* B_ = static_cast<const T*>(a.b);
+  T* O = static_cast<T*>(a.out);
+  const int64_t rows = a.outer, N = a.N, S = cdiv(N, kSplitChunk);
+  auto* ws = static_cast<acc_t<T>*>(workspace);
+  const unsigned g = grid_for(rows * S);
+  split_stats_kernel<T, BWD><<<g, kSplitThreads, 0, st>>>(A_, B_, ws, rows, N, S, a.log, vec);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  split_apply_kernel<T, BWD><<<g, kSplitThreads, 0, st>>>(A_, B_, O, ws, rows, N, S, a.log, vec);
+  return cudaGetLastError();
+}
+
+template <typename T, bool BWD>
+cudaError_t launch_inner(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
+  const T* A_ = static_cast<const T*>(a.a);
+  const T* B_ = static_cast<const T*>(a.b);
+  T* O = static_cast<T*>(a.out);
+  const int64_t tiles = cdiv(a.inner, p.threads);
+  const dim3 block(p.threads, kInnerThreads / p.threads);
+  const unsigned g = grid_for(a.outer * tiles);
+  if (p.cache) {
+    auto k = inner_kernel<T, BWD, true>;
+    const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem));
+    if (e != cudaSuccess) return e;
+    k<<<g, block, size_t(p.smem), st>>>(A_, B_, O, a.outer, a.N, a.inner, tiles, a.log);
+  } else {
+    inner_kernel<T, BWD, false><<<g, block, 0, st>>>(A_, B_, O, a.outer, a.N, a.inner, tiles, a.log);
+  }
+  return cudaGetLastError();
+}
 
 template <typename T, bool BWD>
 cudaError_t launch_typed(const SoftmaxArgs& a, const Plan& p, void* workspace, cudaStream_t st, SoftmaxAlgo algo) {
@@ -695,35 +1215,75 @@ cudaError_t launch_typed(const SoftmaxArgs& a, const Plan& p, void* workspace, c
       cfg.numAttrs = 1;
       if constexpr (sizeof(T) <= 4) {  // the plan never picks it for float64
         const cudaError_t e = cudaLaunchKernelEx(&cfg, cluster_rows_kernel<T, BWD>, A_, B_, O, rows, N, a.log, vec);
-        if (e != cudaSuccess) return e;
+        if (e != cudaSuccess) {  // refused (no room for the cluster): the split path
+          cudaGetLastError();
+          return launch_split<T, BWD>(a, workspace, st, vec);
+        }
       } else {
         return cudaErrorInvalidValue;
       }
       break;
     }
-    case Kind::Split: {
-      auto* ws = static_cast<acc_t<T>*>(workspace);
-      const unsigned g = grid_for(rows * p.S);
-      split_stats_kernel<T, BWD><<<g, kSplitThreads, 0, st>>>(A_, B_, ws, rows, N, p.S, a.log, vec);
-      const cudaError_t e = cudaGetLastError();
-      if (e != cudaSuccess) return e;
-      split_apply_kernel<T, BWD><<<g, kSplitThreads, 0, st>>>(A_, B_, O, ws, rows, N, p.S, a.log, vec);
-      break;
-    }
-    case Kind::Inner: {
-      const int64_t tiles = cdiv(a.inner, p.threads);
-      const dim3 block(p.threads, kInnerThreads / p.threads);
-      const unsigned g = grid_for(a.outer * tiles);
-      if (p.cache) {
-        auto k = inner_kernel<T, BWD, true>;
-        const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem));
-        if (e != cudaSuccess) return e;
-        k<<<g, block, size_t(p.smem), st>>>(A_, B_, O, a.outer, N, a.inner, tiles, a.log);
+    case Kind::RowWarp: {
+      if constexpr (!BWD && sizeof(T) <= 4) {
+        const unsigned g = grid_for(cdiv(rows, kRowWarpThreads / 32));
+        auto k = p.ch == 8 ? (a.log ? row_warp_fwd_kernel<T, 8, true> : row_warp_fwd_kernel<T, 8, false>)
+                           : (a.log ? row_warp_fwd_kernel<T, 16, true> : row_warp_fwd_kernel<T, 16, false>);
+        k<<<g, kRowWarpThreads, 0, st>>>(A_, O, rows, N, vec);
       } else {
-        inner_kernel<T, BWD, false><<<g, block, 0, st>>>(A_, B_, O, a.outer, N, a.inner, tiles, a.log);
+        return cudaErrorInvalidValue;  // forward, 2- and 4-byte types only
       }
       break;
     }
+    case Kind::ClusterFwd: {
+      if constexpr (!BWD && sizeof(T) <= 4) {
+        cudaLaunchConfig_t cfg{};
+        const int64_t clusters = std::min<int64_t>(rows, kMaxGrid / kClusterMax);  // grid-stride over the rest
+        cfg.gridDim = dim3(unsigned(clusters * p.S));
+        cfg.blockDim = dim3(unsigned(p.threads));
+        cfg.stream = st;
+        cudaLaunchAttribute attr[1] = {cluster_attr(p.S)};
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        const cudaError_t e = cudaLaunchKernelEx(&cfg, a.log ? cluster_fwd_kernel<T, true> : cluster_fwd_kernel<T, false>,
+                                                 A_, O, rows, N, vec);
+        if (e != cudaSuccess) {
+          cudaGetLastError();
+          return launch_split<T, BWD>(a, workspace, st, vec);
+        }
+      } else {
+        return cudaErrorInvalidValue;  // forward, 2- and 4-byte types only
+      }
+      break;
+    }
+    case Kind::InnerCluster: {
+      if constexpr (!BWD && sizeof(T) <= 4) {
+        const int64_t tw = kIcTx * V, tiles = cdiv(a.inner, tw);
+        const int64_t NB = cdiv(N, p.S);
+        const int64_t clusters = std::min<int64_t>(a.outer * tiles, kMaxGrid / kClusterMax);
+        cudaLaunchConfig_t cfg{};
+        cfg.gridDim = dim3(unsigned(clusters * p.S));
+        cfg.blockDim = dim3(unsigned(kIcThreads));
+        cfg.stream = st;
+        cudaLaunchAttribute attr[1] = {cluster_attr(p.S)};
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        const cudaError_t e =
+            cudaLaunchKernelEx(&cfg, a.log ? inner_cluster_fwd_kernel<T, true> : inner_cluster_fwd_kernel<T, false>, A_,
+                               O, a.outer, N, a.inner, tiles, NB);
+        if (e != cudaSuccess) {
+          cudaGetLastError();
+          return launch_inner<T, BWD>(a, p, st);
+        }
+      } else {
+        return cudaErrorInvalidValue;
+      }
+      break;
+    }
+    case Kind::Split:
+      return launch_split<T, BWD>(a, workspace, st, vec);
+    case Kind::Inner:
+      return launch_inner<T, BWD>(a, p, st);
     case Kind::Looped: {
       if (a.inner != 1) return cudaErrorInvalidValue;  // the host moves the dim last first
       const unsigned g = grid_for(rows);
@@ -753,9 +1313,10 @@ LaunchStatus launch(const SoftmaxArgs& a, SoftmaxAlgo algo, void* workspace, cud
 int64_t softmax_workspace_bytes(const SoftmaxArgs& a, SoftmaxAlgo algo, bool backward) {
   if (a.outer * a.N * a.inner == 0) return 0;
   const Plan p = make_plan(a, algo, backward);
-  if (p.kind != Kind::Split) return 0;
+  // The cluster paths fall back to the split path when a launch is refused.
+  if (p.kind != Kind::Split && p.kind != Kind::ClusterRows && p.kind != Kind::ClusterFwd) return 0;
   const int64_t acc = a.dtype == DType::Float64 ? 8 : 4;
-  return a.outer * p.S * acc * (backward ? 1 : 2);
+  return a.outer * cdiv(a.N, kSplitChunk) * acc * (backward ? 1 : 2);
 }
 
 LaunchStatus softmax_forward_cuda(const SoftmaxArgs& a, SoftmaxAlgo algo, void* workspace, cudaStream_t stream) {
