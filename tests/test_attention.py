@@ -474,3 +474,25 @@ def test_cuda_graph_capture():
     for a, b in zip(captured, fresh):
         torch.testing.assert_close(a, b)  # not bitwise: a backward may accumulate dq with atomics
     assert eager[0].shape == captured[0].shape
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_chain_ops_shapes(dtype):
+    # The chain's kernels alone: tiles with tails in every dim, tiles fully above the
+    # diagonal (skipped), K = 0 and 1, poisoned outputs.
+    for B, M, K, N in ((1, 1, 1, 1), (3, 31, 33, 65), (2, 64, 64, 64), (1, 100, 1, 37), (2, 7, 0, 9),
+                       (1, 300, 128, 129), (4, 33, 257, 31)):
+        a = torch.randn(B, M, K, device="cuda", dtype=torch.float64).to(dtype)
+        b = torch.randn(B, K, N, device="cuda", dtype=torch.float64).to(dtype)
+        ref = 0.7 * (a.double() @ b.double())
+        for causal in (False, True):
+            _poison_cache()
+            c = OPS.matmul(a, b, 0.7, causal)
+            mask = torch.ones(M, N, dtype=torch.bool, device="cuda").triu(1)
+            if causal:
+                assert torch.isneginf(c[:, mask]).all()
+            keep = ~mask if causal else torch.ones_like(mask)
+            _assert_close(c[:, keep], ref[:, keep], dtype, f"matmul {(B, M, K, N)} causal={causal}")
+        _poison_cache()
+        assert torch.equal(OPS.transpose_last2(a), a.transpose(-1, -2).contiguous())
