@@ -496,3 +496,42 @@ def test_cuda_chain_ops_shapes(dtype):
             _assert_close(c[:, keep], ref[:, keep], dtype, f"matmul {(B, M, K, N)} causal={causal}")
         _poison_cache()
         assert torch.equal(OPS.transpose_last2(a), a.transpose(-1, -2).contiguous())
+
+
+def _check_given(q, k, v, causal, scale, dtype, what):
+    """Forward and backward of the fused op against the float64 math on the same inputs."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    g = torch.randn(*q.shape[:-1], v.shape[-1], device=q.device, dtype=torch.float64).to(dtype)
+    _poison_cache()
+    out = gp.attention(q, k, v, scale=scale, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_attention(*leaves, scale=scale, causal=causal)
+    _assert_close(out, ref, dtype, f"{what} out")
+    for name, a, r in zip("qkv", grads, torch.autograd.grad(ref, leaves, g.double())):
+        _assert_close(a, r, dtype, f"{what} d{name}", grad=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_online_softmax_rescaling(dtype):
+    # Scores that grow along the keys move the row max into every new tile, so the
+    # running output is rescaled at every step; large magnitudes stress exp overflow;
+    # a peaked row (one key dominates) stresses the sum.
+    torch.manual_seed(12)
+    for D in (64, 128):
+        for causal in (False, True):
+            S = 1000
+            q = torch.randn(2, 2, S, D, device="cuda", dtype=torch.float64)
+            ramp = torch.linspace(0, 1, S, device="cuda", dtype=torch.float64)[:, None]
+            k = torch.randn(2, 2, S, D, device="cuda", dtype=torch.float64) * 0.3 + ramp * q.mean(2, keepdim=True) * 8
+            v = torch.randn(2, 2, S, D, device="cuda", dtype=torch.float64)
+            _check_given(q.to(dtype), k.to(dtype), v.to(dtype), causal, None, dtype, f"ramp D={D} causal={causal}")
+            big = (torch.randn(1, 2, 333, D, device="cuda", dtype=torch.float64) * 4).to(dtype)
+            kb = (torch.randn(1, 2, 333, D, device="cuda", dtype=torch.float64) * 4).to(dtype)
+            vb = torch.randn(1, 2, 333, D, device="cuda", dtype=torch.float64).to(dtype)
+            _check_given(big, kb, vb, causal, None, dtype, f"large scores D={D} causal={causal}")
+            _check_given(big, kb, vb, causal, 0.3, dtype, f"scale=0.3 D={D} causal={causal}")
+    # Causal, Sq = 1: the one query sees key 0 only, so the output is v[0].
+    q, k, v = make_qkv((3,), 1, 500, 64, 64, "cuda", dtype)
+    _assert_close(gp.attention(q, k, v, causal=True)[:, 0], v[:, 0].double(), dtype, "causal Sq=1")
