@@ -54,4 +54,18 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   m.def("fused_layernorm_linear_backward(Tensor grad_out, Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // The curriculum's kernel (one thread per row computes everything), forward only, for the notebook.
   m.def("fused_layernorm_linear_naive(Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor? linear_bias=None, float eps=1e-05) -> Tensor");
+
+  // ---- attention -----------------------------------------------------------
+  // softmax(q k^T * scale) v; scale=None means 1/sqrt(D); causal is SDPA's
+  // is_causal (key j visible to query i iff j <= i). Returns (out, lse): lse is
+  // the log-sum-exp of each query row's scaled scores (float32, float64 for a
+  // float64 q), saved for the backward so the S x S probabilities never exist.
+  m.def("attention(Tensor q, Tensor k, Tensor v, float? scale=None, bool causal=False) -> (Tensor, Tensor)");
+  // -> (dq, dk, dv)
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? scale, bool causal) -> (Tensor, Tensor, Tensor)");
+  // The curriculum's chain (attention_unfused in Python): our transpose, our
+  // tiled matmul, the softmax op, our matmul. matmul is batched (..., M, K) @
+  // (..., K, N) times alpha; causal_mask writes -inf where col > row.
+  m.def("transpose_last2(Tensor x) -> Tensor");
+  m.def("matmul(Tensor a, Tensor b, float alpha=1.0, bool causal_mask=False) -> Tensor");
 }

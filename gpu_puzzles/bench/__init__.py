@@ -6,7 +6,7 @@ Each op has a module here exposing ``bench_cases(device)`` (the issue's shapes),
 """
 import importlib
 
-OPS = ["conv1d", "embedding", "softmax", "layernorm_linear"]
+OPS = ["conv1d", "embedding", "softmax", "layernorm_linear", "attention"]
 
 
 def op_module(name):

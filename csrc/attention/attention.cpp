@@ -1,0 +1,466 @@
+// attention host side: argument checks, the CPU kernels, the CUDA wrappers and
+// the registrations, for the fused op (attention, attention_backward) and the
+// curriculum's chain (transpose_last2, matmul; softmax is the softmax op's).
+// Shapes are canonicalised to contiguous (BH, S, D): the seed's vector form
+// q (D,) k (S, D) v (S, Dv) is BH = 1, Sq = 1; q (..., Sq, D), k (..., Sk, D),
+// v (..., Sk, Dv) flatten the (equal) leading dims into BH.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "attention/attention.h"
+#include "attention/attention_unfused.h"
+#include "common/checks.h"
+#include "common/cuda_launch.h"
+
+namespace gpu_puzzles {
+namespace {
+
+struct AttnShape {
+  int64_t BH, Sq, Sk, D, Dv;
+  std::vector<int64_t> out_shape;  // q.shape[:-1] + (Dv,)
+  std::vector<int64_t> lse_shape;  // q.shape[:-1]
+};
+
+AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* op) {
+  const std::string p(op);
+  check_float(q, (p + ": q").c_str());
+  check_same_dtype(k, q, (p + ": k").c_str(), "q");
+  check_same_dtype(v, q, (p + ": v").c_str(), "q");
+  check_same_device(k, q, (p + ": k").c_str(), "q");
+  check_same_device(v, q, (p + ": v").c_str(), "q");
+  AttnShape s{};
+  if (q.dim() == 1) {  // the seed's vector form
+    TORCH_CHECK(k.dim() == 2 && v.dim() == 2, op, ": for a 1-D q (D,), k and v must be 2-D (S, D), got k shape ",
+                k.sizes(), " and v shape ", v.sizes());
+    s.BH = 1;
+    s.Sq = 1;
+  } else {
+    TORCH_CHECK(q.dim() >= 2, op, ": q must be (D,) or (..., Sq, D), got a 0-d tensor");
+    TORCH_CHECK(k.dim() == q.dim(), op, ": k must have as many dims as q (", q.dim(), "), got shape ", k.sizes(),
+                " (q shape ", q.sizes(), ")");
+    TORCH_CHECK(v.dim() == q.dim(), op, ": v must have as many dims as q (", q.dim(), "), got shape ", v.sizes(),
+                " (q shape ", q.sizes(), ")");
+    const auto lead = q.sizes().slice(0, q.dim() - 2);
+    TORCH_CHECK(k.sizes().slice(0, k.dim() - 2) == lead, op, ": k has leading dims ",
+                k.sizes().slice(0, k.dim() - 2), " but q has ", lead, "; they must be equal");
+    TORCH_CHECK(v.sizes().slice(0, v.dim() - 2) == lead, op, ": v has leading dims ",
+                v.sizes().slice(0, v.dim() - 2), " but q has ", lead, "; they must be equal");
+    s.BH = c10::multiply_integers(lead);
+    s.Sq = q.size(-2);
+  }
+  s.D = q.size(-1);
+  s.Sk = k.size(-2);
+  s.Dv = v.size(-1);
+  TORCH_CHECK(s.D >= 1, op, ": q must have a head dim >= 1, got shape ", q.sizes());
+  TORCH_CHECK(k.size(-1) == s.D, op, ": k has head dim ", k.size(-1), " but q has head dim ", s.D,
+              " (q shape ", q.sizes(), ", k shape ", k.sizes(), ")");
+  TORCH_CHECK(v.size(-2) == s.Sk, op, ": v has sequence length ", v.size(-2), " but k has ", s.Sk, " (k shape ",
+              k.sizes(), ", v shape ", v.sizes(), ")");
+  if (q.is_cuda()) {
+    TORCH_CHECK(s.D <= kAttentionMaxHeadDim, op, ": q head dim ", s.D, " exceeds ", kAttentionMaxHeadDim,
+                ", the largest the CUDA kernels take");
+    TORCH_CHECK(s.Dv <= kAttentionMaxHeadDim, op, ": v head dim ", s.Dv, " exceeds ", kAttentionMaxHeadDim,
+                ", the largest the CUDA kernels take");
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, op,
+                ": q must be float32 or float64 on the CPU, got ", q.scalar_type());
+  }
+  s.lse_shape = q.sizes().slice(0, q.dim() - 1).vec();
+  s.out_shape = s.lse_shape;
+  s.out_shape.push_back(s.Dv);
+  return s;
+}
+
+double resolve_scale(c10::optional<double> scale, int64_t D) {
+  return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
+}
+
+at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// Contiguous (rows, S, D) with a 16-byte aligned base (a contiguous view can
+// start mid-allocation; the kernels may use vector loads).
+at::Tensor as_3d(const at::Tensor& t, int64_t BH, int64_t S, int64_t D) {
+  at::Tensor c = t.reshape({BH, S, D}).contiguous();
+  if (!aligned16(c.data_ptr()) && c.numel() > 0) c = c.clone();
+  return c;
+}
+
+void check_backward_extra(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                          const at::Tensor& q, const AttnShape& s) {
+  const char* op = "attention_backward";
+  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(s.out_shape), op, ": grad_out has shape ", grad_out.sizes(),
+              " but the output has shape ", at::IntArrayRef(s.out_shape));
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(s.out_shape), op, ": out has shape ", out.sizes(),
+              " but the output has shape ", at::IntArrayRef(s.out_shape));
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef(s.lse_shape), op, ": lse has shape ", lse.sizes(), " but expected ",
+              at::IntArrayRef(s.lse_shape));
+  check_same_dtype(grad_out, q, "attention_backward: grad_out", "q");
+  check_same_dtype(out, q, "attention_backward: out", "q");
+  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), op, ": lse must be ", lse_dtype(q.scalar_type()),
+              " for a ", q.scalar_type(), " q, got ", lse.scalar_type());
+  check_same_device(grad_out, q, "attention_backward: grad_out", "q");
+  check_same_device(out, q, "attention_backward: out", "q");
+  check_same_device(lse, q, "attention_backward: lse", "q");
+}
+
+// ---- CPU kernels: fused attention -------------------------------------------
+
+// Keys visible to query i: all Sk, or j <= i when causal (SDPA's top-left mask).
+inline int64_t visible(int64_t i, int64_t Sk, bool causal) { return causal ? std::min(Sk, i + 1) : Sk; }
+
+template <typename A, typename T>
+inline A dot(const T* x, const T* y, int64_t n) {
+  A acc = A(0);
+  for (int64_t d = 0; d < n; ++d) acc += static_cast<A>(x[d]) * static_cast<A>(y[d]);
+  return acc;
+}
+
+// Two passes per query row over a row of Sk scores (O(S) scratch per thread):
+// scores and their max, then exp, sum and the weighted sum of v.
+template <typename T>
+void attention_fwd_cpu(const T* q, const T* k, const T* v, T* o, T* lse, const AttnShape& s, double scale,
+                       bool causal) {
+  using A = at::opmath_type<T>;
+  const int64_t rows = s.BH * s.Sq;
+  const int64_t work = std::max<int64_t>(1, s.Sk * (s.D + s.Dv));
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / work), [&](int64_t begin, int64_t end) {
+    std::vector<A> sc(s.Sk), acc(s.Dv);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t bh = r / s.Sq, i = r % s.Sq;
+      const T* qi = q + r * s.D;
+      const T* kb = k + bh * s.Sk * s.D;
+      const T* vb = v + bh * s.Sk * s.Dv;
+      const int64_t n = visible(i, s.Sk, causal);
+      A mx = -std::numeric_limits<A>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        sc[j] = dot<A>(qi, kb + j * s.D, s.D) * static_cast<A>(scale);
+        mx = std::max(mx, sc[j]);
+      }
+      std::fill(acc.begin(), acc.end(), A(0));
+      A sum = A(0);
+      for (int64_t j = 0; j < n; ++j) {
+        const A p = std::exp(sc[j] - mx);
+        sum += p;
+        const T* vj = vb + j * s.Dv;
+        for (int64_t d = 0; d < s.Dv; ++d) acc[d] += p * static_cast<A>(vj[d]);
+      }
+      // No visible key (Sk == 0): zero output, lse = -inf.
+      const A inv = n > 0 ? A(1) / sum : A(0);
+      for (int64_t d = 0; d < s.Dv; ++d) o[r * s.Dv + d] = static_cast<T>(acc[d] * inv);
+      lse[r] = n > 0 ? static_cast<T>(mx + std::log(sum)) : -std::numeric_limits<T>::infinity();
+    }
+  });
+}
+
+// Backward from the saved lse, recomputing P row by row (never stored):
+//   P_ij = exp(scale q_i.k_j - lse_i), dP_ij = dout_i.v_j, delta_i = dout_i.o_i,
+//   dS_ij = P_ij (dP_ij - delta_i), dq_i = scale sum_j dS_ij k_j,
+//   dk_j = scale sum_i dS_ij q_i, dv_j = sum_i P_ij dout_i.
+// dq parallel over query rows, dk/dv over key rows: no two threads write the same row.
+template <typename T>
+void attention_bwd_cpu(const T* dout, const T* q, const T* k, const T* v, const T* o, const T* lse, T* dq, T* dk,
+                       T* dv, const AttnShape& s, double scale, bool causal) {
+  using A = at::opmath_type<T>;
+  const A sc = static_cast<A>(scale);
+  std::vector<A> delta(s.BH * s.Sq);
+  at::parallel_for(0, s.BH * s.Sq, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) delta[r] = dot<A>(dout + r * s.Dv, o + r * s.Dv, s.Dv);
+  });
+  const int64_t work = std::max<int64_t>(1, 2 * std::max(s.Sq, s.Sk) * (s.D + s.Dv));
+  const int64_t grain = std::max<int64_t>(1, 65536 / work);
+  at::parallel_for(0, s.BH * s.Sq, grain, [&](int64_t begin, int64_t end) {
+    std::vector<A> acc(s.D);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t bh = r / s.Sq, i = r % s.Sq;
+      const T* qi = q + r * s.D;
+      const T* gi = dout + r * s.Dv;
+      const A l = static_cast<A>(lse[r]);
+      std::fill(acc.begin(), acc.end(), A(0));
+      const int64_t n = visible(i, s.Sk, causal);
+      for (int64_t j = 0; j < n; ++j) {
+        const T* kj = k + (bh * s.Sk + j) * s.D;
+        const A p = std::exp(dot<A>(qi, kj, s.D) * sc - l);
+        const A ds = p * (dot<A>(gi, v + (bh * s.Sk + j) * s.Dv, s.Dv) - delta[r]);
+        for (int64_t d = 0; d < s.D; ++d) acc[d] += ds * static_cast<A>(kj[d]);
+      }
+      for (int64_t d = 0; d < s.D; ++d) dq[r * s.D + d] = static_cast<T>(acc[d] * sc);
+    }
+  });
+  at::parallel_for(0, s.BH * s.Sk, grain, [&](int64_t begin, int64_t end) {
+    std::vector<A> ak(s.D), av(s.Dv);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t bh = c / s.Sk, j = c % s.Sk;
+      const T* kj = k + c * s.D;
+      const T* vj = v + c * s.Dv;
+      std::fill(ak.begin(), ak.end(), A(0));
+      std::fill(av.begin(), av.end(), A(0));
+      for (int64_t i = causal ? j : 0; i < s.Sq; ++i) {  // queries that see key j
+        const int64_t r = bh * s.Sq + i;
+        const T* qi = q + r * s.D;
+        const T* gi = dout + r * s.Dv;
+        const A p = std::exp(dot<A>(qi, kj, s.D) * sc - static_cast<A>(lse[r]));
+        const A ds = p * (dot<A>(gi, vj, s.Dv) - delta[r]);
+        for (int64_t d = 0; d < s.D; ++d) ak[d] += ds * static_cast<A>(qi[d]);
+        for (int64_t d = 0; d < s.Dv; ++d) av[d] += p * static_cast<A>(gi[d]);
+      }
+      for (int64_t d = 0; d < s.D; ++d) dk[c * s.D + d] = static_cast<T>(ak[d] * sc);
+      for (int64_t d = 0; d < s.Dv; ++d) dv[c * s.Dv + d] = static_cast<T>(av[d]);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 c10::optional<double> scale, bool causal) {
+  const AttnShape s = check_qkv(q, k, v, "attention");
+  const double sc = resolve_scale(scale, s.D);
+  const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BH, s.Sk, s.D), vc = as_3d(v, s.BH, s.Sk, s.Dv);
+  at::Tensor out = at::empty({s.BH, s.Sq, s.Dv}, q.options());
+  at::Tensor lse = at::empty({s.BH, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_cpu", [&] {
+    attention_fwd_cpu<scalar_t>(qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+                                out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), s, sc, causal);
+  });
+  return {out.view(s.out_shape), lse.view(s.lse_shape)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, c10::optional<double> scale, bool causal) {
+  const AttnShape s = check_qkv(q, k, v, "attention_backward");
+  check_backward_extra(grad_out, out, lse, q, s);
+  const double sc = resolve_scale(scale, s.D);
+  const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BH, s.Sk, s.D), vc = as_3d(v, s.BH, s.Sk, s.Dv);
+  const at::Tensor gc = as_3d(grad_out, s.BH, s.Sq, s.Dv), oc = as_3d(out, s.BH, s.Sq, s.Dv);
+  const at::Tensor lc = lse.reshape({s.BH, s.Sq}).contiguous();
+  at::Tensor dq = at::empty({s.BH, s.Sq, s.D}, q.options());
+  at::Tensor dk = at::empty({s.BH, s.Sk, s.D}, q.options());
+  at::Tensor dv = at::empty({s.BH, s.Sk, s.Dv}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_backward_cpu", [&] {
+    attention_bwd_cpu<scalar_t>(gc.data_ptr<scalar_t>(), qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(),
+                                vc.data_ptr<scalar_t>(), oc.data_ptr<scalar_t>(), lc.data_ptr<scalar_t>(),
+                                dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), s, sc,
+                                causal);
+  });
+  return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};
+}
+
+// ---- the chain: transpose_last2 and matmul --------------------------------------
+
+struct MatmulShape {
+  int64_t B, M, N, K;
+  std::vector<int64_t> out_shape;
+};
+
+int64_t check_transpose(const at::Tensor& x) {
+  check_float(x, "transpose_last2: x");
+  TORCH_CHECK(x.dim() >= 2, "transpose_last2: x must have at least 2 dims, got shape ", x.sizes());
+  return c10::multiply_integers(x.sizes().slice(0, x.dim() - 2));
+}
+
+std::vector<int64_t> transposed_shape(const at::Tensor& x) {
+  std::vector<int64_t> s = x.sizes().vec();
+  std::swap(s[s.size() - 1], s[s.size() - 2]);
+  return s;
+}
+
+MatmulShape check_matmul(const at::Tensor& a, const at::Tensor& b) {
+  check_float(a, "matmul: a");
+  check_same_dtype(b, a, "matmul: b", "a");
+  check_same_device(b, a, "matmul: b", "a");
+  TORCH_CHECK(a.dim() >= 2, "matmul: a must be (..., M, K), got shape ", a.sizes());
+  TORCH_CHECK(b.dim() == a.dim(), "matmul: b must have as many dims as a (", a.dim(), "), got shape ", b.sizes());
+  const auto lead = a.sizes().slice(0, a.dim() - 2);
+  TORCH_CHECK(b.sizes().slice(0, b.dim() - 2) == lead, "matmul: b has leading dims ",
+              b.sizes().slice(0, b.dim() - 2), " but a has ", lead, "; they must be equal");
+  TORCH_CHECK(b.size(-2) == a.size(-1), "matmul: b has ", b.size(-2), " rows but a has ", a.size(-1),
+              " columns (a shape ", a.sizes(), ", b shape ", b.sizes(), ")");
+  MatmulShape s{c10::multiply_integers(lead), a.size(-2), b.size(-1), a.size(-1), lead.vec()};
+  s.out_shape.push_back(s.M);
+  s.out_shape.push_back(s.N);
+  return s;
+}
+
+template <typename T>
+void transpose_cpu_kernel(const T* x, T* out, int64_t B, int64_t M, int64_t N) {
+  constexpr int64_t kBlk = 32;  // cache-blocked
+  const int64_t tm = (M + kBlk - 1) / kBlk, tn = (N + kBlk - 1) / kBlk;
+  at::parallel_for(0, B * tm * tn, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t z = t / (tm * tn), bm = (t / tn) % tm, bn = t % tn;
+      const T* xz = x + z * M * N;
+      T* oz = out + z * M * N;
+      for (int64_t m = bm * kBlk; m < std::min(M, (bm + 1) * kBlk); ++m)
+        for (int64_t n = bn * kBlk; n < std::min(N, (bn + 1) * kBlk); ++n) oz[n * M + m] = xz[m * N + n];
+    }
+  });
+}
+
+template <typename T>
+void matmul_cpu_kernel(const T* a, const T* b, T* c, const MatmulShape& s, double alpha, bool causal) {
+  using A = at::opmath_type<T>;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, s.N * s.K));
+  at::parallel_for(0, s.B * s.M, grain, [&](int64_t begin, int64_t end) {
+    std::vector<A> acc(s.N);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t z = r / s.M, m = r % s.M;
+      const T* ar = a + r * s.K;
+      const T* bz = b + z * s.K * s.N;
+      std::fill(acc.begin(), acc.end(), A(0));
+      const int64_t ncomp = causal ? std::min(s.N, m + 1) : s.N;  // masked columns are not computed
+      for (int64_t kk = 0; kk < s.K; ++kk) {  // i-k-j order: contiguous rows of b
+        const A av = static_cast<A>(ar[kk]);
+        const T* br = bz + kk * s.N;
+        for (int64_t n = 0; n < ncomp; ++n) acc[n] += av * static_cast<A>(br[n]);
+      }
+      T* cr = c + r * s.N;
+      for (int64_t n = 0; n < ncomp; ++n) cr[n] = static_cast<T>(acc[n] * static_cast<A>(alpha));
+      for (int64_t n = ncomp; n < s.N; ++n) cr[n] = -std::numeric_limits<T>::infinity();
+    }
+  });
+}
+
+at::Tensor transpose_last2_cpu(const at::Tensor& x) {
+  const int64_t B = check_transpose(x);
+  const int64_t M = x.size(-2), N = x.size(-1);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty(transposed_shape(x), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "transpose_last2_cpu", [&] {
+    transpose_cpu_kernel<scalar_t>(xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), B, M, N);
+  });
+  return out;
+}
+
+at::Tensor matmul_cpu(const at::Tensor& a, const at::Tensor& b, double alpha, bool causal_mask) {
+  const MatmulShape s = check_matmul(a, b);
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor c = at::empty(s.out_shape, a.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "matmul_cpu", [&] {
+    matmul_cpu_kernel<scalar_t>(ac.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s, alpha,
+                                causal_mask);
+  });
+  return c;
+}
+
+#ifdef WITH_CUDA
+// ---- CUDA wrappers ------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  c10::optional<double> scale, bool causal) {
+  const AttnShape s = check_qkv(q, k, v, "attention");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const double sc = resolve_scale(scale, s.D);
+  at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D);
+  const at::Tensor kc = as_3d(k, s.BH, s.Sk, s.D), vc = as_3d(v, s.BH, s.Sk, s.Dv);
+  at::Tensor out = at::empty({s.BH, s.Sq, s.Dv}, q.options());
+  at::Tensor lse = at::empty({s.BH, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
+  if (s.BH * s.Sq == 0) return {out.view(s.out_shape), lse.view(s.lse_shape)};
+  if (s.Sk == 0 || s.Dv == 0) {  // nothing to attend to, or nothing to write: no kernel
+    out.zero_();
+    if (s.Sk == 0) {
+      lse.fill_(-std::numeric_limits<double>::infinity());
+    } else {  // Dv == 0 still has a log-sum-exp; ATen computes it (a degenerate case)
+      at::Tensor scores = at::matmul(qc.to(lse.scalar_type()), kc.to(lse.scalar_type()).transpose(1, 2)) * sc;
+      if (causal) scores.masked_fill_(at::ones({s.Sq, s.Sk}, q.options().dtype(at::kBool)).triu(1),
+                                      -std::numeric_limits<double>::infinity());
+      lse.copy_(at::logsumexp(scores, {-1}));
+    }
+  } else {
+    // The kernels take a float scale; float64 would lose ~1e-8 to it, so fold a
+    // scale that float cannot hold exactly into q and pass 1.
+    float kscale = static_cast<float>(sc);
+    if (q.scalar_type() == at::kDouble && static_cast<double>(kscale) != sc) {
+      qc = qc * sc;
+      kscale = 1.0f;
+    }
+    AttentionFwdArgs a{qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                       s.BH, s.Sq, s.Sk, s.D, s.Dv, kscale, causal, to_dtype(q.scalar_type())};
+    GP_CUDA_CHECK_STATUS(attention_forward_cuda(a, current_stream()));
+  }
+  return {out.view(s.out_shape), lse.view(s.lse_shape)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, c10::optional<double> scale, bool causal) {
+  const AttnShape s = check_qkv(q, k, v, "attention_backward");
+  check_backward_extra(grad_out, out, lse, q, s);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const double sc = resolve_scale(scale, s.D);
+  at::Tensor dq = at::empty({s.BH, s.Sq, s.D}, q.options());
+  at::Tensor dk = at::empty({s.BH, s.Sk, s.D}, q.options());
+  at::Tensor dv = at::empty({s.BH, s.Sk, s.Dv}, q.options());
+  if (s.BH * s.Sq == 0 || s.Sk == 0 || s.Dv == 0) {  // every gradient is zero (dP = 0 when Dv = 0)
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+  } else {
+    at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D);
+    const at::Tensor kc = as_3d(k, s.BH, s.Sk, s.D), vc = as_3d(v, s.BH, s.Sk, s.Dv);
+    const at::Tensor gc = as_3d(grad_out, s.BH, s.Sq, s.Dv), oc = as_3d(out, s.BH, s.Sq, s.Dv);
+    at::Tensor lc = lse.reshape({s.BH, s.Sq}).contiguous();
+    if (!aligned16(lc.data_ptr())) lc = lc.clone();
+    // Same folding as the forward: with q' = q * scale and scale 1, dq = scale * dq'.
+    float kscale = static_cast<float>(sc);
+    const bool folded = q.scalar_type() == at::kDouble && static_cast<double>(kscale) != sc;
+    if (folded) {
+      qc = qc * sc;
+      kscale = 1.0f;
+    }
+    AttentionBwdArgs a{qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), oc.data_ptr(), gc.data_ptr(), lc.data_ptr(),
+                       dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), s.BH, s.Sq, s.Sk, s.D, s.Dv, kscale, causal,
+                       to_dtype(q.scalar_type())};
+    const int64_t ws_bytes = attention_backward_workspace_bytes(a);
+    at::Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));
+    GP_CUDA_CHECK_STATUS(attention_backward_cuda(a, ws.data_ptr(), current_stream()));
+    if (folded) dq.mul_(sc);
+  }
+  return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};
+}
+
+at::Tensor transpose_last2_cuda_op(const at::Tensor& x) {
+  const int64_t B = check_transpose(x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty(transposed_shape(x), x.options());
+  GP_CUDA_CHECK_STATUS(transpose_last2_cuda(xc.data_ptr(), out.data_ptr(), B, x.size(-2), x.size(-1),
+                                            to_dtype(x.scalar_type()), current_stream()));
+  return out;
+}
+
+at::Tensor matmul_cuda_op(const at::Tensor& a, const at::Tensor& b, double alpha, bool causal_mask) {
+  const MatmulShape s = check_matmul(a, b);
+  const c10::cuda::CUDAGuard guard(a.device());
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor c = at::empty(s.out_shape, a.options());
+  GP_CUDA_CHECK_STATUS(matmul_cuda(ac.data_ptr(), bc.data_ptr(), c.data_ptr(), s.B, s.M, s.N, s.K, alpha, causal_mask,
+                                   to_dtype(a.scalar_type()), current_stream()));
+  return c;
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gpu_puzzles, CPU, m) {
+  m.impl("attention", &attention_cpu);
+  m.impl("attention_backward", &attention_backward_cpu);
+  m.impl("transpose_last2", &transpose_last2_cpu);
+  m.impl("matmul", &matmul_cpu);
+}
+
+#ifdef WITH_CUDA
+TORCH_LIBRARY_IMPL(gpu_puzzles, CUDA, m) {
+  m.impl("attention", &attention_cuda_op);
+  m.impl("attention_backward", &attention_backward_cuda_op);
+  m.impl("transpose_last2", &transpose_last2_cuda_op);
+  m.impl("matmul", &matmul_cuda_op);
+}
+#endif
+
+}  // namespace gpu_puzzles

@@ -1,0 +1,143 @@
+"""attention cases: ours (fused) vs SDPA eager vs torch.compile(SDPA) vs ours unfused (the
+curriculum's chain), forward and forward+backward, in TFLOP/s; plus peak extra memory
+(``peak_memory(device)``, not part of the timed rows).
+
+Labels: "ours", "eager" (F.scaled_dot_product_attention), "compile" (torch.compile of it),
+"ours unfused" (skipped where its O(S^2) buffers would not fit in free memory).
+
+FLOPs (the issue's convention): forward 4*B*H*Sq*Sk*D, half when causal; backward 2.5x the
+forward (the backward rows are derived as fwd+bwd minus fwd, see bench/__main__.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import gpu_puzzles as gp
+
+from .common import Case, backward_fn, sync
+
+OP = "attention"
+
+
+def sdpa(q, k, v, causal=False):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def fwd_flops(B, H, Sq, Sk, D, causal):
+    f = 4 * B * H * Sq * Sk * D
+    return f // 2 if causal else f
+
+
+def unfused_bytes(B, H, Sq, Sk, dtype, backward):
+    """Rough peak of the chain: the (Sq, Sk) scores and probabilities (and their gradients)."""
+    esize = torch.tensor([], dtype=dtype).element_size()
+    return B * H * Sq * Sk * esize * (5 if backward else 2)
+
+
+def _unfused_fits(device, B, H, Sq, Sk, dtype, backward):
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return unfused_bytes(B, H, Sq, Sk, dtype, backward) < 0.7 * free
+
+
+def impls(device, causal, B, H, Sq, Sk, dtype, backward, compile_=True, unfused=True):
+    out = {"ours": lambda q, k, v: gp.attention(q, k, v, causal=causal),
+           "eager": lambda q, k, v: sdpa(q, k, v, causal)}
+    if compile_:
+        out["compile"] = torch.compile(lambda q, k, v: sdpa(q, k, v, causal), dynamic=False)
+    if unfused and _unfused_fits(device, B, H, Sq, Sk, dtype, backward):
+        out["ours unfused"] = lambda q, k, v: gp.attention_unfused(q, k, v, causal=causal)
+    return out
+
+
+def inputs(B, H, Sq, Sk, D, dtype, device, grad=False):
+    q = torch.randn(B, H, Sq, D, device=device, dtype=dtype, requires_grad=grad)
+    k = torch.randn(B, H, Sk, D, device=device, dtype=dtype, requires_grad=grad)
+    v = torch.randn(B, H, Sk, D, device=device, dtype=dtype, requires_grad=grad)
+    return q, k, v
+
+
+def cases(device, shapes, dtype=torch.bfloat16, compile_=True, unfused=True):
+    """shapes: (B, H, Sq, Sk, D, causal)."""
+    dname = str(dtype).replace("torch.", "")
+    out = []
+    for (B, H, Sq, Sk, D, causal) in shapes:
+        name = f"({B},{H},{Sq},{Sk},{D}){' causal' if causal else ''}"
+        flops = fwd_flops(B, H, Sq, Sk, D, causal)
+        params = dict(B=B, H=H, Sq=Sq, Sk=Sk, D=D, causal=causal, dtype=dname, bwd_flops=int(2.5 * flops))
+        out.append(Case(OP, name, "fwd", lambda B=B, H=H, Sq=Sq, Sk=Sk, D=D: inputs(B, H, Sq, Sk, D, dtype, device),
+                        impls(device, causal, B, H, Sq, Sk, dtype, False, compile_, unfused), flops=flops,
+                        params=params))
+
+        def make(B=B, H=H, Sq=Sq, Sk=Sk, D=D):
+            return (*inputs(B, H, Sq, Sk, D, dtype, device, grad=True),
+                    torch.randn(B, H, Sq, D, device=device, dtype=dtype))
+
+        bwd = {k: backward_fn(f, 3)
+               for k, f in impls(device, causal, B, H, Sq, Sk, dtype, True, compile_, unfused).items()}
+        out.append(Case(OP, name, "fwd+bwd", make, bwd, flops=int(3.5 * flops), params=params))
+    return out
+
+
+BENCH_SHAPES = [(4, 32, 4096, 4096, 128, False), (4, 32, 4096, 4096, 128, True), (8, 16, 2048, 2048, 64, False)]
+
+
+def bench_cases(device):
+    return cases(device, BENCH_SHAPES)
+
+
+def tour_cases(device):
+    if device.type == "cuda":
+        return cases(device, [(4, 32, 4096, 4096, 128, False)], unfused=False)
+    return cases(device, [(1, 4, 256, 256, 64, False)], dtype=torch.float32, compile_=False)
+
+
+def peak_memory(device, shapes=BENCH_SHAPES, dtype=torch.bfloat16, compile_=False):
+    """Peak memory above the live inputs (MiB) of one forward and one forward+backward per implementation."""
+    if device.type != "cuda":
+        return []
+    rows = []
+    for (B, H, Sq, Sk, D, causal) in shapes:
+        for backward in (False, True):
+            fns = impls(device, causal, B, H, Sq, Sk, dtype, backward, compile_)
+            for label, f in fns.items():
+                fn = backward_fn(f, 3) if backward else f
+                args = (*inputs(B, H, Sq, Sk, D, dtype, device, grad=backward),)
+                if backward:
+                    args += (torch.randn(B, H, Sq, D, device=device, dtype=dtype),)
+                fn(*args)  # warm-up (compile, workspaces)
+                sync(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                res = fn(*args)
+                sync(device)
+                peak = torch.cuda.max_memory_allocated(device) - base
+                del res, args
+                rows.append({"op": OP, "case": f"({B},{H},{Sq},{Sk},{D}){' causal' if causal else ''}",
+                             "direction": "fwd+bwd" if backward else "fwd", "impl": label,
+                             "peak_extra_MiB": peak / 2**20, "B": B, "H": H, "Sq": Sq, "Sk": Sk, "D": D,
+                             "causal": causal, "dtype": str(dtype).replace("torch.", "")})
+    return rows
+
+
+def tour_check(device):
+    """Max error of ours (fused and unfused) vs a float64 reference, forward and gradients, fresh inputs."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    errs = {}
+    for (B, H, Sq, Sk, D, causal) in ((2, 3, 77, 77, 64, False), (1, 4, 130, 130, 128, True),
+                                      (2, 2, 33, 100, 80, True)):
+        q, k, v = inputs(B, H, Sq, Sk, D, dtype, device, grad=True)
+        g = torch.randn(B, H, Sq, D, device=device, dtype=dtype)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        y64 = sdpa(*leaves, causal)
+        refs = torch.autograd.grad(y64, leaves, g.double())
+        key = f"({B},{H},{Sq},{Sk},{D}){' causal' if causal else ''}"
+        for label, f in (("fused", gp.attention), ("unfused", gp.attention_unfused)):
+            y = f(q, k, v, causal=causal)
+            grads = torch.autograd.grad(y, (q, k, v), g)
+            errs[f"fwd {label} {key}"] = (y.double() - y64).abs().max().item()
+            errs[f"bwd {label} {key}"] = max((a.double() - r).abs().max().item() / max(1.0, r.abs().max().item())
+                                             for a, r in zip(grads, refs))
+    return errs

@@ -1,0 +1,537 @@
+"""attention: seed vector example, SDPA float64 references, gradients, opcheck, compile, bad input,
+the unfused chain, nn.Attention; CUDA: every dtype at many shapes, poisoned memory, linear memory."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gpu_puzzles as gp
+
+from conftest import DEVICES, HAS_CUDA, poison, requires_cuda
+
+OPS = torch.ops.gpu_puzzles
+
+# Error bounds relative to max(1, max |reference|): max-abs and Frobenius (catches small systematic errors).
+MAX_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+FRO_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def _assert_close(actual, ref, dtype, what, grad=False):
+    assert actual.shape == ref.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten or bad) elements"
+    if ref.numel() == 0:
+        return
+    a, r = actual.double(), ref.double()
+    scale = max(1.0, r.abs().max().item())
+    f = 2.0 if grad else 1.0
+    err = (a - r).abs().max().item()
+    assert err <= f * MAX_TOL[dtype] * scale, f"{what}: max error {err:.3e} > {f * MAX_TOL[dtype] * scale:.3e}"
+    fro = (a - r).norm().item() / max(r.norm().item(), 1e-30)
+    if r.norm().item() > 1e-6:
+        assert fro <= f * FRO_TOL[dtype], f"{what}: relative Frobenius error {fro:.3e} > {f * FRO_TOL[dtype]:.3e}"
+
+
+def ref_attention(q, k, v, scale=None, causal=False):
+    """Plain float64 math: softmax(q k^T * scale + mask) v (differentiable)."""
+    q, k, v = q.double(), k.double(), v.double()
+    vector = q.dim() == 1
+    if vector:
+        q = q.unsqueeze(0)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    out = torch.softmax(s, -1) @ v
+    return out.squeeze(0) if vector else out
+
+
+def sdpa64(q, k, v, scale=None, causal=False):
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal, scale=scale)
+
+
+def make_qkv(lead, Sq, Sk, D, Dv, device, dtype, grad=False, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v = mk(*lead, Sq, D), mk(*lead, Sk, D), mk(*lead, Sk, Dv)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+# ---- the seed ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", ["fused", "unfused"])
+def test_seed_vector_example(device, fn):
+    np.random.seed(42)  # the seed's inputs: q of 16, K and V of 16x16, scale 1.0
+    q = (np.random.randn(16) * 0.1).astype(np.float32)
+    K = (np.random.randn(16, 16) * 0.1).astype(np.float32)
+    V = (np.random.randn(16, 16) * 0.1).astype(np.float32)
+    s = K @ q
+    w = np.exp(s - s.max())
+    expected = (w / w.sum()) @ V
+    np.testing.assert_allclose(expected[:5], [-0.00935538, -0.0243433, 0.00306551, 0.02346884, 0.019306], atol=1e-7)
+    f = gp.attention if fn == "fused" else gp.attention_unfused
+    out = f(*(torch.from_numpy(a).to(device) for a in (q, K, V)), scale=1.0)
+    assert out.shape == (16,)
+    np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=1e-5, atol=1e-7)
+
+
+# ---- CPU (and CUDA) against SDPA in float64 -----------------------------------------
+
+# (lead, Sq, Sk, D, Dv): odd lengths, Sq != Sk both ways, head dims 1..256, D != Dv.
+SHAPES = [((), 1, 1, 1, 1), ((2,), 7, 7, 16, 16), ((1, 2), 33, 7, 64, 64), ((2,), 7, 33, 80, 80),
+          ((1,), 129, 33, 16, 8), ((1,), 5, 129, 128, 128), ((1, 1), 9, 17, 256, 256), ((3,), 1, 20, 64, 32),
+          ((2, 3), 20, 1, 8, 24), ((1,), 33, 33, 1, 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_cpu_forward_matches_sdpa(shape, causal, dtype):
+    lead, Sq, Sk, D, Dv = shape
+    q, k, v = make_qkv(lead, Sq, Sk, D, Dv, "cpu", dtype, seed=Sq * 7 + Sk)
+    out, lse = OPS.attention(q, k, v, None, causal)
+    assert out.shape == (*lead, Sq, Dv) and out.dtype == dtype and lse.shape == (*lead, Sq)
+    _assert_close(out, sdpa64(q, k, v, causal=causal), dtype, f"{shape} causal={causal}")
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)
+    if causal:
+        s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool).triu(1), float("-inf"))
+    _assert_close(lse, torch.logsumexp(s, -1), dtype, "lse")
+    out2 = gp.attention(q, k, v, scale=0.3, causal=causal)
+    _assert_close(out2, sdpa64(q, k, v, scale=0.3, causal=causal), dtype, "scale=0.3")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [((2,), 7, 7, 16, 16), ((1, 2), 33, 9, 64, 32), ((1,), 5, 40, 80, 80),
+                                   ((1,), 3, 6, 256, 256)], ids=str)
+def test_cpu_backward_matches_reference(shape, causal):
+    lead, Sq, Sk, D, Dv = shape
+    for dtype in (torch.float64, torch.float32):
+        q, k, v = make_qkv(lead, Sq, Sk, D, Dv, "cpu", dtype, grad=True, seed=3)
+        g = torch.randn(*lead, Sq, Dv, dtype=dtype)
+        grads = torch.autograd.grad(gp.attention(q, k, v, causal=causal), (q, k, v), g)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        refs = torch.autograd.grad(ref_attention(*leaves, causal=causal), leaves, g.double())
+        for name, a, r in zip("qkv", grads, refs):
+            _assert_close(a, r, dtype, f"d{name} {shape} causal={causal} {dtype}", grad=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_and_vector(device):
+    # The common layout: (B, S, H, D) viewed as (B, H, S, D).
+    base = torch.randn(2, 11, 3, 3, 16, device=device, dtype=torch.float64)
+    q, k, v = (base[:, :, i].transpose(1, 2) for i in range(3))
+    assert not q.is_contiguous()
+    _assert_close(gp.attention(q, k, v, causal=True), sdpa64(q, k, v, causal=True), torch.float64, "strided")
+    q1, K, V = torch.randn(16, device=device), torch.randn(9, 16, device=device), torch.randn(9, 4, device=device)
+    _assert_close(gp.attention(q1, K, V), ref_attention(q1, K, V), torch.float32, "vector")
+    _assert_close(gp.attention(q1, K, V, causal=True), ref_attention(q1, K, V, causal=True), torch.float32,
+                  "vector causal (sees key 0 only)")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_degenerate_sizes(device):
+    # Sq = 0: empty; Sk = 0: nothing to attend to -> zeros (documented), zero gradients.
+    q, k, v = make_qkv((2,), 0, 5, 8, 8, device, torch.float32, grad=True)
+    out = gp.attention(q, k, v)
+    assert out.shape == (2, 0, 8)
+    q, k, v = make_qkv((2,), 3, 0, 8, 4, device, torch.float32, grad=True)
+    out = gp.attention(q, k, v)
+    assert out.shape == (2, 3, 4) and (out == 0).all()
+    (dq,) = torch.autograd.grad(out.sum(), (q,))
+    assert (dq == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck(device):
+    for causal in (False, True):
+        for lead, Sq, Sk in (((1, 2), 5, 7), ((2,), 6, 3)):
+            q, k, v = make_qkv(lead, Sq, Sk, 3, 4, device, torch.float64, grad=True, seed=Sq)
+            assert torch.autograd.gradcheck(lambda a, b, c: gp.attention(a, b, c, causal=causal), (q, k, v))
+        q, k, v = make_qkv((1,), 4, 5, 3, 2, device, torch.float64, grad=True)
+        assert torch.autograd.gradcheck(lambda a, b, c: gp.attention_unfused(a, b, c, causal=causal, scale=0.7),
+                                        (q, k, v))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    for causal in (False, True):
+        q, k, v = make_qkv((2, 2), 5, 7, 8, 6, device, torch.float32, grad=requires_grad)
+        torch.library.opcheck(OPS.attention.default, (q, k, v, None, causal))
+        torch.library.opcheck(OPS.attention.default, (q, k, v, 0.5, causal))
+        torch.library.opcheck(OPS.matmul.default, (q, k.transpose(-1, -2), 0.5, causal))
+    q1, K, V = make_qkv((), 1, 7, 8, 8, device, torch.float32, grad=requires_grad)
+    torch.library.opcheck(OPS.attention.default, (q1[0], K, V, 1.0, False))
+    torch.library.opcheck(OPS.transpose_last2.default, (K,))
+    torch.library.opcheck(OPS.transpose_last2.default, (q,))
+    with torch.no_grad():
+        out, lse = OPS.attention(q, k, v, None, True)
+    g = torch.randn_like(out)
+    torch.library.opcheck(OPS.attention_backward.default, (g, q.detach(), k.detach(), v.detach(), out, lse, None, True))
+
+
+@pytest.mark.parametrize("fn", ["fused", "unfused"])
+def test_compile_forward_backward(fn):
+    # fullgraph + dynamic: no graph break, one graph for both lengths. On the CPU the
+    # chain runs under aot_eager (the same tracing: fake kernels, autograd) to keep CI short.
+    device = "cuda" if HAS_CUDA else "cpu"
+    torch._dynamo.reset()
+
+    if fn == "fused":
+        def f(q, k, v):
+            return gp.attention(q, k, v, causal=True) * 2 + gp.attention(q, k, v, scale=0.5)
+    else:
+        def f(q, k, v):
+            return gp.attention_unfused(q, k, v, causal=True) * 2 + gp.attention_unfused(q, k, v, scale=0.5)
+
+    backend = "aot_eager" if (fn == "unfused" and not HAS_CUDA) else "inductor"
+    fc = torch.compile(f, fullgraph=True, dynamic=True, backend=backend)
+    for S in (16, 23):
+        q, k, v = make_qkv((2, 2), S, S, 16, 16, device, torch.float32, grad=True, seed=S)
+        y_c, y_e = fc(q, k, v), f(q, k, v)
+        torch.testing.assert_close(y_c, y_e)
+        gc = torch.autograd.grad(y_c.square().sum(), (q, k, v))
+        ge = torch.autograd.grad(y_e.square().sum(), (q, k, v))
+        for a, b in zip(gc, ge):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unfused_matches_fused(device):
+    for lead, Sq, Sk, D, Dv in (((2, 3), 17, 17, 16, 16), ((1,), 9, 40, 32, 8), ((2,), 40, 9, 8, 8)):
+        for causal in (False, True):
+            q, k, v = make_qkv(lead, Sq, Sk, D, Dv, device, torch.float64, grad=True)
+            g = torch.randn(*lead, Sq, Dv, device=device, dtype=torch.float64)
+            a, b = gp.attention(q, k, v, causal=causal), gp.attention_unfused(q, k, v, causal=causal)
+            _assert_close(b, a, torch.float64, "unfused vs fused")
+            ga, gb = torch.autograd.grad(a, (q, k, v), g), torch.autograd.grad(b, (q, k, v), g)
+            for x, y in zip(gb, ga):
+                _assert_close(x, y, torch.float64, "unfused vs fused grad", grad=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chain_ops(device):
+    x = torch.randn(2, 3, 37, 45, device=device)
+    assert torch.equal(OPS.transpose_last2(x), x.transpose(-1, -2).contiguous())
+    a, b = torch.randn(2, 33, 40, device=device, dtype=torch.float64), torch.randn(2, 40, 35, device=device,
+                                                                                  dtype=torch.float64)
+    ref = 0.5 * (a @ b)
+    torch.testing.assert_close(OPS.matmul(a, b, 0.5), ref)
+    m = OPS.matmul(a, b, 0.5, True)
+    mask = torch.ones(33, 35, dtype=torch.bool, device=device).triu(1)
+    assert torch.isneginf(m[:, mask]).all()
+    torch.testing.assert_close(m[:, ~mask], ref[:, ~mask])
+
+
+def _reference_mha(mod, x):
+    """Plain PyTorch multi-head attention with mod's weights."""
+    B, S, E = x.shape
+    H, Dh = mod.num_heads, mod.head_dim
+    q, k, v = F.linear(x, mod.qkv.weight, mod.qkv.bias).view(B, S, 3, H, Dh).permute(2, 0, 3, 1, 4)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=mod.causal)
+    return F.linear(o.transpose(1, 2).reshape(B, S, E), mod.out_proj.weight, mod.out_proj.bias)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_module_matches_reference(device, causal):
+    torch.manual_seed(1)
+    for fused in (True, False):
+        mod = gp.nn.Attention(32, 4, causal=causal, fused=fused, device=device, dtype=torch.float64)
+        x = torch.randn(2, 13, 32, device=device, dtype=torch.float64, requires_grad=True)
+        y, r = mod(x), _reference_mha(mod, x)
+        torch.testing.assert_close(y, r)
+        g = torch.randn_like(y)
+        params = [x, mod.qkv.weight, mod.qkv.bias, mod.out_proj.weight]
+        for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(r, params, g)):
+            torch.testing.assert_close(a, b)
+        torch.testing.assert_close(mod(x[0]), r[0])  # unbatched (S, E)
+    assert "num_heads=4" in repr(mod)
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        gp.nn.Attention(30, 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device):
+    r = lambda *s, dt=torch.float32: torch.randn(*s, device=device, dtype=dt)  # noqa: E731
+    cases = [
+        (lambda: gp.attention(r(2, 5, 8), r(2, 6, 7), r(2, 6, 8)), "k has head dim 7 but q has head dim 8"),
+        (lambda: gp.attention(r(2, 5, 8), r(2, 6, 8), r(2, 4, 8)), "v has sequence length 4 but k has 6"),
+        (lambda: gp.attention(r(2, 5, 8), r(3, 6, 8), r(3, 6, 8)), "k has leading dims"),
+        (lambda: gp.attention(r(2, 5, 8), r(2, 6, 8), r(3, 6, 8)), "v has leading dims"),
+        (lambda: gp.attention(r(2, 5, 8), r(6, 8), r(6, 8)), "k must have as many dims as q"),
+        (lambda: gp.attention(r(8), r(1, 6, 8), r(6, 8)), "k and v must be 2-D"),
+        (lambda: gp.attention(r(2, 5, 8), r(2, 6, 8, dt=torch.float64), r(2, 6, 8)), "k has dtype"),
+        (lambda: gp.attention(r(2, 5, 8), r(2, 6, 8), r(2, 6, 8, dt=torch.float64)), "v has dtype"),
+        (lambda: gp.attention(torch.ones(2, 5, 8, dtype=torch.int32, device=device), r(2, 6, 8), r(2, 6, 8)),
+         "q must be a float"),
+        (lambda: gp.attention(r(2, 5, 0), r(2, 6, 0), r(2, 6, 8)), "head dim >= 1"),
+        (lambda: gp.attention_unfused(r(2, 5, 8), r(2, 6, 7), r(2, 6, 8)), "attention_unfused: k has head dim"),
+        (lambda: OPS.matmul(r(2, 5, 8), r(2, 7, 3)), "b has 7 rows but a has 8 columns"),
+        (lambda: OPS.transpose_last2(r(5)), "at least 2 dims"),
+    ]
+    if device == "cpu":
+        cases.append((lambda: gp.attention(r(2, 5, 8, dt=torch.bfloat16), r(2, 6, 8, dt=torch.bfloat16),
+                                           r(2, 6, 8, dt=torch.bfloat16)), "float32 or float64 on the CPU"))
+    else:
+        cases.append((lambda: gp.attention(r(1, 5, 264), r(1, 6, 264), r(1, 6, 8)), "q head dim 264 exceeds 256"))
+        cases.append((lambda: gp.attention(r(1, 5, 8), r(1, 6, 8), r(1, 6, 300)), "v head dim 300 exceeds 256"))
+    for call, msg in cases:
+        with pytest.raises((RuntimeError, ValueError), match=msg):
+            call()
+    q, k, v = r(2, 5, 8), r(2, 6, 8), r(2, 6, 8)
+    out, lse = OPS.attention(q, k, v, None, False)
+    with pytest.raises(RuntimeError, match="grad_out has shape"):
+        OPS.attention_backward(r(2, 5, 7), q, k, v, out, lse, None, False)
+    with pytest.raises(RuntimeError, match="lse"):
+        OPS.attention_backward(out, q, k, v, out, lse.double(), None, False)
+
+
+@requires_cuda
+def test_mixed_devices():
+    with pytest.raises(RuntimeError, match="k is on"):
+        gp.attention(torch.randn(2, 5, 8, device="cuda"), torch.randn(2, 6, 8), torch.randn(2, 6, 8, device="cuda"))
+
+
+# ---- property test -----------------------------------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=30, deadline=None)
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), Sq=st.integers(1, 24), Sk=st.integers(1, 24),
+       D=st.integers(1, 24), Dv=st.integers(1, 24), causal=st.booleans(),
+       scale=st.one_of(st.none(), st.floats(0.05, 2.0)), seed=st.integers(0, 2**16))
+def test_property_matches_sdpa(lead, Sq, Sk, D, Dv, causal, scale, seed):
+    q, k, v = make_qkv(tuple(lead), Sq, Sk, D, Dv, "cpu", torch.float64, grad=True, seed=seed)
+    out = gp.attention(q, k, v, scale=scale, causal=causal)
+    _assert_close(out, sdpa64(q, k, v, scale=scale, causal=causal), torch.float64, "property fwd")
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    refs = torch.autograd.grad(ref_attention(*leaves, scale=scale, causal=causal), leaves, g)
+    for a, r in zip(grads, refs):
+        _assert_close(a, r, torch.float64, "property bwd", grad=True)
+
+
+# ---- CUDA: every dtype, many shapes, forward and backward, poisoned memory ------------
+
+# (lead, Sq, Sk, D, Dv): tails past every 64/128 tile, Sq != Sk both ways, the fast head dims
+# 64 and 128, every other supported head dim class up to 256, D != Dv.
+CUDA_SHAPES = [((1,), 1, 1, 64, 64), ((2, 3), 7, 7, 16, 16), ((2,), 33, 129, 64, 64), ((1, 4), 129, 33, 128, 128),
+               ((3,), 200, 200, 80, 80), ((2,), 127, 255, 128, 64), ((1, 2), 65, 65, 256, 256),
+               ((2,), 100, 300, 1, 1), ((2, 2), 513, 513, 64, 64), ((1, 2), 1000, 1000, 128, 128),
+               ((1,), 257, 1, 32, 32), ((1, 1), 1, 300, 96, 96), ((4,), 64, 64, 64, 64), ((2,), 128, 128, 128, 128),
+               ((2,), 191, 191, 64, 64), ((1, 3), 383, 200, 128, 128), ((1,), 77, 1100, 160, 160),
+               ((1,), 130, 130, 32, 128), ((2,), 1025, 1023, 64, 64)]
+CUDA_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _poison_cache(nbytes=256 << 20):
+    # Freed allocator blocks full of NaN: outputs and workspaces reuse them, so any
+    # element a kernel fails to write (or a workspace it fails to clear) shows up.
+    t = poison(torch.empty(nbytes // 4, device="cuda"))
+    del t
+
+
+def _cuda_check(lead, Sq, Sk, D, Dv, causal, dtype, what, scale=None):
+    q, k, v = make_qkv(lead, Sq, Sk, D, Dv, "cuda", dtype, grad=True, seed=Sq * 31 + Sk + D)
+    g = torch.randn(*lead, Sq, Dv, device="cuda", dtype=torch.float64).to(dtype)
+    _poison_cache()
+    out, lse = OPS.attention(q, k, v, scale, causal)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_attention(*leaves, scale=scale, causal=causal)
+    _assert_close(out, ref, dtype, f"{what} out")
+    s = (leaves[0] @ leaves[1].transpose(-1, -2)).detach() * (1 / math.sqrt(D) if scale is None else scale)
+    if causal:
+        s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    _assert_close(lse, torch.logsumexp(s, -1), torch.float32 if dtype != torch.float64 else dtype, f"{what} lse")
+    _poison_cache()
+    dq, dk, dv = OPS.attention_backward(g, q.detach(), k.detach(), v.detach(), out, lse, scale, causal)
+    refs = torch.autograd.grad(ref, leaves, g.double())
+    for name, a, r in zip("qkv", (dq, dk, dv), refs):
+        _assert_close(a, r, dtype, f"{what} d{name}", grad=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_forward_backward_many_shapes(dtype, causal):
+    for shape in CUDA_SHAPES:
+        _cuda_check(*shape, causal, dtype, f"{shape} causal={causal} {dtype}")
+    _cuda_check((2,), 70, 90, 64, 64, causal, dtype, "scale=1.0", scale=1.0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_fast_configs_long(dtype):
+    # The fast configs at ~4096, lengths not multiples of 64/128.
+    for D in (64, 128):
+        for causal in (False, True):
+            _cuda_check((1, 2), 4100, 4100, D, D, causal, dtype, f"S=4100 D={D} causal={causal}")
+        _cuda_check((1,), 1000, 4097, D, D, True, dtype, f"Sq=1000 Sk=4097 D={D} causal")
+        _cuda_check((1,), 4097, 1000, D, D, True, dtype, f"Sq=4097 Sk=1000 D={D} causal")
+
+
+@requires_cuda
+def test_cuda_vector_and_misaligned_and_strided():
+    q, K, V = torch.randn(16, device="cuda"), torch.randn(16, 16, device="cuda"), torch.randn(16, 16, device="cuda")
+    _assert_close(gp.attention(q, K, V, scale=1.0), ref_attention(q, K, V, scale=1.0), torch.float32, "vector")
+    for dtype in (torch.bfloat16, torch.float32):
+        base = torch.randn(2 * 3 * 77 * 64 + 1, device="cuda", dtype=dtype)
+        q = base[1:].view(2, 3, 77, 64)  # contiguous, misaligned base
+        k = torch.randn(2, 77, 3, 64, device="cuda", dtype=dtype).transpose(1, 2)  # strided
+        v = torch.randn(2, 3, 77, 64, device="cuda", dtype=dtype)
+        _assert_close(gp.attention(q, k, v, causal=True), ref_attention(q, k, v, causal=True), dtype, "misaligned")
+
+
+@requires_cuda
+def test_cuda_autograd_and_cpu_agree():
+    q, k, v = make_qkv((2, 2), 50, 70, 64, 64, "cuda", torch.float64, grad=True)
+    g = torch.randn(2, 2, 50, 64, device="cuda", dtype=torch.float64)
+    gc = torch.autograd.grad(gp.attention(q, k, v, causal=True), (q, k, v), g)
+    qc, kc, vc = (t.detach().cpu().requires_grad_() for t in (q, k, v))
+    gcpu = torch.autograd.grad(gp.attention(qc, kc, vc, causal=True), (qc, kc, vc), g.cpu())
+    for a, b in zip(gc, gcpu):
+        _assert_close(a.cpu(), b, torch.float64, "cuda vs cpu grad", grad=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_unfused_chain(dtype):
+    for lead, Sq, Sk, D in (((2, 3), 100, 100, 64), ((1,), 33, 257, 128), ((1,), 1, 16, 16)):
+        for causal in (False, True):
+            q, k, v = make_qkv(lead, Sq, Sk, D, D, "cuda", dtype, grad=True)
+            g = torch.randn(*lead, Sq, D, device="cuda", dtype=dtype)
+            _poison_cache()
+            out = gp.attention_unfused(q, k, v, causal=causal)
+            leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            ref = ref_attention(*leaves, causal=causal)
+            _assert_close(out, ref, dtype, "unfused")
+            grads = torch.autograd.grad(out, (q, k, v), g)
+            for a, r in zip(grads, torch.autograd.grad(ref, leaves, g.double())):
+                _assert_close(a, r, dtype, "unfused grad", grad=True)
+    x = torch.randn(70000, 3, 5, device="cuda")  # batch past gridDim.z's 65535
+    assert torch.equal(OPS.transpose_last2(x), x.transpose(1, 2).contiguous())
+
+
+@requires_cuda
+def test_cuda_memory_linear_in_sequence_length():
+    # Peak memory above the live inputs, forward and forward+backward: linear in S
+    # (doubling S about doubles it; the S x S scores would quadruple it).
+    def peak(S, backward):
+        q, k, v = make_qkv((1, 8), S, S, 128, 128, "cuda", torch.bfloat16, grad=backward)
+        g = torch.randn(1, 8, S, 128, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):  # the second run is measured
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out = gp.attention(q, k, v, causal=True)
+            if backward:
+                grads = torch.autograd.grad(out, (q, k, v), g)
+                del grads
+            torch.cuda.synchronize()
+            p = torch.cuda.max_memory_allocated() - base
+            del out
+        return p
+
+    for backward in (False, True):
+        p1, p2 = peak(2048, backward), peak(8192, backward)
+        assert p2 <= 4.6 * p1, f"backward={backward}: peak {p1} B at S=2048, {p2} B at S=8192 (not linear)"
+        assert p2 < 8192 * 8192 * 8 * 2, "peak as large as the S x S bf16 scores"
+
+
+@requires_cuda
+def test_cuda_graph_capture():
+    # Kernels on the current stream, no host sync, workspace from the caching allocator:
+    # forward and backward capture into a CUDA graph and replay to the eager result.
+    q, k, v = make_qkv((2, 4), 300, 300, 64, 64, "cuda", torch.bfloat16, grad=True)
+    g = torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = gp.attention(q, k, v, causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), g))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            eager = step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for t in (q, k, v):
+            t.add_(0.5 * torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = step()
+    for a, b in zip(captured, fresh):
+        torch.testing.assert_close(a, b)  # not bitwise: a backward may accumulate dq with atomics
+    assert eager[0].shape == captured[0].shape
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_chain_ops_shapes(dtype):
+    # The chain's kernels alone: tiles with tails in every dim, tiles fully above the
+    # diagonal (skipped), K = 0 and 1, poisoned outputs.
+    for B, M, K, N in ((1, 1, 1, 1), (3, 31, 33, 65), (2, 64, 64, 64), (1, 100, 1, 37), (2, 7, 0, 9),
+                       (1, 300, 128, 129), (4, 33, 257, 31)):
+        a = torch.randn(B, M, K, device="cuda", dtype=torch.float64).to(dtype)
+        b = torch.randn(B, K, N, device="cuda", dtype=torch.float64).to(dtype)
+        ref = 0.7 * (a.double() @ b.double())
+        for causal in (False, True):
+            _poison_cache()
+            c = OPS.matmul(a, b, 0.7, causal)
+            mask = torch.ones(M, N, dtype=torch.bool, device="cuda").triu(1)
+            if causal:
+                assert torch.isneginf(c[:, mask]).all()
+            keep = ~mask if causal else torch.ones_like(mask)
+            _assert_close(c[:, keep], ref[:, keep], dtype, f"matmul {(B, M, K, N)} causal={causal}")
+        _poison_cache()
+        assert torch.equal(OPS.transpose_last2(a), a.transpose(-1, -2).contiguous())
+
+
+def _check_given(q, k, v, causal, scale, dtype, what):
+    """Forward and backward of the fused op against the float64 math on the same inputs."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    g = torch.randn(*q.shape[:-1], v.shape[-1], device=q.device, dtype=torch.float64).to(dtype)
+    _poison_cache()
+    out = gp.attention(q, k, v, scale=scale, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_attention(*leaves, scale=scale, causal=causal)
+    _assert_close(out, ref, dtype, f"{what} out")
+    for name, a, r in zip("qkv", grads, torch.autograd.grad(ref, leaves, g.double())):
+        _assert_close(a, r, dtype, f"{what} d{name}", grad=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_online_softmax_rescaling(dtype):
+    # Scores that grow along the keys move the row max into every new tile, so the
+    # running output is rescaled at every step; large magnitudes stress exp overflow;
+    # a peaked row (one key dominates) stresses the sum.
+    torch.manual_seed(12)
+    for D in (64, 128):
+        for causal in (False, True):
+            S = 1000
+            q = torch.randn(2, 2, S, D, device="cuda", dtype=torch.float64)
+            ramp = torch.linspace(0, 1, S, device="cuda", dtype=torch.float64)[:, None]
+            k = torch.randn(2, 2, S, D, device="cuda", dtype=torch.float64) * 0.3 + ramp * q.mean(2, keepdim=True) * 8
+            v = torch.randn(2, 2, S, D, device="cuda", dtype=torch.float64)
+            _check_given(q.to(dtype), k.to(dtype), v.to(dtype), causal, None, dtype, f"ramp D={D} causal={causal}")
+            big = (torch.randn(1, 2, 333, D, device="cuda", dtype=torch.float64) * 4).to(dtype)
+            kb = (torch.randn(1, 2, 333, D, device="cuda", dtype=torch.float64) * 4).to(dtype)
+            vb = torch.randn(1, 2, 333, D, device="cuda", dtype=torch.float64).to(dtype)
+            _check_given(big, kb, vb, causal, None, dtype, f"large scores D={D} causal={causal}")
+            _check_given(big, kb, vb, causal, 0.3, dtype, f"scale=0.3 D={D} causal={causal}")
+    # Causal, Sq = 1: the one query sees key 0 only, so the output is v[0].
+    q, k, v = make_qkv((3,), 1, 500, 64, 64, "cuda", dtype)
+    _assert_close(gp.attention(q, k, v, causal=True)[:, 0], v[:, 0].double(), dtype, "causal Sq=1")
