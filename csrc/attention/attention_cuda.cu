@@ -10,10 +10,11 @@
 //    FlashAttention-2 structure with mma.sync.m16n8k16 (fp32 accumulate) and
 //    ldmatrix fragments from padded shared memory (row stride D+8 halves, so the
 //    8 row addresses of one ldmatrix hit 8 different 16-byte bank groups).
-//    forward : block = 4 warps = 64 query rows (16 per warp), Q fragments held in
-//              registers, 64-key K/V tiles loaded with cp.async (V(j) overlaps
-//              S = Q K(j)^T, K(j+1) overlaps O += P V(j)); P goes from the S
-//              accumulators straight into the A operand of the P V mma.
+//    forward : block = 8 warps = 128 query rows (16 per warp; 4 warps with the env
+//              knob GPU_PUZZLES_ATTN_FWD_WARPS=4), Q fragments held in registers,
+//              64-key K/V tiles loaded with cp.async (V(j) overlaps S = Q K(j)^T,
+//              K(j+1) overlaps O += P V(j)); P goes from the S accumulators
+//              straight into the A operand of the P V mma.
 //    backward: deterministic, no atomics, two passes after delta = rowsum(dO * O):
 //              dK/dV pass: block = 64 keys (16 per warp), loops over 32-query tiles
 //                (double-buffered cp.async): S^T = K Q^T, P^T = exp2(S^T - lse),
@@ -38,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "attention/attention.h"
@@ -505,15 +507,19 @@ constexpr int kTcWarps = 4;
 constexpr int kTcThreads = kTcWarps * 32;
 
 // ---- forward ----------------------------------------------------------------
-constexpr int kFwdBM = 64;  // query rows per block (16 per warp)
+// WARPS warps x 16 query rows per block. 8 warps (128 rows) halve the K/V bytes
+// streamed from L2 per FLOP compared with 4 (at 64 rows, 64 keys and D = 128 a
+// block does 64 FLOP per byte loaded, which at 300 TFLOP/s is ~4.7 TB/s of L2).
 constexpr int kFwdBN = 64;  // keys per tile
 
-template <int D> constexpr int tc_fwd_smem_bytes() { return (kFwdBM + 2 * kFwdBN) * (D + 8) * 2; }
+template <int D, int WARPS> constexpr int tc_fwd_smem_bytes() { return (16 * WARPS + 2 * kFwdBN) * (D + 8) * 2; }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kTcThreads)
+template <typename T, int D, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
 attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
             float* __restrict__ lse, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
+  constexpr int BM = 16 * WARPS;  // query rows per block (16 per warp)
+  constexpr int NT = WARPS * 32;
   constexpr int LDS = D + 8;
   constexpr int NKT = kFwdBN / 8;  // S n-tiles (keys)
   constexpr int NDT = D / 8;       // O n-tiles (head dim)
@@ -521,25 +527,25 @@ attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   using Mma = MmaOp<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LDS]
-  T* Ks = Qs + kFwdBM * LDS;                // [BN][LDS]
+  T* Ks = Qs + BM * LDS;                // [BN][LDS]
   T* Vs = Ks + kFwdBN * LDS;                // [BN][LDS]
 
   const int64_t bh = bh0 + blockIdx.y;
   // Causal: heaviest query tiles (largest m0) first, for a better tail.
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-  const int64_t m0 = mblk * kFwdBM;
+  const int64_t m0 = mblk * BM;
   const T* qb = q + bh * Sq * D;
   const T* kb = k + bh * Sk * D;
   const T* vb = v + bh * Sk * D;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
 
-  const int64_t row_end = std::min<int64_t>(m0 + kFwdBM, Sq);
+  const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
   const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
   const int n_tiles = static_cast<int>((n_end + kFwdBN - 1) / kFwdBN);
 
-  load_tile_async<kFwdBM, D, LDS, kTcThreads>(Qs, qb, m0, Sq, tid);
-  if (n_tiles > 0) load_tile_async<kFwdBN, D, LDS, kTcThreads>(Ks, kb, 0, Sk, tid);
+  load_tile_async<BM, D, LDS, NT>(Qs, qb, m0, Sq, tid);
+  if (n_tiles > 0) load_tile_async<kFwdBN, D, LDS, NT>(Ks, kb, 0, Sk, tid);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -559,7 +565,7 @@ attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   for (int j = 0; j < n_tiles; ++j) {
     const int64_t n0 = static_cast<int64_t>(j) * kFwdBN;
     // Invariant: K(j) resident and visible; every warp is done with V(j-1).
-    load_tile_async<kFwdBN, D, LDS, kTcThreads>(Vs, vb, n0, Sk, tid);
+    load_tile_async<kFwdBN, D, LDS, NT>(Vs, vb, n0, Sk, tid);
     cp_async_commit();
 
     float s[NKT][4];
@@ -618,7 +624,7 @@ attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     }
 
     __syncthreads();  // every warp is done reading K(j)
-    if (j + 1 < n_tiles) load_tile_async<kFwdBN, D, LDS, kTcThreads>(Ks, kb, n0 + kFwdBN, Sk, tid);
+    if (j + 1 < n_tiles) load_tile_async<kFwdBN, D, LDS, NT>(Ks, kb, n0 + kFwdBN, Sk, tid);
     cp_async_commit();  // possibly empty group: keeps the wait counts uniform
     cp_async_wait<1>();  // V(j) has landed
     __syncthreads();
@@ -1029,18 +1035,32 @@ template <typename T> bool tc_ok_bwd(const AttentionBwdArgs& a) {
   }
 }
 
-template <typename T, int D> cudaError_t launch_fwd_tc(const AttentionFwdArgs& a, cudaStream_t stream) {
-  constexpr int smem = tc_fwd_smem_bytes<D>();
-  auto kern = attn_fwd_tc<T, D>;
+// Warps per forward block: 8 by default; GPU_PUZZLES_ATTN_FWD_WARPS=4 selects the
+// 4-warp variant (a tuning knob for benchmarking, read once per process).
+int fwd_tc_warps() {
+  static const int w = [] {
+    const char* e = std::getenv("GPU_PUZZLES_ATTN_FWD_WARPS");
+    return (e != nullptr && std::atoi(e) == 4) ? 4 : 8;
+  }();
+  return w;
+}
+
+template <typename T, int D, int WARPS> cudaError_t launch_fwd_tc(const AttentionFwdArgs& a, cudaStream_t stream) {
+  constexpr int smem = tc_fwd_smem_bytes<D, WARPS>();
+  auto kern = attn_fwd_tc<T, D, WARPS>;
   cudaError_t e = set_smem(kern, smem);
   if (e != cudaSuccess) return e;
-  const unsigned gx = ceil_div_u(a.Sq, kFwdBM);
+  const unsigned gx = ceil_div_u(a.Sq, 16 * WARPS);
   const float sl = a.scale * kLog2e;
   return for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
-    kern<<<dim3(gx, nbh), kTcThreads, smem, stream>>>(
+    kern<<<dim3(gx, nbh), WARPS * 32, smem, stream>>>(
         static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v), static_cast<T*>(a.o),
         static_cast<float*>(a.lse), bh0, a.Sq, a.Sk, sl, a.causal);
   });
+}
+
+template <typename T, int D> cudaError_t launch_fwd_tc(const AttentionFwdArgs& a, cudaStream_t stream) {
+  return fwd_tc_warps() == 4 ? launch_fwd_tc<T, D, 4>(a, stream) : launch_fwd_tc<T, D, 8>(a, stream);
 }
 
 template <typename T> cudaError_t launch_fwd_simt(const AttentionFwdArgs& a, cudaStream_t stream) {
