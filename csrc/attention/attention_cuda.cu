@@ -19,8 +19,8 @@
 //              dK/dV pass: block = 64 keys (16 per warp), loops over 32-query tiles
 //                (double-buffered cp.async): S^T = K Q^T, P^T = exp2(S^T - lse),
 //                dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
-//              dQ pass: block = 64 queries, loops over 32-key tiles (double-buffered):
-//                S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+//              dQ pass: block = 64 queries (Q, dO fragments in registers), loops over
+//                32-key tiles (double-buffered): S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 //              The dQ pass recomputes S and dP (7 instead of 5 GEMMs) in exchange
 //              for determinism and no fp32 dq accumulator.
 //  * SIMT (any dtype, any D, Dv <= 256; fp32 math for half types, fp64 for fp64):
@@ -891,6 +891,18 @@ attn_bwd_dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   for (int i = 0; i < NDT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   const int qw = warp * 16;
 
+  // Q_w and dO_w fragments stay in registers for the whole key loop: per key tile
+  // each warp then reads only K and V from shared memory (48 instead of 64
+  // ldmatrix per 96 mma), which is what bounds this kernel.
+  cp_async_wait<0>();
+  __syncthreads();
+  uint32_t qf[KD][4], df[KD][4];
+#pragma unroll
+  for (int kk = 0; kk < KD; ++kk) {
+    ldsm_x4(qf[kk], smem_addr(Qs + (qw + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8));
+    ldsm_x4(df[kk], smem_addr(dOs + (qw + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8));
+  }
+
   for (int j = 0; j < n_tiles; ++j) {
     const int buf = j & 1;
     const int64_t n0 = static_cast<int64_t>(j) * kBwdQN;
@@ -912,20 +924,17 @@ attn_bwd_dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
       for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
-      uint32_t qa[4], da[4];
-      ldsm_x4(qa, smem_addr(Qs + (qw + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8));
-      ldsm_x4(da, smem_addr(dOs + (qw + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8));
 #pragma unroll
       for (int np = 0; np < NKT / 2; ++np) {
         const int brow = np * 16 + (lane & 7) + ((lane >> 4) << 3);
         const int bcol = kk * 16 + ((lane >> 3) & 1) * 8;
         uint32_t b[4];
         ldsm_x4(b, smem_addr(Kb + brow * LDS + bcol));
-        Mma::run(s[2 * np], qa, b[0], b[1]);
-        Mma::run(s[2 * np + 1], qa, b[2], b[3]);
+        Mma::run(s[2 * np], qf[kk], b[0], b[1]);
+        Mma::run(s[2 * np + 1], qf[kk], b[2], b[3]);
         ldsm_x4(b, smem_addr(Vb + brow * LDS + bcol));
-        Mma::run(dp[2 * np], da, b[0], b[1]);
-        Mma::run(dp[2 * np + 1], da, b[2], b[3]);
+        Mma::run(dp[2 * np], df[kk], b[0], b[1]);
+        Mma::run(dp[2 * np + 1], df[kk], b[2], b[3]);
       }
     }
 
