@@ -5,7 +5,7 @@
 # Results are packed into $OUT/results.tar.gz after every step (so a run cut
 # short still returns what it did) plus $OUT/bench.json.
 # The device copy has no .git: pass the commit in, e.g. GPU_PUZZLES_COMMIT=$(git rev-parse --short HEAD).
-# Knobs: TESTS (test files), SANITIZE_FILES (default: every tests/test_*.py, one sanitizer process each,
+# Knobs: TESTS (test files), TESTS_TIMEOUT, PYTEST_ARGS, SANITIZE_FILES (default: every tests/test_*.py, one sanitizer process each,
 # concurrently), SANITIZE_K (pytest -k, default "not cpu"), SANITIZE_TIMEOUT, OPS (bench), NOTEBOOKS.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -45,7 +45,8 @@ for step in $STEPS; do
       python3 -m pip install --no-build-isolation -e . > "$OUT/r/build.log" 2>&1 || { tail -50 "$OUT/r/build.log"; pack; exit 1; }
       echo "build seconds: $(( $(date +%s) - t0 ))" | tee -a "$OUT/r/build.log" ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/r/pytest.log" | grep -v "^  File" | tail -15 ;;
+      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 ${PYTEST_ARGS:-} ${TESTS:-tests} 2>&1 \
+        | tee "$OUT/r/pytest.log" | grep -v "^  File" | tail -40 ;;
     memcheck|racecheck|synccheck) sanitize "$step" ;;
     tour) python3 -m gpu_puzzles 2>&1 | tee "$OUT/r/tour.txt" | tail -40 ;;
     bench) python3 -m gpu_puzzles.bench ${OPS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/r/bench.txt" | tail -60 ;;

@@ -64,22 +64,7 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, scale, causal):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, scale, causal = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.scale, ctx.causal = scale, causal
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.gpu_puzzles.attention_backward(grad_out, q, k, v, out, lse, ctx.scale, ctx.causal)
-    need = ctx.needs_input_grad
-    return dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None
-
-
-torch.library.register_autograd("gpu_puzzles::attention", _backward, setup_context=_setup_context)
+# Autograd is registered in C++ (csrc/attention/attention_autograd.cpp; why: csrc/common/autograd.h).
 
 
 # ---- the chain ------------------------------------------------------------------
@@ -103,29 +88,7 @@ def _matmul_fake(a, b, alpha=1.0, causal_mask=False):
     return a.new_empty((*a.shape[:-1], b.shape[-1]))
 
 
-def _transpose_backward(ctx, g):
-    return torch.ops.gpu_puzzles.transpose_last2(g)
-
-
-def _matmul_setup(ctx, inputs, output):
-    a, b, alpha, causal_mask = inputs
-    ctx.save_for_backward(a, b)
-    ctx.alpha, ctx.causal_mask = alpha, causal_mask
-
-
-def _matmul_backward(ctx, g):
-    a, b = ctx.saved_tensors
-    if ctx.causal_mask:  # the masked entries are constants: no gradient flows through them
-        mask = torch.ones(g.shape[-2], g.shape[-1], dtype=torch.bool, device=g.device).triu(1)
-        g = g.masked_fill(mask, 0)
-    mm, tr = torch.ops.gpu_puzzles.matmul, torch.ops.gpu_puzzles.transpose_last2
-    da = mm(g, tr(b), ctx.alpha) if ctx.needs_input_grad[0] else None
-    db = mm(tr(a), g, ctx.alpha) if ctx.needs_input_grad[1] else None
-    return da, db, None, None
-
-
-torch.library.register_autograd("gpu_puzzles::transpose_last2", _transpose_backward)
-torch.library.register_autograd("gpu_puzzles::matmul", _matmul_backward, setup_context=_matmul_setup)
+# Their autograd is in C++ too (attention_autograd.cpp); the backward goes through these same ops.
 
 
 # ---- public functions --------------------------------------------------------------

@@ -1,0 +1,104 @@
+// Autograd for attention and the chain's transpose_last2 / matmul (why in C++:
+// common/autograd.h).
+#include "common/autograd.h"
+
+namespace gpu_puzzles {
+namespace {
+
+using Tensor = at::Tensor;
+using Tensor2 = std::tuple<Tensor, Tensor>;
+using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
+
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                               c10::optional<double> scale, bool causal) {
+    static const auto op =
+        typed_op<Tensor2(const Tensor&, const Tensor&, const Tensor&, c10::optional<double>, bool)>(
+            "gpu_puzzles::attention");
+    Tensor out, lse;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      std::tie(out, lse) = op.call(q, k, v, scale, causal);
+    }
+    // The backward recomputes the probabilities from lse: nothing S x S is kept.
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->mark_non_differentiable({lse});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["causal"] = causal;
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                            const Tensor&, const Tensor&, c10::optional<double>, bool)>(
+        "gpu_puzzles::attention_backward");
+    if (!grads[0].defined()) return variable_list(5);
+    const auto s = ctx->get_saved_variables();
+    auto [dq, dk, dv] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], ctx->saved_data["scale"].toOptional<double>(),
+                                ctx->saved_data["causal"].toBool());
+    return {if_needed(ctx, 0, dq), if_needed(ctx, 1, dk), if_needed(ctx, 2, dv), Tensor(), Tensor()};
+  }
+};
+
+const c10::TypedOperatorHandle<Tensor(const Tensor&)>& transpose_op() {
+  static const auto op = typed_op<Tensor(const Tensor&)>("gpu_puzzles::transpose_last2");
+  return op;
+}
+const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double, bool)>& matmul_op() {
+  static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, double, bool)>("gpu_puzzles::matmul");
+  return op;
+}
+
+struct TransposeFunction : public torch::autograd::Function<TransposeFunction> {
+  static Tensor forward(AutogradContext*, const Tensor& x) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return transpose_op().call(x);
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {transpose_op().call(grads[0])};  // through the dispatcher: differentiable again
+  }
+};
+
+struct MatmulFunction : public torch::autograd::Function<MatmulFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& b, double alpha, bool causal_mask) {
+    ctx->save_for_backward({a, b});
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["causal_mask"] = causal_mask;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return matmul_op().call(a, b, alpha, causal_mask);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const double alpha = ctx->saved_data["alpha"].toDouble();
+    Tensor g = grads[0];
+    if (ctx->saved_data["causal_mask"].toBool()) {
+      // The masked entries are constants (-inf): no gradient flows through them.
+      const Tensor mask = at::ones_symint({g.sym_size(-2), g.sym_size(-1)}, g.options().dtype(at::kBool)).triu(1);
+      g = g.masked_fill(mask, 0);
+    }
+    Tensor da, db;
+    if (ctx->needs_input_grad(0)) da = matmul_op().call(g, transpose_op().call(s[1]), alpha, false);
+    if (ctx->needs_input_grad(1)) db = matmul_op().call(transpose_op().call(s[0]), g, alpha, false);
+    return {da, db, Tensor(), Tensor()};
+  }
+};
+
+Tensor2 attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, c10::optional<double> scale,
+                           bool causal) {
+  auto r = AttentionFunction::apply(q, k, v, scale, causal);
+  return {r[0], r[1]};
+}
+Tensor transpose_autograd(const Tensor& x) { return TransposeFunction::apply(x); }
+Tensor matmul_autograd(const Tensor& a, const Tensor& b, double alpha, bool causal_mask) {
+  return MatmulFunction::apply(a, b, alpha, causal_mask);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
+  m.impl("attention", &attention_autograd);
+  m.impl("transpose_last2", &transpose_autograd);
+  m.impl("matmul", &matmul_autograd);
+}
+
+}  // namespace gpu_puzzles
