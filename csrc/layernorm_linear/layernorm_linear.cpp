@@ -439,7 +439,7 @@ void on_cuda(const Tensor& x, const char* op, std::initializer_list<Named> other
 
 Tensor naive_cuda(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
                   double eps) {
-  on_cuda(x, "fused_layernorm_linear_naive", {{lw, "ln_weight"}, {lb, "ln_bias"}, {W, "linear_weight"}});
+  on_cuda(x, "fused_layernorm_linear_naive", {{lw, "ln_weight"}, {lb, "ln_bias"}, {W, "linear_weight"}, {b.has_value() ? *b : Tensor(), "linear_bias"}});
   const c10::cuda::CUDAGuard guard(x.device());
   return naive_impl(x, lw, lb, W, b, eps, true);
 }
@@ -457,7 +457,7 @@ Tensor3 layer_norm_backward_cuda_op(const Tensor& g, const Tensor& x, const Tens
 }
 Tensor3 fused_cuda(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W,
                    const c10::optional<Tensor>& b, double eps) {
-  on_cuda(x, "fused_layernorm_linear", {{lw, "ln_weight"}, {lb, "ln_bias"}, {W, "linear_weight"}});
+  on_cuda(x, "fused_layernorm_linear", {{lw, "ln_weight"}, {lb, "ln_bias"}, {W, "linear_weight"}, {b.has_value() ? *b : Tensor(), "linear_bias"}});
   const c10::cuda::CUDAGuard guard(x.device());
   return fused_forward_impl(x, lw, lb, W, b, eps, true);
 }

@@ -452,9 +452,12 @@ __global__ void lnlinear_naive(const T* __restrict__ x, const T* __restrict__ ga
   const int64_t row = blockIdx.x;
   if (row >= M || threadIdx.x != 0) return;
   const T* xr = x + row * H;
+  // Sum x - x[0], not x: a constant row then gives mu == x[0] exactly and a zero
+  // variance, instead of a rounding error that rstd (up to 1/sqrt(eps)) amplifies.
+  const A k = to_acc<A>(xr[0]);
   A s = 0, q = 0;
-  for (int64_t h = 0; h < H; ++h) s += to_acc<A>(xr[h]);
-  const A mu = s / A(H);
+  for (int64_t h = 0; h < H; ++h) s += to_acc<A>(xr[h]) - k;
+  const A mu = k + s / A(H);
   for (int64_t h = 0; h < H; ++h) q += (to_acc<A>(xr[h]) - mu) * (to_acc<A>(xr[h]) - mu);
   const A rs = rsqrt_acc<A>(q / A(H) + A(eps));
   for (int64_t n = 0; n < N; ++n) {
