@@ -177,7 +177,10 @@ def run_case(case: Case, device: torch.device, copy_gbs: float, rep: int = 40, w
         if case.flops:
             row["TFLOP/s"] = case.flops / (ms * 1e-3) / 1e12
         rows.append(row)
-        if case.params.get("graph_timing") and device.type == "cuda":
+        # Forward of eager implementations only: a capture that fails part-way (autograd,
+        # torch.compile) leaves the CUDA RNG in capture state for the rest of the process.
+        if case.params.get("graph_timing") and device.type == "cuda" and case.direction == "fwd" \
+                and label != "compile":
             # The same calls replayed from a CUDA graph: device time without host dispatch.
             g = dict(row, impl=f"{label} [graph]")
             g.pop("error", None)
