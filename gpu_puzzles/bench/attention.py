@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from .common import Case, backward_fn, sync
+from .common import Case, backward_fn, peak_extra_mib
 
 OP = "attention"
 
@@ -107,17 +107,11 @@ def peak_memory(device, shapes=BENCH_SHAPES, dtype=torch.bfloat16, compile_=Fals
                 args = (*inputs(B, H, Sq, Sk, D, dtype, device, grad=backward),)
                 if backward:
                     args += (torch.randn(B, H, Sq, D, device=device, dtype=dtype),)
-                fn(*args)  # warm-up (compile, workspaces)
-                sync(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
-                res = fn(*args)
-                sync(device)
-                peak = torch.cuda.max_memory_allocated(device) - base
-                del res, args
+                peak = peak_extra_mib(fn, args, device)
+                del args
                 rows.append({"op": OP, "case": f"({B},{H},{Sq},{Sk},{D}){' causal' if causal else ''}",
                              "direction": "fwd+bwd" if backward else "fwd", "impl": label,
-                             "peak_extra_MiB": peak / 2**20, "B": B, "H": H, "Sq": Sq, "Sk": Sk, "D": D,
+                             "peak_extra_MiB": peak, "B": B, "H": H, "Sq": Sq, "Sk": Sk, "D": D,
                              "causal": causal, "dtype": str(dtype).replace("torch.", "")})
     return rows
 

@@ -79,6 +79,20 @@ def time_graph_ms(fn: Callable, sets: list, device: torch.device, calls: int = 2
     return statistics.median(times)
 
 
+def peak_extra_mib(fn: Callable, args: tuple, device: torch.device) -> float:
+    """Peak CUDA memory (MiB) that one ``fn(*args)`` allocates above what is live before it;
+    a first call warms up (compilation, library workspaces) and is not counted."""
+    fn(*args)
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    res = fn(*args)
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del res
+    return peak / 2**20
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
     if device.type != "cuda":

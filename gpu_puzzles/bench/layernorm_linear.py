@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from .common import Case, backward_fn, sync
+from .common import Case, backward_fn, peak_extra_mib
 
 OP = "layernorm_linear"
 
@@ -96,16 +96,10 @@ def peak_memory(device, shapes=BENCH_SHAPES, dtype=torch.bfloat16, compile_=True
         fns["F.linear alone"] = _linear_only_bwd
         for label, fn in fns.items():
             args = (*inputs(M, H, N, dtype, device, grad=True), torch.randn(M, N, device=device, dtype=dtype))
-            fn(*args)  # warm-up (compile, cuBLAS workspaces)
-            sync(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            grads = fn(*args)
-            sync(device)
-            peak = torch.cuda.max_memory_allocated(device) - base
-            del grads, args
+            peak = peak_extra_mib(fn, args, device)
+            del args
             rows.append({"op": OP, "case": f"M={M} H={H} N={N}", "direction": "fwd+bwd", "impl": label,
-                         "peak_extra_MiB": peak / 2**20, "M": M, "H": H, "N": N,
+                         "peak_extra_MiB": peak, "M": M, "H": H, "N": N,
                          "dtype": str(dtype).replace("torch.", "")})
     return rows
 
