@@ -91,6 +91,15 @@ def _lnl_ref(x, lw, lb, W, b):
     return F.linear(F.layer_norm(x, (x.shape[-1],), lw, lb), W, b)
 
 
+def _attn_make(g, n):
+    # Sq != Sk and D != Dv: the SIMT kernels on CUDA (the tensor-core path has its own tests)
+    return [_randn(g, 2 * n, 3, 9, 16), _randn(g, 2 * n, 3, 11, 16), _randn(g, 2 * n, 3, 11, 8)]
+
+
+def _attn_ref(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def _naive(x, lw, lb, W, b):
     return torch.ops.gpu_puzzles.fused_layernorm_linear_naive(x, lw, lb, W, b)
 
@@ -133,6 +142,14 @@ OPS = [
            ("x", "ln_weight", "ln_bias", "linear_weight", "linear_bias"), ("float",) * 5, _lnl_ref,
            [("linear_weight (16, 23)", lambda x, lw, lb, W, b: _naive(x, lw, lb, W[:, 1:], b), "linear_weight")],
            differentiable=False),
+    OpCase("attention", lambda q, k, v: gp.attention(q, k, v, causal=True), _attn_make, ("q", "k", "v"),
+           ("float",) * 3, _attn_ref,
+           [("k head dim 15", lambda q, k, v: gp.attention(q, k[..., 1:], v), "k"),
+            ("v length 10", lambda q, k, v: gp.attention(q, k, v[..., 1:, :]), "v"),
+            ("k leading dims", lambda q, k, v: gp.attention(q, k[:1], v[:1]), "k")]),
+    OpCase("attention_unfused", lambda q, k, v: gp.attention_unfused(q, k, v, causal=True), _attn_make,
+           ("q", "k", "v"), ("float",) * 3, _attn_ref,
+           [("k head dim 15", lambda q, k, v: gp.attention_unfused(q, k[..., 1:], v), "k")]),
 ]
 GRAD_OPS = [c for c in OPS if c.differentiable]
 
