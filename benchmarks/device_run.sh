@@ -49,7 +49,7 @@ for step in $STEPS; do
       python3 -m pip install --no-build-isolation -e . > "$OUT/r/build.log" 2>&1 || { tail -50 "$OUT/r/build.log"; pack; exit 1; }
       echo "build seconds: $(( $(date +%s) - t0 ))" | tee -a "$OUT/r/build.log" ;;
     tests)
-      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 ${PYTEST_ARGS:-} ${TESTS:-tests} 2>&1 \
+      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 ${PYTEST_ARGS:-} ${TESTS:-tests} 2>&1 \
         | tee "$OUT/r/pytest.log" | grep -v "^  File" | tail -40 ;;
     memcheck|racecheck|synccheck) sanitize "$step" ;;
     tour) python3 -m gpu_puzzles 2>&1 | tee "$OUT/r/tour.txt" | tail -40 ;;
