@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -422,51 +423,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_cpu(const Tens
 }
 
 #ifdef WITH_CUDA
-// The dispatcher picks the CUDA kernel when any argument is on the GPU; when x
-// is not, name the argument that pulled the call here.
-struct Named {
-  const Tensor& t;
-  const char* name;
-};
-void on_cuda(const Tensor& x, const char* op, std::initializer_list<Named> others) {
-  if (x.is_cuda()) return;
-  for (const Named& o : others) {
-    TORCH_CHECK(!o.t.is_cuda(), op, ": x is on ", x.device(), " but ", o.name, " is on ", o.t.device(),
-                "; they must be on the same device");
-  }
-  TORCH_CHECK(false, op, ": x must be a CUDA tensor for the CUDA kernel, got ", x.device());
-}
-
+// The dispatcher picks the CUDA kernel when any argument is on the GPU, x maybe
+// not. The *_impl checks compare every argument's device with x's and name the odd
+// one; a plain DeviceGuard lets them run first (a CUDAGuard would reject a CPU x
+// with a message about x alone).
 Tensor naive_cuda(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
                   double eps) {
-  on_cuda(x, "fused_layernorm_linear_naive", {{lw, "ln_weight"}, {lb, "ln_bias"}, {W, "linear_weight"}, {b.has_value() ? *b : Tensor(), "linear_bias"}});
-  const c10::cuda::CUDAGuard guard(x.device());
+  const c10::DeviceGuard guard(x.device());
   return naive_impl(x, lw, lb, W, b, eps, true);
 }
 
 Tensor3 layer_norm_cuda(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
-  on_cuda(x, "layer_norm", {{w, "weight"}, {b, "bias"}});
-  const c10::cuda::CUDAGuard guard(x.device());
+  const c10::DeviceGuard guard(x.device());
   return layer_norm_impl(x, w, b, eps, true);
 }
 Tensor3 layer_norm_backward_cuda_op(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& m,
                                     const Tensor& r) {
-  on_cuda(x, "layer_norm_backward", {{g, "grad_out"}, {w, "weight"}, {m, "mean"}, {r, "rstd"}});
-  const c10::cuda::CUDAGuard guard(x.device());
+  const c10::DeviceGuard guard(x.device());
   return layer_norm_backward_impl(g, x, w, m, r, true);
 }
 Tensor3 fused_cuda(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W,
                    const c10::optional<Tensor>& b, double eps) {
-  on_cuda(x, "fused_layernorm_linear", {{lw, "ln_weight"}, {lb, "ln_bias"}, {W, "linear_weight"}, {b.has_value() ? *b : Tensor(), "linear_bias"}});
-  const c10::cuda::CUDAGuard guard(x.device());
+  const c10::DeviceGuard guard(x.device());
   return fused_forward_impl(x, lw, lb, W, b, eps, true);
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_cuda(const Tensor& g, const Tensor& x,
                                                                        const Tensor& lw, const Tensor& lb,
                                                                        const Tensor& W, const Tensor& m,
                                                                        const Tensor& r) {
-  on_cuda(x, "fused_layernorm_linear_backward", {{g, "grad_out"}, {lw, "ln_weight"}, {lb, "ln_bias"}, {W, "linear_weight"}, {m, "mean"}, {r, "rstd"}});
-  const c10::cuda::CUDAGuard guard(x.device());
+  const c10::DeviceGuard guard(x.device());
   return fused_backward_impl(g, x, lw, lb, W, m, r, true);
 }
 #endif
