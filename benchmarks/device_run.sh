@@ -29,19 +29,28 @@ SANITIZE_KERNELS=${SANITIZE_KERNELS:-kns=gpu_puzzles}
 sanitize() {  # $1 = memcheck | racecheck | synccheck
   local filt=()
   [ "$1" != memcheck ] && [ -n "$SANITIZE_KERNELS" ] && filt=(--kernel-name "$SANITIZE_KERNELS")
-  # One compute-sanitizer process per test file, all at once: the tool's
-  # overhead is mostly host-side, and the whole suite in one process outlasts a
-  # device call. No caching allocator: every tensor is its own allocation, so
-  # memcheck sees out-of-bounds accesses that the pool would otherwise hide.
-  local f name pids=()
+  # One compute-sanitizer process per test file (SANITIZE_SHARDS > 1: per shard of a
+  # file's tests), all at once: the tool's overhead is mostly host-side, and the
+  # whole suite in one process outlasts a device call. No caching allocator: every
+  # tensor is its own allocation, so memcheck sees out-of-bounds accesses that the
+  # pool would otherwise hide.
+  local f name i ids pids=()
+  local shards=${SANITIZE_SHARDS:-1}
   for f in ${SANITIZE_FILES:-tests/test_*.py}; do
     name=$(basename "$f" .py)
-    ( PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$1" "${filt[@]}" \
-        --print-limit 20 --error-exitcode 99 \
-        python3 -m pytest -q -p no:cacheprovider "$f" -k "${SANITIZE_K:-$SANITIZE_K_DEFAULT}" \
-        > "$OUT/r/sanitizer_$1_$name.log" 2>&1
-      echo "exit: $? (99: sanitizer error, 124: timeout)" >> "$OUT/r/sanitizer_$1_$name.log" ) &
-    pids+=($!)
+    python3 -m pytest --collect-only -q -p no:cacheprovider "$f" -k "${SANITIZE_K:-$SANITIZE_K_DEFAULT}" 2>/dev/null \
+      | grep '::' > "$OUT/r/ids_$1_$name.txt"
+    [ -s "$OUT/r/ids_$1_$name.txt" ] || continue
+    for ((i = 0; i < shards; i++)); do
+      # round-robin split: neighbouring (similar-cost) tests land in different shards
+      mapfile -t ids < <(awk -v n="$shards" -v i="$i" '(NR - 1) % n == i' "$OUT/r/ids_$1_$name.txt")
+      [ ${#ids[@]} -gt 0 ] || continue
+      ( PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$1" "${filt[@]}" \
+          --print-limit 20 --error-exitcode 99 \
+          python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$OUT/r/sanitizer_$1_$name.$i.log" 2>&1
+        echo "exit: $? (99: sanitizer error, 124: timeout)" >> "$OUT/r/sanitizer_$1_$name.$i.log" ) &
+      pids+=($!)
+    done
   done
   for f in "${pids[@]}"; do wait "$f"; done
   for f in "$OUT"/r/sanitizer_"$1"_*.log; do
