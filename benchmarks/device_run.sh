@@ -47,7 +47,7 @@ sanitize() {  # $1 = memcheck | racecheck | synccheck
       [ ${#ids[@]} -gt 0 ] || continue
       ( PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$1" "${filt[@]}" \
           --print-limit 20 --error-exitcode 99 \
-          python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$OUT/r/sanitizer_$1_$name.$i.log" 2>&1
+          python3 -m pytest -v -p no:cacheprovider --durations=5 "${ids[@]}" > "$OUT/r/sanitizer_$1_$name.$i.log" 2>&1
         echo "exit: $? (99: sanitizer error, 124: timeout)" >> "$OUT/r/sanitizer_$1_$name.$i.log" ) &
       pids+=($!)
     done
