@@ -2,7 +2,6 @@
 that keeps recent results alive so timed calls write fresh memory (CPU logic only)."""
 import math
 
-
 import pytest
 import torch
 
