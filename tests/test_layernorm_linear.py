@@ -463,6 +463,40 @@ def test_cuda_fold_epilogue_tiles(dtype, M, H, N, monkeypatch):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype,H", [(torch.bfloat16, 1024), (torch.bfloat16, 1032), (torch.float16, 8),
+                                     (torch.float32, 7), (torch.float32, 512), (torch.float64, 256),
+                                     (torch.float64, 3), (torch.bfloat16, 1)])
+def test_cuda_layer_norm_short_rows(dtype, H):
+    # Short rows take the warp-per-row kernel (8 rows per block; up to 32 * 4 vectors per
+    # row): M not a multiple of 8, poisoned outputs, statistics and output vs float64.
+    M = 3001
+    torch.manual_seed(H)
+    x = (torch.randn(M, H, dtype=torch.float64) * 2 + torch.randn(M, 1, dtype=torch.float64) * 3).to("cuda", dtype)
+    lw, lb, _, _ = _params(H, 1, "cuda", dtype)
+    _poison_allocator()
+    y, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
+    assert not torch.isnan(y).any() and not torch.isnan(mean).any() and not torch.isnan(rstd).any()
+    assert_close_ref(y, F.layer_norm(x.double(), (H,), lw.double(), lb.double(), 1e-5), dtype, f"ln H={H}")
+    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4, atol=1e-5)
+
+
+@requires_cuda
+def test_cuda_layer_norm_grid_stride():
+    # More rows than one grid covers (2^20 blocks of 8 warp rows): the grid-stride loop.
+    M, H = 2**23 + 1001, 2
+    x = torch.randn(M, H, device="cuda")
+    x[:, 1] += 1.0
+    lw, lb = torch.full((H,), 2.0, device="cuda"), torch.tensor([0.5, -0.25], device="cuda")
+    _poison_allocator()
+    y, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
+    ref = F.layer_norm(x.double(), (H,), lw.double(), lb.double(), 1e-5)
+    assert not torch.isnan(y).any()
+    assert (y.double() - ref).abs().max().item() < 1e-3  # rstd up to 316 amplifies fp32 rounding of the mean
+    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-6)
+
+
+@requires_cuda
 def test_cuda_backward_deterministic():
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     lw, lb, W, b = _params(1024, 256, "cuda", torch.bfloat16, grad=True)
