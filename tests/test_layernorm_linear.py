@@ -1,5 +1,8 @@
 """layer_norm, fused_layernorm_linear, unfused_layernorm_linear: seed config, float64
 references, large-mean inputs, gradients, opcheck, compile, bad input."""
+import contextlib
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +12,31 @@ import gpu_puzzles as gp
 from conftest import DEVICES, HAS_CUDA, TOL, assert_close_ref, device_dtypes, requires_cuda
 
 IMPLS = {"fused": gp.fused_layernorm_linear, "unfused": gp.unfused_layernorm_linear}
+
+# The fused forward's two forms (csrc/layernorm_linear/layernorm_linear.cpp): "fold"
+# (GEMM on x against the folded weight + epilogue on z, with the large-mean guard) and
+# "normalize" (LayerNorm writes xn, GEMM on xn). "auto" picks the one moving fewer bytes.
+PATHS = ["fold", "normalize"]
+_PATH_ENV = "GPU_PUZZLES_LNLINEAR_PATH"
+
+
+@contextlib.contextmanager
+def _path(path):
+    """Force the fused forward's form (None / "auto": the traffic rule) within the block."""
+    old = os.environ.pop(_PATH_ENV, None)
+    if path not in (None, "auto"):
+        os.environ[_PATH_ENV] = path
+    try:
+        yield
+    finally:
+        os.environ.pop(_PATH_ENV, None)
+        if old is not None:
+            os.environ[_PATH_ENV] = old
+
+
+def _fold_is_cheaper(M, N, H):
+    """Mirror of lnlinear_fold_is_cheaper (layernorm_linear.h)."""
+    return 2.0 * N * (H + M) < M * H
 
 
 def _params(H, N, device, dtype, bias=True, grad=False, seed=0):
@@ -92,6 +120,39 @@ def test_forward_matches_reference(device, dtype, shape, impl, bias):
     assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"{impl} forward")
 
 
+@pytest.mark.parametrize("device,dtype,shape", _cases())
+@pytest.mark.parametrize("path", PATHS)
+def test_fused_forward_both_paths(device, dtype, shape, path):
+    lead, H, N = shape
+    torch.manual_seed(H * 17 + N)
+    x = (torch.randn(*lead, H, dtype=torch.float64) * 1.5 - 0.7).to(device, dtype)
+    lw, lb, W, b = _params(H, N, device, dtype, bias=N % 2 == 0)
+    with _path(path):
+        y, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, 1e-5)
+    assert y.shape == (*lead, N) and y.dtype == dtype
+    assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"fused {path} forward")
+    # both forms return the same statistics (the backward's inputs)
+    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M,H,N", [(64, 256, 8), (64, 16, 32), (40, 100, 20), (3, 300, 2)])
+def test_path_choice_follows_traffic_rule(device, M, H, N):
+    # "auto" must give bit for bit the output of the form the traffic rule names.
+    torch.manual_seed(M + H + N)
+    x = torch.randn(M, H, device=device, dtype=torch.float64) + 0.3
+    lw, lb, W, b = _params(H, N, device, torch.float64)
+    out = {}
+    for p in ("auto", "fold", "normalize"):
+        with _path(p):
+            out[p] = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    assert not torch.equal(out["fold"], out["normalize"])  # the forms differ in rounding: the test can tell
+    want = "fold" if _fold_is_cheaper(M, N, H) else "normalize"
+    assert torch.equal(out["auto"], out[want]), f"auto did not take {want}"
+
+
 # ---- backward against float64 -----------------------------------------------------
 
 @pytest.mark.parametrize("device,dtype,shape", _cases())
@@ -142,7 +203,8 @@ def _large_mean_x(lead, H, means, device, dtype, seed):
 
 @pytest.mark.parametrize("device,dtype", device_dtypes())
 @pytest.mark.parametrize("means", [[8.0], [1000.0], [0.0, 3000.0, -12.0, 20.0]])
-def test_large_mean_inputs(device, dtype, means):
+@pytest.mark.parametrize("path", ["auto"] + PATHS)
+def test_large_mean_inputs(device, dtype, means, path):
     # Rows with |mean|/std below the guard go through the folded rewrite, rows above it
     # are recomputed normalise-first; both must stay as accurate as PyTorch's own
     # LayerNorm+Linear in the same dtype (whose mean itself carries eps * |mean|).
@@ -153,13 +215,14 @@ def test_large_mean_inputs(device, dtype, means):
     eager = F.linear(F.layer_norm(x, (H,), lw, lb), W, b)
     err_eager = (eager.double() - y_ref).abs().max().item()
     scale = max(1.0, y_ref.abs().max().item())
-    for impl, f in IMPLS.items():
-        y = f(x, lw, lb, W, b)
-        err = (y.double() - y_ref).abs().max().item()
-        assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"{impl}: error {err:.3e} vs eager {err_eager:.3e}"
-    # and the gradients stay finite and close
-    xg = x.clone().requires_grad_()
-    grads = torch.autograd.grad(gp.fused_layernorm_linear(xg, lw, lb, W, b).sum(), (xg,))
+    with _path(path):
+        for impl, f in IMPLS.items():
+            y = f(x, lw, lb, W, b)
+            err = (y.double() - y_ref).abs().max().item()
+            assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"{impl}: error {err:.3e} vs eager {err_eager:.3e}"
+        # and the gradients stay finite and close
+        xg = x.clone().requires_grad_()
+        grads = torch.autograd.grad(gp.fused_layernorm_linear(xg, lw, lb, W, b).sum(), (xg,))
     assert torch.isfinite(grads[0]).all()
 
 
@@ -316,7 +379,9 @@ def _poison_allocator():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("M,H,N", [(1, 8, 8), (33, 1, 5), (257, 4096, 64), (19, 1000, 33), (7, 4099, 9),
                                    (3, 40000, 3), (1000, 128, 1000), (4, 2048, 2049)])
-def test_cuda_every_element_written(dtype, M, H, N):
+@pytest.mark.parametrize("path", PATHS)
+def test_cuda_every_element_written(dtype, M, H, N, path, monkeypatch):
+    monkeypatch.setenv(_PATH_ENV, path)
     torch.manual_seed(M + H + N)
     x = torch.randn(M, H, device="cuda", dtype=dtype) + 0.5
     lw, lb, W, b = _params(H, N, "cuda", dtype, grad=True)
@@ -343,8 +408,10 @@ def test_cuda_misaligned_views(dtype):
     lw = lwb[1:]
     lb = torch.randn(H, device="cuda", dtype=dtype)
     W = torch.randn(N, H, device="cuda", dtype=dtype) / 8
-    for f in (gp.fused_layernorm_linear, gp.unfused_layernorm_linear):
-        assert_close_ref(f(x, lw, lb, W, None), _ref(x, lw, lb, W, None)[0], dtype, "misaligned")
+    for path in PATHS:
+        with _path(path):
+            for f in (gp.fused_layernorm_linear, gp.unfused_layernorm_linear):
+                assert_close_ref(f(x, lw, lb, W, None), _ref(x, lw, lb, W, None)[0], dtype, f"misaligned {path}")
     assert_close_ref(gp.layer_norm(x, lw, lb), F.layer_norm(x.double(), (H,), lw.double(), lb.double()), dtype, "ln")
 
 
@@ -353,9 +420,80 @@ def test_cuda_matches_cpu_float64():
     torch.manual_seed(11)
     x = torch.randn(3, 50, 300, dtype=torch.float64) * 3 + 1
     lw, lb, W, b = _params(300, 70, "cpu", torch.float64)
-    y_cpu = gp.fused_layernorm_linear(x, lw, lb, W, b)
-    y_gpu = gp.fused_layernorm_linear(*(t.cuda() for t in (x, lw, lb, W, b)))
-    torch.testing.assert_close(y_gpu.cpu(), y_cpu, rtol=1e-12, atol=1e-12)
+    for path in ["auto"] + PATHS:  # the same algebra on both devices, either form
+        with _path(path):
+            y_cpu = gp.fused_layernorm_linear(x, lw, lb, W, b)
+            y_gpu = gp.fused_layernorm_linear(*(t.cuda() for t in (x, lw, lb, W, b)))
+        torch.testing.assert_close(y_gpu.cpu(), y_cpu, rtol=1e-12, atol=1e-12, msg=lambda m: f"{path}: {m}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype,M,H,N", [
+    (torch.bfloat16, 3000, 64, 4104),   # 16-byte path, 2 column tiles (the second partial), ~3 rows per block
+    (torch.bfloat16, 1200, 128, 5000),  # N % 8 != 0: scalar path, 10 column tiles
+    (torch.float32, 2500, 33, 2052),    # odd H, 2 tiles of 4-wide vectors
+    (torch.float16, 64, 4099, 7),       # a single narrow tile, rows wider than the GEMM output
+    (torch.float64, 500, 100, 1030),    # 2-wide vectors, 2 tiles
+    (torch.bfloat16, 20000, 16, 24),    # many rows per block (grid.y capped at ~one wave)
+])
+def test_cuda_fold_epilogue_tiles(dtype, M, H, N, monkeypatch):
+    # The folded form's epilogue tiles columns across grid.x and walks rows across grid.y,
+    # holding r/bp in registers; rows with a large mean (|mean| * rstd > 16) take the
+    # accurate branch for their tile's columns only. Mixed rows, poisoned memory.
+    monkeypatch.setenv(_PATH_ENV, "fold")
+    x = _large_mean_x((M,), H, [0.0, 0.3, 1000.0, -50.0, 5.0], "cuda", dtype, seed=M + N)
+    lw, lb, W, b = _params(H, N, "cuda", dtype, seed=H)
+    y_ref = _ref(x, lw, lb, W, b)[0]
+    eager = F.linear(F.layer_norm(x, (H,), lw, lb), W, b)
+    err_eager = (eager.double() - y_ref).abs().max().item()
+    scale = max(1.0, y_ref.abs().max().item())
+    for bias in (b, None):
+        want = y_ref if bias is not None else _ref(x, lw, lb, W, None)[0]
+        _poison_allocator()
+        y = gp.fused_layernorm_linear(x, lw, lb, W, bias)
+        assert not torch.isnan(y).any(), "an output element was not written"
+        err = (y.double() - want).abs().max().item()
+        assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"error {err:.3e} vs eager {err_eager:.3e}"
+    # the large-mean rows specifically (a mistake in the tile bounds of the branch shows here)
+    rows = (x.double().mean(-1).abs() > 40).nonzero().flatten()
+    assert rows.numel() > 0
+    y = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    err_rows = (y[rows].double() - y_ref[rows]).abs().max().item()
+    assert err_rows <= 2 * err_eager + 4 * TOL[dtype] * scale
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype,H", [(torch.bfloat16, 1024), (torch.bfloat16, 1032), (torch.float16, 8),
+                                     (torch.float32, 7), (torch.float32, 512), (torch.float64, 256),
+                                     (torch.float64, 3), (torch.bfloat16, 1)])
+def test_cuda_layer_norm_short_rows(dtype, H):
+    # Short rows take the warp-per-row kernel (8 rows per block; up to 32 * 4 vectors per
+    # row): M not a multiple of 8, poisoned outputs, statistics and output vs float64.
+    M = 3001
+    torch.manual_seed(H)
+    x = (torch.randn(M, H, dtype=torch.float64) * 2 + torch.randn(M, 1, dtype=torch.float64) * 3).to("cuda", dtype)
+    lw, lb, _, _ = _params(H, 1, "cuda", dtype)
+    _poison_allocator()
+    y, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
+    assert not torch.isnan(y).any() and not torch.isnan(mean).any() and not torch.isnan(rstd).any()
+    assert_close_ref(y, F.layer_norm(x.double(), (H,), lw.double(), lb.double(), 1e-5), dtype, f"ln H={H}")
+    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4, atol=1e-5)
+
+
+@requires_cuda
+def test_cuda_layer_norm_grid_stride():
+    # More rows than one grid covers (2^20 blocks of 8 warp rows): the grid-stride loop.
+    M, H = 2**23 + 1001, 2
+    x = torch.randn(M, H, device="cuda")
+    x[:, 1] += 1.0
+    lw, lb = torch.full((H,), 2.0, device="cuda"), torch.tensor([0.5, -0.25], device="cuda")
+    _poison_allocator()
+    y, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
+    ref = F.layer_norm(x.double(), (H,), lw.double(), lb.double(), 1e-5)
+    assert not torch.isnan(y).any()
+    assert (y.double() - ref).abs().max().item() < 1e-3  # rstd up to 316 amplifies fp32 rounding of the mean
+    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-6)
 
 
 @requires_cuda
@@ -443,7 +581,8 @@ def test_property_layernorm_linear(device, impl, data):
     lw, lb, W, b = _params(H, N, device, dtype, bias=data.draw(st.booleans(), "bias"), grad=True, seed=seed)
     W = W.detach().t().contiguous().t() if data.draw(st.booleans(), "W column-major") else W
     W = W.detach().requires_grad_()
-    y = IMPLS[impl](x, lw, lb, W, b)
+    with _path(data.draw(st.sampled_from(["auto"] + PATHS), "fused form")):
+        y = IMPLS[impl](x, lw, lb, W, b)
     assert y.shape == (*x.shape[:-1], N) and y.dtype == dtype
     y_ref, leaves = _ref(x, lw, lb, W, b)
     # x's mean shift enters the GEMM in the folded form: compare like test_large_mean_inputs

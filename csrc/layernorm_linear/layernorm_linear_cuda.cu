@@ -1,5 +1,6 @@
 // LayerNorm and the fused LayerNorm+Linear pieces on CUDA.
-//   forward  : one block per row; the row is held in registers (16-byte loads),
+//   forward  : one block per row (one warp per row for short rows); the row is
+//              held in registers (16-byte loads),
 //              so mean and variance are an exact two-pass in fp32 (fp64 for
 //              float64) at one read of x. Rows too long for registers, or
 //              unaligned, use a looping kernel that re-reads x.
@@ -10,6 +11,7 @@
 //              and beta into W/b and apply the per-row statistics in an
 //              in-place epilogue, so the normalised x is never written.
 // Index arithmetic is 64-bit: M*H and M*N may exceed 2^31.
+#include <atomic>
 #include <cstring>
 #include <initializer_list>
 
@@ -142,6 +144,74 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
 #pragma unroll
       for (int k = 0; k < kCache; ++k) {
         const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+        if (c < nvec) {
+          T g[VEC], b[VEC], o[VEC];
+          load_pack<T, VEC>(g, gamma + c * VEC);
+          load_pack<T, VEC>(b, beta + c * VEC);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i)
+            o[i] = from_acc<T>((to_acc<A>(v[k][i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+          store_pack<T, VEC>(y + row * H + c * VEC, o);
+        }
+      }
+    }
+  }
+}
+
+// Short rows (at most 32 * kCache vectors: H <= 1024 in bf16): one warp per row,
+// kWarpRows rows per block, the row in registers, warp shuffles only (no barrier,
+// no shared memory). The block-per-row kernel would run one-warp blocks here, and
+// the SM's 32-block limit would cap it at half occupancy, halving the loads in
+// flight. Same arithmetic as ln_fwd_cached (pivot shift, exact two-pass).
+constexpr int kWarpRows = 8;
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma,
+                              const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
+                              acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x & 31;
+  const int64_t nvec = H / VEC;
+  // row is warp-uniform: every lane of a warp runs the same iterations (full-mask shuffles).
+  for (int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < M;
+       row += (int64_t)gridDim.x * (blockDim.x >> 5)) {
+    const T* xr = x + row * H;
+    T v[kCache][VEC];
+    const A pivot = to_acc<A>(xr[0]);
+    A s = 0;
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t c = lane + (int64_t)k * 32;
+      if (c < nvec) {
+        load_pack<T, VEC>(v[k], xr + c * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
+      }
+    }
+    s = warp_sum(s);
+    const A mu = pivot + s / A(H);
+    A q = 0;
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t c = lane + (int64_t)k * 32;
+      if (c < nvec) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const A d = to_acc<A>(v[k][i]) - mu;
+          q += d * d;
+        }
+      }
+    }
+    q = warp_sum(q);
+    const A rs = rsqrt_acc<A>(q / A(H) + A(eps));
+    if (lane == 0) {
+      mean[row] = mu;
+      rstd[row] = rs;
+    }
+    if (y != nullptr) {
+#pragma unroll
+      for (int k = 0; k < kCache; ++k) {
+        const int64_t c = lane + (int64_t)k * 32;
         if (c < nvec) {
           T g[VEC], b[VEC], o[VEC];
           load_pack<T, VEC>(g, gamma + c * VEC);
@@ -403,23 +473,49 @@ __global__ void fold_weight(const T* __restrict__ W, const T* __restrict__ gamma
   }
 }
 
-// One block per row (grid-stride). Normal rows: y = rstd*(z - mean*r) + bp, VEC
-// wide. Rows with a large mean (block-uniform branch): each warp recomputes
-// outputs n as dot(normalised x row, W[n]) + b[n] in the accumulate type.
+// Columns x rows tiling: block (tx, ty) owns column tile tx (kEpiVecs vectors per
+// thread, blockDim.x threads) and walks rows ty, ty + gridDim.y, ...  The per-column
+// r and bp of its tile are loaded once into registers and reused for every row (the
+// one-row-per-block form re-read them with scalar loads for every element: 16
+// strided 4-byte loads per 16-byte z vector, ~8 L1 wavefronts each, which made the
+// epilogue L1-bound at several times its DRAM time). The kEpiVecs z loads of a row
+// are issued before any is used, for memory-level parallelism.
+// Normal rows: y = rstd*(z - mean*r) + bp. Rows with a large mean (block-uniform
+// branch): each warp recomputes the tile's outputs n as dot(normalised x row, W[n])
+// + b[n] in the accumulate type.
+constexpr int kEpiVecs = 2;
+constexpr int kEpiMaxThreads = 256;
+
 template <typename T, int VEC>
-__global__ void lnlinear_epilogue(T* __restrict__ z, const T* __restrict__ x, const T* __restrict__ gamma,
-                                  const T* __restrict__ beta, const T* __restrict__ W, const T* __restrict__ b,
-                                  const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
-                                  const acc_t<T>* __restrict__ r, const acc_t<T>* __restrict__ bp, int64_t M,
-                                  int64_t N, int64_t H) {
+__global__ void __launch_bounds__(kEpiMaxThreads) lnlinear_epilogue(
+    T* __restrict__ z, const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+    const T* __restrict__ W, const T* __restrict__ b, const acc_t<T>* __restrict__ mean,
+    const acc_t<T>* __restrict__ rstd, const acc_t<T>* __restrict__ r, const acc_t<T>* __restrict__ bp, int64_t M,
+    int64_t N, int64_t H) {
   using A = acc_t<T>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+  const int64_t nvec = N / VEC;
+  const int64_t tile0 = (int64_t)blockIdx.x * blockDim.x * kEpiVecs;  // first vector of the tile
+  A rr[kEpiVecs][VEC], bb[kEpiVecs][VEC];
+#pragma unroll
+  for (int k = 0; k < kEpiVecs; ++k) {
+    const int64_t c = tile0 + threadIdx.x + (int64_t)k * blockDim.x;
+    if (c < nvec) {
+      load_pack<A, VEC>(rr[k], r + c * VEC);
+      load_pack<A, VEC>(bb[k], bp + c * VEC);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) rr[k][i] = bb[k][i] = A(0);
+    }
+  }
+  for (int64_t row = blockIdx.y; row < M; row += gridDim.y) {
     const A mu = mean[row], rs = rstd[row];
     T* zr = z + row * N;
     if ((mu < A(0) ? -mu : mu) * rs > A(kLnLinearMaxMeanRatio)) {
       const T* xr = x + row * H;
-      for (int64_t n = warp; n < N; n += nw) {
+      const int64_t n0 = tile0 * VEC, tile_end = (tile0 + (int64_t)blockDim.x * kEpiVecs) * VEC;
+      const int64_t n1 = tile_end < N ? tile_end : N;
+      for (int64_t n = n0 + warp; n < n1; n += nw) {
         const T* wr = W + n * H;
         A acc = 0;
         for (int64_t c = lane; c < H; c += 32)
@@ -428,16 +524,20 @@ __global__ void lnlinear_epilogue(T* __restrict__ z, const T* __restrict__ x, co
         if (lane == 0) zr[n] = from_acc<T>(acc + (b != nullptr ? to_acc<A>(b[n]) : A(0)));
       }
     } else {
-      const int64_t nvec = N / VEC;
-      for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-        T v[VEC];
-        load_pack_rw<T, VEC>(v, zr + c * VEC);
+      T v[kEpiVecs][VEC];
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const int64_t n = c * VEC + i;
-          v[i] = from_acc<T>(rs * (to_acc<A>(v[i]) - mu * r[n]) + bp[n]);
+      for (int k = 0; k < kEpiVecs; ++k) {
+        const int64_t c = tile0 + threadIdx.x + (int64_t)k * blockDim.x;
+        if (c < nvec) load_pack_rw<T, VEC>(v[k], zr + c * VEC);
+      }
+#pragma unroll
+      for (int k = 0; k < kEpiVecs; ++k) {
+        const int64_t c = tile0 + threadIdx.x + (int64_t)k * blockDim.x;
+        if (c < nvec) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) v[k][i] = from_acc<T>(rs * (to_acc<A>(v[k][i]) - mu * rr[k][i]) + bb[k][i]);
+          store_pack<T, VEC>(zr + c * VEC, v[k]);
         }
-        store_pack<T, VEC>(zr + c * VEC, v);
       }
     }
   }
@@ -470,11 +570,31 @@ __global__ void lnlinear_naive(const T* __restrict__ x, const T* __restrict__ ga
 
 // ---- launch helpers --------------------------------------------------------------
 
+// SMs of the current device, queried once per device (the attribute query is a
+// driver call; launchers run it on every call). Racing first calls store the same
+// value, so relaxed atomics suffice. A failed query clears the (non-sticky) error so
+// the launcher's cudaGetLastError does not report it, and falls back to the H100's 132.
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_sm_count[kMaxDevices];
+
 int sm_count() {
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
     return 132;
-  return sms > 0 ? sms : 132;
+  }
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  if (cached) {
+    const int c = g_sm_count[dev].load(std::memory_order_relaxed);
+    if (c > 0) return c;
+  }
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
+    (void)cudaGetLastError();
+    return 132;
+  }
+  if (cached) g_sm_count[dev].store(sms, std::memory_order_relaxed);
+  return sms;
 }
 
 unsigned int row_grid(int64_t rows) {
@@ -512,7 +632,13 @@ LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const voi
     const bool vec = H % V == 0 && all_aligned({x, gamma, beta, y});
     const int64_t nvec = vec ? H / V : H;
     const unsigned grid = row_grid(M);
-    if (nvec <= (int64_t)kCache * kFwdMaxThreads) {
+    if (nvec <= (int64_t)kCache * 32) {
+      const unsigned wgrid = row_grid((M + kWarpRows - 1) / kWarpRows);
+      if (vec)
+        ln_fwd_warp<T, V><<<wgrid, 32 * kWarpRows, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
+      else
+        ln_fwd_warp<T, 1><<<wgrid, 32 * kWarpRows, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
+    } else if (nvec <= (int64_t)kCache * kFwdMaxThreads) {
       const int threads = cached_threads(nvec);
       if (vec)
         ln_fwd_cached<T, V><<<grid, threads, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
@@ -656,13 +782,30 @@ LaunchStatus lnlinear_epilogue_cuda(void* z, const void* x, const void* gamma, c
     using T = decltype(tag);
     using A = acc_t<T>;
     constexpr int V = vec_of<T>();
+    // r and bp are loaded VEC at a time too (VEC * sizeof(A) is a multiple of 16).
+    const bool vec = N % V == 0 && all_aligned({z, r, bp});
+    const int64_t nvec = vec ? N / V : N;
+    // Threads: whole warps, kEpiVecs vectors each, at most kEpiMaxThreads; column tiles
+    // across grid.x; rows across grid.y, about one wave of resident blocks in all (each
+    // block then walks M / grid.y rows, reusing its r/bp registers), at most M.
+    int64_t t = (nvec + kEpiVecs - 1) / kEpiVecs;
+    t = ((t + 31) / 32) * 32;
+    const int threads = static_cast<int>(t < kEpiMaxThreads ? t : kEpiMaxThreads);
+    const int64_t gx = (nvec + (int64_t)threads * kEpiVecs - 1) / ((int64_t)threads * kEpiVecs);
+    const int64_t per_sm = 2048 / threads < 32 ? 2048 / threads : 32;
+    int64_t gy = ((int64_t)sm_count() * per_sm + gx - 1) / gx;
+    gy = gy < M ? gy : M;
+    gy = gy < 65535 ? gy : 65535;
+    gy = gy > 0 ? gy : 1;
+    // gx <= N / 64 + 1 fits grid.x (2^31 - 1) for any N that fits in memory.
+    const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
     auto args = [&](auto kernel) {
-      kernel<<<row_grid(M), 256, 0, stream>>>(
+      kernel<<<grid, threads, 0, stream>>>(
           static_cast<T*>(z), static_cast<const T*>(x), static_cast<const T*>(gamma), static_cast<const T*>(beta),
           static_cast<const T*>(W), static_cast<const T*>(b), static_cast<const A*>(mean),
           static_cast<const A*>(rstd), static_cast<const A*>(r), static_cast<const A*>(bp), M, N, H);
     };
-    if (N % V == 0 && all_aligned({z}))
+    if (vec)
       args(lnlinear_epilogue<T, V>);
     else
       args(lnlinear_epilogue<T, 1>);

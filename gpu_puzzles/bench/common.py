@@ -2,7 +2,8 @@
 
 GPU times come from CUDA events around each call, after warm-up; we report the
 median. Inputs are rotated across enough sets to exceed L2 (50 MB on the H100),
-so a memory-bound kernel is timed against HBM, not cache.
+so a memory-bound kernel is timed against HBM, not cache. Outputs are kept alive
+in a ring for the same reason (see OutputRing).
 """
 from __future__ import annotations
 
@@ -28,44 +29,133 @@ def n_sets_for(bytes_per_set: int, cap: int = 8) -> int:
     return max(1, min(cap, math.ceil(3 * L2_BYTES / max(1, bytes_per_set))))
 
 
-def time_ms(fn: Callable, sets: list, device: torch.device, warmup: int = 5, rep: int = 40) -> float:
-    """Median milliseconds of ``fn(*s)``, cycling s over ``sets``."""
-    for i in range(max(warmup, len(sets))):  # every set at least once (backward_only_fn caches on it)
-        fn(*sets[i % len(sets)])
+def _tensors(out) -> list:
+    """The tensors in ``out``: a tensor, None, or (nested) tuples/lists/dicts of them."""
+    found, stack = [], [out]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif isinstance(o, (tuple, list)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+    return found
+
+
+def output_bytes(out) -> int:
+    """Bytes of memory the tensors in ``out`` keep alive; storages shared by several
+    outputs (views of one buffer) count once."""
+    seen, total = set(), 0
+    for t in _tensors(out):
+        st = t.untyped_storage()
+        key = (st.data_ptr(), str(t.device))
+        if key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+class OutputRing:
+    """Keeps the results of the last ``k`` calls alive, so every call writes fresh memory.
+
+    Why: a result dropped right after its call goes back to the caching allocator, and the
+    next call gets the same address. With outputs below L2 (50 MB on the H100) the
+    previous call's output lines are still in L2, dirty, and the next call's writes land
+    on them and never reach HBM within the timed window: the op looks faster than memory
+    (layer_norm 8192x4096 bf16 at 3.8 TB/s against a 3.0 TB/s copy ceiling). A model keeps
+    its activations, so outputs must rotate like the inputs: ``k`` results of together at
+    least 3x L2 stay referenced; the allocator then cycles over k+1 blocks. Keeping a
+    reference costs no kernel and no sync; the oldest result is released after the
+    call's end event, outside the timed window. Tensors are kept detached (an output's
+    autograd graph is not kept alive). ``cap`` bounds k (and so the warm-up that fills
+    the ring) for tiny outputs, whose ops are launch-bound anyway."""
+
+    def __init__(self, per_call_bytes: int, l2_bytes: Optional[int] = None, cap: int = 256):
+        l2 = L2_BYTES if l2_bytes is None else l2_bytes
+        self.k = 0 if per_call_bytes <= 0 else min(cap, math.ceil(3 * l2 / per_call_bytes))
+        self._slots = [None] * self.k
+        self._i = 0
+
+    def keep(self, out) -> None:
+        if self.k:
+            self._slots[self._i] = [t.detach() for t in _tensors(out)]  # drops the result of k calls ago
+            self._i = (self._i + 1) % self.k
+
+    def live(self) -> list:
+        """The kept results (lists of tensors), oldest first."""
+        return [o for o in self._slots[self._i:] + self._slots[:self._i] if o is not None]
+
+    def clear(self) -> None:
+        self._slots = [None] * self.k
+
+
+def time_ms(fn: Callable, sets: list, device: torch.device, warmup: int = 5, rep: int = 40,
+            keep_outputs: Optional[bool] = None) -> float:
+    """Median milliseconds of ``fn(*s)``, cycling s over ``sets``. With ``keep_outputs``
+    (default: on CUDA) the results of the last calls stay alive (OutputRing), so outputs
+    are written to fresh memory; CPU timings are informative only and skip the ring's
+    warm-up."""
+    if keep_outputs is None:
+        keep_outputs = device.type == "cuda"
+    first = fn(*sets[0])
+    ring = OutputRing(output_bytes(first) if keep_outputs else 0)
+    ring.keep(first)
+    del first
+    # Every set at least once (backward_only_fn caches on it), and the ring filled, so the
+    # allocator holds all its blocks before the timed calls (no cudaMalloc inside them).
+    for i in range(1, max(warmup, len(sets), ring.k + 1)):
+        ring.keep(fn(*sets[i % len(sets)]))
     sync(device)
     if device.type == "cuda":
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+        out = None
         for i, (a, b) in enumerate(ev):
             s = sets[i % len(sets)]
             a.record()
-            fn(*s)
+            out = fn(*s)
             b.record()
+            ring.keep(out)  # the oldest result is freed here, after the end event
+        del out
         sync(device)
         times = [a.elapsed_time(b) for a, b in ev]
     else:
-        times = []
+        times, out = [], None
         for i in range(rep):
             t0 = time.perf_counter()
-            fn(*sets[i % len(sets)])
+            out = fn(*sets[i % len(sets)])
             times.append((time.perf_counter() - t0) * 1e3)
+            ring.keep(out)
+        del out
+    ring.clear()
     return statistics.median(times)
 
 
 def time_graph_ms(fn: Callable, sets: list, device: torch.device, calls: int = 20, rep: int = 20) -> float:
     """Median milliseconds per call of ``fn`` with the host out of the loop: ``calls`` calls
     (cycling over ``sets``) captured once into a CUDA graph, the graph replayed ``rep`` times.
-    For small ops, where per-call timing measures the host's dispatch as much as the kernel."""
+    For small ops, where per-call timing measures the host's dispatch as much as the kernel.
+
+    Captured results are kept in an OutputRing during capture, so the graph's pool gives
+    the calls k+1 distinct output blocks in turn (a result freed at once would make every
+    captured call write the same address); ``calls`` is rounded up to a multiple of k+1
+    so that across replays too each block is rewritten only every k+1 calls."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # warm-up outside capture (lazy init, workspaces)
+        per_call = 0
         for i in range(3):
-            fn(*sets[i % len(sets)])
+            per_call = max(per_call, output_bytes(fn(*sets[i % len(sets)])))
     torch.cuda.current_stream(device).wait_stream(side)
     sync(device)
+    ring = OutputRing(per_call)
+    if ring.k:
+        calls = math.ceil(calls / (ring.k + 1)) * (ring.k + 1)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
-            fn(*sets[i % len(sets)])
+            ring.keep(fn(*sets[i % len(sets)]))
+    ring.clear()  # the graph's private pool keeps the blocks for its replays
     graph.replay()
     sync(device)
     times = []

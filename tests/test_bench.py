@@ -1,0 +1,86 @@
+"""The benchmark harness (gpu_puzzles/bench/common.py): output bytes and the output ring
+that keeps recent results alive so timed calls write fresh memory (CPU logic only)."""
+import math
+
+import pytest
+import torch
+
+from gpu_puzzles.bench import common
+from gpu_puzzles.bench.common import OutputRing, output_bytes, time_ms
+
+
+def test_output_bytes_nested_none_and_shared_storage():
+    a = torch.zeros(10, dtype=torch.float32)
+    b = torch.zeros(3, 4, dtype=torch.float64)
+    assert output_bytes(None) == 0
+    assert output_bytes(a) == 40
+    assert output_bytes((a, None, [b, {"k": None}])) == 40 + 96
+    # two views of one buffer keep 40 bytes alive, not 80
+    assert output_bytes((a[:5], a[5:])) == 40
+    assert output_bytes(((None,), ())) == 0
+
+
+@pytest.mark.parametrize("per_call,want", [(0, 0), (-1, 0), (1000, 3), (999, 4), (3001, 1), (1, 256)])
+def test_ring_size(per_call, want):
+    # k results of together >= 3x L2 (here 1000 bytes), capped at 256; none for no output
+    assert OutputRing(per_call, l2_bytes=1000).k == want
+
+
+def test_ring_keeps_last_k_and_drops_older():
+    ring = OutputRing(100, l2_bytes=100)  # k = 3
+    assert ring.k == 3
+    outs = [torch.full((4,), float(i)) for i in range(7)]
+    for i, o in enumerate(outs):
+        ring.keep((o, None))
+        live = ring.live()
+        expect = outs[max(0, i - 2):i + 1]
+        assert [t[0].data_ptr() for t in live] == [o.data_ptr() for o in expect]
+        assert all(not t[0].requires_grad for t in live)
+    ring.clear()
+    assert ring.live() == []
+
+
+def test_ring_disabled_keeps_nothing():
+    ring = OutputRing(0)
+    ring.keep(torch.ones(3))
+    assert ring.k == 0 and ring.live() == []
+
+
+def test_ring_does_not_keep_autograd_graphs():
+    x = torch.ones(5, requires_grad=True)
+    ring = OutputRing(20, l2_bytes=20)
+    ring.keep(x * 2)
+    (kept,) = ring.live()[0]
+    assert kept.grad_fn is None and not kept.requires_grad
+
+
+def _recording_fn(ptrs, k):
+    def fn(x):
+        out = x + 1  # 1024 float32 = 4 KiB
+        ptrs.append(out.data_ptr())  # an int: the history itself keeps nothing alive
+        return out
+    return fn
+
+
+def test_time_ms_outputs_stay_alive(monkeypatch):
+    # With a 4 KiB "L2" and 4 KiB outputs, k = 3: each call's output must not land on the
+    # memory of the previous 3 results, which the ring keeps allocated.
+    monkeypatch.setattr(common, "L2_BYTES", 4096)
+    ptrs = []
+    ms = time_ms(_recording_fn(ptrs, 3), [(torch.zeros(1024),)], torch.device("cpu"), warmup=2, rep=12,
+                 keep_outputs=True)
+    assert ms >= 0 and math.isfinite(ms)
+    assert len(ptrs) == 4 + 12  # the warm-up fills the ring (k + 1 calls) before timing
+    for i, p in enumerate(ptrs):
+        assert p not in ptrs[max(0, i - 3):i], f"call {i} reused a kept result's memory"
+
+
+def test_time_ms_default_no_ring_on_cpu():
+    calls = []
+    time_ms(lambda: calls.append(1) or torch.ones(4), [()], torch.device("cpu"), warmup=2, rep=3)
+    assert len(calls) == 2 + 3  # no ring warm-up on the CPU by default
+
+
+def test_time_ms_fn_returning_none(monkeypatch):
+    monkeypatch.setattr(common, "L2_BYTES", 4096)
+    assert time_ms(lambda: None, [()], torch.device("cpu"), warmup=1, rep=2, keep_outputs=True) >= 0
