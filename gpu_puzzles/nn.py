@@ -110,7 +110,7 @@ class LogSoftmax(nn.Module):
 
 class LayerNormLinear(nn.Module):
     """``Linear(LayerNorm(x))`` in one op: ``fused=True`` uses :func:`gpu_puzzles.fused_layernorm_linear`
-    (the normalised activation is never saved for the backward), ``fused=False`` our LayerNorm then ``F.linear``.
+    (the normalised activation is never written), ``fused=False`` our LayerNorm then ``F.linear``.
 
     Parameters match ``nn.LayerNorm(in_features)`` (``ln_weight``, ``ln_bias``, initialised to
     ones/zeros) and ``nn.Linear(in_features, out_features)`` (``weight``, ``bias``, Kaiming-uniform).

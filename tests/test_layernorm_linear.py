@@ -1,8 +1,5 @@
 """layer_norm, fused_layernorm_linear, unfused_layernorm_linear: seed config, float64
 references, large-mean inputs, gradients, opcheck, compile, bad input."""
-import contextlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,32 +9,6 @@ import gpu_puzzles as gp
 from conftest import DEVICES, HAS_CUDA, TOL, assert_close_ref, device_dtypes, requires_cuda
 
 IMPLS = {"fused": gp.fused_layernorm_linear, "unfused": gp.unfused_layernorm_linear}
-
-# The fused forward's two forms (csrc/layernorm_linear/layernorm_linear.cpp): "fold"
-# (GEMM on x against the folded weight + epilogue on z, with the large-mean guard) and
-# "normalize" (LayerNorm writes xn, GEMM on xn). "auto" picks the one moving fewer bytes.
-PATHS = ["fold", "normalize"]
-_PATH_ENV = "GPU_PUZZLES_LNLINEAR_PATH"
-
-
-@contextlib.contextmanager
-def _path(path):
-    """Force the fused forward's form (None / "auto": the traffic rule) within the block."""
-    old = os.environ.pop(_PATH_ENV, None)
-    if path not in (None, "auto"):
-        os.environ[_PATH_ENV] = path
-    try:
-        yield
-    finally:
-        os.environ.pop(_PATH_ENV, None)
-        if old is not None:
-            os.environ[_PATH_ENV] = old
-
-
-def _fold_is_cheaper(M, N, H):
-    """Mirror of lnlinear_fold_is_cheaper (layernorm_linear.h)."""
-    return 2.0 * N * (H + M) < M * H
-
 
 def _params(H, N, device, dtype, bias=True, grad=False, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -121,36 +92,18 @@ def test_forward_matches_reference(device, dtype, shape, impl, bias):
 
 
 @pytest.mark.parametrize("device,dtype,shape", _cases())
-@pytest.mark.parametrize("path", PATHS)
-def test_fused_forward_both_paths(device, dtype, shape, path):
+def test_fused_forward_statistics(device, dtype, shape):
     lead, H, N = shape
     torch.manual_seed(H * 17 + N)
     x = (torch.randn(*lead, H, dtype=torch.float64) * 1.5 - 0.7).to(device, dtype)
     lw, lb, W, b = _params(H, N, device, dtype, bias=N % 2 == 0)
-    with _path(path):
-        y, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, 1e-5)
+    y, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, 1e-5)
     assert y.shape == (*lead, N) and y.dtype == dtype
-    assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"fused {path} forward")
-    # both forms return the same statistics (the backward's inputs)
+    assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, "fused forward")
+    # the statistics the op returns are the backward's inputs
     torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(),
                                rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("M,H,N", [(64, 256, 8), (64, 16, 32), (40, 100, 20), (3, 300, 2)])
-def test_path_choice_follows_traffic_rule(device, M, H, N):
-    # "auto" must give bit for bit the output of the form the traffic rule names.
-    torch.manual_seed(M + H + N)
-    x = torch.randn(M, H, device=device, dtype=torch.float64) + 0.3
-    lw, lb, W, b = _params(H, N, device, torch.float64)
-    out = {}
-    for p in ("auto", "fold", "normalize"):
-        with _path(p):
-            out[p] = gp.fused_layernorm_linear(x, lw, lb, W, b)
-    assert not torch.equal(out["fold"], out["normalize"])  # the forms differ in rounding: the test can tell
-    want = "fold" if _fold_is_cheaper(M, N, H) else "normalize"
-    assert torch.equal(out["auto"], out[want]), f"auto did not take {want}"
 
 
 # ---- backward against float64 -----------------------------------------------------
@@ -203,8 +156,7 @@ def _large_mean_x(lead, H, means, device, dtype, seed):
 
 @pytest.mark.parametrize("device,dtype", device_dtypes())
 @pytest.mark.parametrize("means", [[8.0], [1000.0], [0.0, 3000.0, -12.0, 20.0]])
-@pytest.mark.parametrize("path", ["auto"] + PATHS)
-def test_large_mean_inputs(device, dtype, means, path):
+def test_large_mean_inputs(device, dtype, means):
     # Rows with |mean|/std below the guard go through the folded rewrite, rows above it
     # are recomputed normalise-first; both must stay as accurate as PyTorch's own
     # LayerNorm+Linear in the same dtype (whose mean itself carries eps * |mean|).
@@ -215,14 +167,13 @@ def test_large_mean_inputs(device, dtype, means, path):
     eager = F.linear(F.layer_norm(x, (H,), lw, lb), W, b)
     err_eager = (eager.double() - y_ref).abs().max().item()
     scale = max(1.0, y_ref.abs().max().item())
-    with _path(path):
-        for impl, f in IMPLS.items():
-            y = f(x, lw, lb, W, b)
-            err = (y.double() - y_ref).abs().max().item()
-            assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"{impl}: error {err:.3e} vs eager {err_eager:.3e}"
-        # and the gradients stay finite and close
-        xg = x.clone().requires_grad_()
-        grads = torch.autograd.grad(gp.fused_layernorm_linear(xg, lw, lb, W, b).sum(), (xg,))
+    for impl, f in IMPLS.items():
+        y = f(x, lw, lb, W, b)
+        err = (y.double() - y_ref).abs().max().item()
+        assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"{impl}: error {err:.3e} vs eager {err_eager:.3e}"
+    # and the gradients stay finite and close
+    xg = x.clone().requires_grad_()
+    grads = torch.autograd.grad(gp.fused_layernorm_linear(xg, lw, lb, W, b).sum(), (xg,))
     assert torch.isfinite(grads[0]).all()
 
 
@@ -379,9 +330,7 @@ def _poison_allocator():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("M,H,N", [(1, 8, 8), (33, 1, 5), (257, 4096, 64), (19, 1000, 33), (7, 4099, 9),
                                    (3, 40000, 3), (1000, 128, 1000), (4, 2048, 2049)])
-@pytest.mark.parametrize("path", PATHS)
-def test_cuda_every_element_written(dtype, M, H, N, path, monkeypatch):
-    monkeypatch.setenv(_PATH_ENV, path)
+def test_cuda_every_element_written(dtype, M, H, N):
     torch.manual_seed(M + H + N)
     x = torch.randn(M, H, device="cuda", dtype=dtype) + 0.5
     lw, lb, W, b = _params(H, N, "cuda", dtype, grad=True)
@@ -408,10 +357,8 @@ def test_cuda_misaligned_views(dtype):
     lw = lwb[1:]
     lb = torch.randn(H, device="cuda", dtype=dtype)
     W = torch.randn(N, H, device="cuda", dtype=dtype) / 8
-    for path in PATHS:
-        with _path(path):
-            for f in (gp.fused_layernorm_linear, gp.unfused_layernorm_linear):
-                assert_close_ref(f(x, lw, lb, W, None), _ref(x, lw, lb, W, None)[0], dtype, f"misaligned {path}")
+    for f in (gp.fused_layernorm_linear, gp.unfused_layernorm_linear):
+        assert_close_ref(f(x, lw, lb, W, None), _ref(x, lw, lb, W, None)[0], dtype, "misaligned")
     assert_close_ref(gp.layer_norm(x, lw, lb), F.layer_norm(x.double(), (H,), lw.double(), lb.double()), dtype, "ln")
 
 
@@ -420,11 +367,9 @@ def test_cuda_matches_cpu_float64():
     torch.manual_seed(11)
     x = torch.randn(3, 50, 300, dtype=torch.float64) * 3 + 1
     lw, lb, W, b = _params(300, 70, "cpu", torch.float64)
-    for path in ["auto"] + PATHS:  # the same algebra on both devices, either form
-        with _path(path):
-            y_cpu = gp.fused_layernorm_linear(x, lw, lb, W, b)
-            y_gpu = gp.fused_layernorm_linear(*(t.cuda() for t in (x, lw, lb, W, b)))
-        torch.testing.assert_close(y_gpu.cpu(), y_cpu, rtol=1e-12, atol=1e-12, msg=lambda m: f"{path}: {m}")
+    y_cpu = gp.fused_layernorm_linear(x, lw, lb, W, b)  # the same algebra on both devices
+    y_gpu = gp.fused_layernorm_linear(*(t.cuda() for t in (x, lw, lb, W, b)))
+    torch.testing.assert_close(y_gpu.cpu(), y_cpu, rtol=1e-12, atol=1e-12)
 
 
 @requires_cuda
@@ -436,11 +381,10 @@ def test_cuda_matches_cpu_float64():
     (torch.float64, 500, 100, 1030),    # 2-wide vectors, 2 tiles
     (torch.bfloat16, 20000, 16, 24),    # many rows per block (grid.y capped at ~one wave)
 ])
-def test_cuda_fold_epilogue_tiles(dtype, M, H, N, monkeypatch):
+def test_cuda_fold_epilogue_tiles(dtype, M, H, N):
     # The folded form's epilogue tiles columns across grid.x and walks rows across grid.y,
     # holding r/bp in registers; rows with a large mean (|mean| * rstd > 16) take the
     # accurate branch for their tile's columns only. Mixed rows, poisoned memory.
-    monkeypatch.setenv(_PATH_ENV, "fold")
     x = _large_mean_x((M,), H, [0.0, 0.3, 1000.0, -50.0, 5.0], "cuda", dtype, seed=M + N)
     lw, lb, W, b = _params(H, N, "cuda", dtype, seed=H)
     y_ref = _ref(x, lw, lb, W, b)[0]
@@ -581,8 +525,7 @@ def test_property_layernorm_linear(device, impl, data):
     lw, lb, W, b = _params(H, N, device, dtype, bias=data.draw(st.booleans(), "bias"), grad=True, seed=seed)
     W = W.detach().t().contiguous().t() if data.draw(st.booleans(), "W column-major") else W
     W = W.detach().requires_grad_()
-    with _path(data.draw(st.sampled_from(["auto"] + PATHS), "fused form")):
-        y = IMPLS[impl](x, lw, lb, W, b)
+    y = IMPLS[impl](x, lw, lb, W, b)
     assert y.shape == (*x.shape[:-1], N) and y.dtype == dtype
     y_ref, leaves = _ref(x, lw, lb, W, b)
     # x's mean shift enters the GEMM in the folded form: compare like test_large_mean_inputs

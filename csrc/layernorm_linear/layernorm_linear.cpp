@@ -13,11 +13,10 @@
 // |mu| * rstd > kLnLinearMaxMeanRatio are recomputed normalise-first in the
 // epilogue (decided per row on the device: no host sync, graph-safe).
 // The GEMM goes to at::mm (cuBLAS on CUDA); the normalised x is never written.
-// That rewrite pays 2*N*H (fold) + 2*M*N (epilogue pass over z) bytes against the
-// 2*M*H of writing xn, so it is used only when lnlinear_fold_is_cheaper (N below
-// ~H/2); otherwise the forward normalises first: our LayerNorm writes xn (freed
-// after the GEMM, never saved) and at::addmm adds the bias in cuBLAS's epilogue.
-// GPU_PUZZLES_LNLINEAR_PATH=fold|normalize forces one form (tests cover both).
+// It moves more bytes than normalising first (2*N*H for the fold + 2*M*N for the
+// epilogue's pass over z, against 2*M*H for writing and re-reading xn): at N >= H
+// only a GEMM with the epilogue inside it can beat eager; the rule (never
+// write the normalised activation) keeps this form.
 // Backward: xn = gamma*xhat + beta is materialised (backward only) for
 // dW = dy^T xn; d(xn) = dy W; our LayerNorm backward gives dx, dgamma, dbeta.
 #include <ATen/ATen.h>
@@ -27,8 +26,6 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -287,16 +284,6 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
   return {dx, dg, db};
 }
 
-// Folded or normalise-first (see the file comment); the environment override is read
-// per call so that tests can switch it.
-bool use_fold(int64_t M, int64_t N, int64_t H) {
-  if (const char* p = std::getenv("GPU_PUZZLES_LNLINEAR_PATH")) {
-    if (std::strcmp(p, "fold") == 0) return true;
-    if (std::strcmp(p, "normalize") == 0) return false;
-  }
-  return lnlinear_fold_is_cheaper(M, N, H);
-}
-
 Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const Tensor& W_,
                            const c10::optional<Tensor>& b_, double eps, bool cuda) {
   const char* op = "fused_layernorm_linear";
@@ -308,23 +295,6 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
   const int64_t M = x.numel() / H;
   const auto st = x.options().dtype(stat_type(x));
   Tensor mean = at::empty(lead_shape(x), st), rstd = at::empty(lead_shape(x), st);
-  if (!use_fold(M, N, H)) {
-    Tensor xn = at::empty({M, H}, x.options());
-    if (cuda) {
-#ifdef WITH_CUDA
-      GP_CUDA_CHECK_STATUS(layer_norm_forward_cuda(x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(),
-                                                   mean.data_ptr(), rstd.data_ptr(), M, H, eps,
-                                                   to_dtype(x.scalar_type()), current_stream()));
-#endif
-    } else {
-      GP_DISPATCH(x, "fused_layernorm_linear_cpu_normalize", [&] {
-        ln_forward_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), be.data_ptr<scalar_t>(),
-                                    xn.data_ptr<scalar_t>(), mean.data_ptr<A>(), rstd.data_ptr<A>(), M, H, eps);
-      });
-    }
-    Tensor y = (b ? at::addmm(*b, xn, W.t()) : at::mm(xn, W.t())).contiguous();
-    return {y.view(out_shape(x, N)), mean, rstd};
-  }
   Tensor wc = at::empty({N, H}, x.options());
   Tensor r = at::empty({N}, st), bp = at::empty({N}, st);
   Tensor z;

@@ -14,17 +14,6 @@ namespace gpu_puzzles {
 // fused forward (the folded rewrite loses ~ratio * eps_acc * sqrt(H) there).
 constexpr double kLnLinearMaxMeanRatio = 16.0;
 
-// The fused forward's two forms move different bytes beyond the GEMM's own
-// (x or xn: M*H, W or Wc: N*H, y: M*N):
-//   folded          : statistics read x (M*H), fold W -> Wc (2*N*H), epilogue on z (2*M*N)
-//   normalise-first : LayerNorm reads x and writes xn (2*M*H); the bias goes to cuBLAS
-// The folded form is cheaper only when 2*N*H + 2*M*N < M*H, i.e. N below about
-// H/2 (a narrow projection of wide rows); a transformer's N >= H is not.
-inline bool lnlinear_fold_is_cheaper(int64_t M, int64_t N, int64_t H) {
-  return 2.0 * static_cast<double>(N) * (static_cast<double>(H) + static_cast<double>(M)) <
-         static_cast<double>(M) * static_cast<double>(H);
-}
-
 // mean/rstd of every row; y = (x - mean) * rstd * gamma + beta when y != null.
 LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y,
                                      void* mean, void* rstd, int64_t M, int64_t H, double eps,

@@ -4,13 +4,11 @@
 layer_norm(x) = (x - mean) / sqrt(var + eps) * weight + bias over the last dim,
 biased variance, statistics in float32 (float64 for float64 inputs).
 
-fused_layernorm_linear(x, ...) = F.linear(layer_norm(x, ln_weight, ln_bias), W, b)
-in one op, in whichever of two forms moves fewer bytes: folded (the GEMM runs on x
-against W with ln_weight folded in and its rows centred, and our epilogue applies
-the per-row statistics; layer_norm(x) is never written; cheaper when N is below
-about H/2) or normalise-first (our LayerNorm writes layer_norm(x), freed after the
-GEMM, and cuBLAS adds the bias). See csrc/layernorm_linear/layernorm_linear.cpp for
-the algebra, the traffic rule and the large-mean guard.
+fused_layernorm_linear(x, ...) = F.linear(layer_norm(x, ln_weight, ln_bias), W, b),
+computed without writing layer_norm(x): the GEMM runs on x against W with
+ln_weight folded in and its rows centred, and our epilogue applies the per-row
+statistics (see csrc/layernorm_linear/layernorm_linear.cpp for the algebra and
+the large-mean guard).
 """
 from typing import Optional
 
@@ -136,9 +134,8 @@ def fused_layernorm_linear(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Opti
 
     ``x (..., H)``, ``ln_weight``/``ln_bias (H,)`` (``None``: ones / zeros),
     ``linear_weight (N, H)``, ``linear_bias (N,)`` or ``None``; returns ``(..., N)``.
-    The normalised activation is never saved for the backward (which recomputes
-    it); the forward writes it transiently only when that moves fewer bytes than
-    the folded form (N above about H/2). The backward returns all five gradients.
+    The normalised activation is never written to memory, forward or saved for
+    the backward (which recomputes it); the backward returns all five gradients.
     """
     ln_weight, ln_bias = _affine(x, ln_weight, ln_bias)
     return _fused(x, ln_weight, ln_bias, linear_weight, linear_bias, eps)[0]
