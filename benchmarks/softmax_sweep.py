@@ -67,7 +67,7 @@ def child(group: str, baselines: bool) -> None:
     import gpu_puzzles  # noqa: F401  (loads the ops)
     from gpu_puzzles.bench.common import n_sets_for, time_ms
 
-    dev = torch.device("cuda")
+    dev = torch.device(os.environ.get("GPU_PUZZLES_SWEEP_DEVICE", "cuda"))  # "cpu": a smoke test of the script
     out = {"cases": {}, "checks": {}}
     for g, label, shape, dim, dt, direction in CASES:
         if g != group:

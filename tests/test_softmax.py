@@ -461,7 +461,7 @@ def _variant_row_lengths(v):
     # (512 threads x 8 or 4 vectors x V per block), the staged limit (16 blocks x 512 x 8 V)
     # and one past it (split path).
     top = 16 * 512 * 8 * v
-    return sorted({2048 * v + 1, 2048 * v + v, 4096 * v + v, 16384 + v, 32768 - v, 32768 + v, 65536 + 3 * v,
+    return sorted({2048 * v, 2048 * v + 1, 2048 * v + v, 4096 * v + v, 16384 + v, 32768 - v, 32768 + v, 65536 + 3 * v,
                    100000 - 100000 % v, 131072, 131072 + v, 200000 - 200000 % v, top, top + v})
 
 
@@ -490,7 +490,10 @@ def test_cuda_variants_rows(variant, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cuda_variants_columns(variant, dtype):
     torch.manual_seed(32)
-    shapes = FAST_COLS + [(64, 4096, 256), (3, 8192, 64), (2, 8193, 64), (5, 6000, 72), (1, 600, 4104)]
+    # The staged kernel's reach is set by shared memory (rows per thread grow once the cluster has
+    # 16 blocks): the backward's edge near N = 6656 and the forward's near 13824 (2 stages).
+    shapes = FAST_COLS + [(64, 4096, 256), (3, 8192, 64), (2, 8193, 64), (5, 6000, 72), (1, 600, 4104),
+                          (2, 6656, 64), (2, 6657, 64), (1, 13824, 64), (1, 13825, 64)]
     for o, n, i in shapes:
         for kind in ("softmax", "log_softmax"):
             x = torch.randn(o, n, i, device="cuda", dtype=dtype) * 3

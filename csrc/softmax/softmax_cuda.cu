@@ -1467,6 +1467,7 @@ bool plan_staged_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, Plan& p) {
   p.S = cs;
   p.ch = K;
   p.threads = int(std::max<int64_t>(128, pow2ceil(cdiv(N, cs * K * V))));
+  if (p.threads > kSrThreads) return false;  // cs K V 512 >= N by the choice above; kept as a guard
   p.stages = tu.stages;
   while (p.stages > 2 && int64_t(p.stages) * K * p.threads * 16 > kStagedSmemMax) --p.stages;
   p.smem = int64_t(p.stages) * K * p.threads * 16;
