@@ -439,10 +439,12 @@ def test_cuda_fast_kernels_deterministic():
 # ---- kernel variants (algorithm "auto:key=value,...", the sweep's knobs) ----------------------
 # Every variant must be right on every shape it can be dispatched for; shapes outside a variant's
 # range (N not a multiple of the vector, misaligned views, too long) must fall back correctly.
-ROW_VARIANTS = ["auto:rows=new", "auto:rows=new,cluster=16", "auto:rows=new,stages=3",
-                "auto:rows=new,cluster=16,stages=3", "auto:rows=old"]
-COL_VARIANTS = ["auto:cols=new", "auto:cols=new,col_rows_fwd=16,col_rows_bwd=16",
-                "auto:cols=new,col_rows_fwd=4,col_rows_bwd=4,stages=3", "auto:cols=new,stages=3", "auto:cols=old"]
+ROW_VARIANTS = ["auto:rows=new,cluster=8,stages=2", "auto:rows=new,cluster=16,stages=2",
+                "auto:rows=new,cluster=8,stages=3", "auto:rows=new,cluster=16,stages=3", "auto:rows=old"]
+COL_VARIANTS = ["auto:cols=new,col_rows_fwd=8,col_rows_bwd=8,stages=2",
+                "auto:cols=new,col_rows_fwd=16,col_rows_bwd=16,stages=2",
+                "auto:cols=new,col_rows_fwd=4,col_rows_bwd=4,stages=3",
+                "auto:cols=new,col_rows_fwd=8,col_rows_bwd=8,stages=3", "auto:cols=old"]
 
 
 def test_variant_strings_cpu():

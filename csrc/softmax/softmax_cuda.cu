@@ -1856,7 +1856,9 @@ SoftmaxTuning softmax_resolve_tuning(SoftmaxTuning t) {
     SoftmaxTuning e;
     e.rows = env_old_new("GPU_PUZZLES_SOFTMAX_ROWS_VARIANT", 2);
     e.cluster = env_int("GPU_PUZZLES_SOFTMAX_CLUSTER", {8, 16}, 8);
-    e.stages = env_int("GPU_PUZZLES_SOFTMAX_STAGES", {2, 3}, 2);
+    // 3 stages: two rows / tiles in flight behind the one in use (1 block per SM
+    // for the long rows and the column backward either way).
+    e.stages = env_int("GPU_PUZZLES_SOFTMAX_STAGES", {2, 3}, 3);
     e.cols = env_old_new("GPU_PUZZLES_SOFTMAX_COL_VARIANT", 2);
     e.col_rows_fwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD", {4, 8, 16}, 8);
     e.col_rows_bwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_BWD", {4, 8, 16}, 8);
