@@ -436,6 +436,159 @@ def test_cuda_fast_kernels_deterministic():
             assert torch.equal(first, gp.softmax(x, dim))
 
 
+# ---- kernel variants (algorithm "auto:key=value,...", the sweep's knobs) ----------------------
+# Every variant must be right on every shape it can be dispatched for; shapes outside a variant's
+# range (N not a multiple of the vector, misaligned views, too long) must fall back correctly.
+ROW_VARIANTS = ["auto:rows=new,cluster=8,stages=2", "auto:rows=new,cluster=16,stages=2",
+                "auto:rows=new,cluster=8,stages=3", "auto:rows=new,cluster=16,stages=3", "auto:rows=old"]
+COL_VARIANTS = ["auto:cols=new,col_rows_fwd=8,col_rows_bwd=8,stages=2",
+                "auto:cols=new,col_rows_fwd=16,col_rows_bwd=16,stages=2",
+                "auto:cols=new,col_rows_fwd=4,col_rows_bwd=4,stages=3",
+                "auto:cols=new,col_rows_fwd=8,col_rows_bwd=8,stages=3", "auto:cols=old"]
+
+
+def test_variant_strings_cpu():
+    x = torch.randn(3, 50)
+    ref = torch.ops.gpu_puzzles.softmax(x, -1, "auto")
+    for v in ROW_VARIANTS + COL_VARIANTS:
+        assert torch.equal(torch.ops.gpu_puzzles.softmax(x, -1, v), ref)
+    for bad, word in (("auto:rows=bogus", "rows"), ("auto:cluster=3", "cluster"), ("auto:nope=1", "nope"),
+                      ("auto:rows", "key=value")):
+        with pytest.raises(RuntimeError, match=word):
+            torch.ops.gpu_puzzles.softmax(x, -1, bad)
+
+
+def _variant_row_lengths(v):
+    # Block/cluster edge (2048 V), N % V != 0 (older kernels), each cluster size's capacity
+    # (512 threads x 8 or 4 vectors x V per block), the staged limit (16 blocks x 512 x 8 V)
+    # and one past it (split path).
+    top = 16 * 512 * 8 * v
+    return sorted({2048 * v, 2048 * v + 1, 2048 * v + v, 4096 * v + v, 16384 + v, 32768 - v, 32768 + v, 65536 + 3 * v,
+                   100000 - 100000 % v, 131072, 131072 + v, 200000 - 200000 % v, top, top + v})
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", ROW_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_variants_rows(variant, dtype):
+    torch.manual_seed(31)
+    v = 16 // torch.empty((), dtype=dtype).element_size()
+    for n in _variant_row_lengths(v):
+        kinds = ["softmax", "log_softmax"] if n < 150000 else ["softmax"]
+        for kind in kinds:
+            x = torch.randn(2 if n > 150000 else 3, n, device="cuda", dtype=dtype) * 3
+            _cuda_check(x, -1, kind, variant, dtype, f"{variant} {kind} ({x.shape[0]},{n}) {dtype}")
+        if n < 150000:
+            base = torch.randn(2 * n + v, device="cuda", dtype=dtype)  # misaligned: the older kernels
+            _cuda_check(base[1:2 * n + 1].view(2, n), -1, "softmax", variant, dtype, f"{variant} misaligned {n}")
+    # Many rows per resident cluster: every stage slot is reused many times, rows wrap.
+    for rows, n in ((1000, 40000 - 40000 % v), (300, 131072)):
+        x = torch.randn(rows, n, device="cuda", dtype=dtype)
+        _cuda_check(x, -1, "softmax", variant, dtype, f"{variant} ({rows},{n}) {dtype}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", COL_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_variants_columns(variant, dtype):
+    torch.manual_seed(32)
+    # The staged kernel's reach is set by shared memory (rows per thread grow once the cluster has
+    # 16 blocks): the backward's edge near N = 6656 and the forward's near 13824 (2 stages).
+    shapes = FAST_COLS + [(64, 4096, 256), (3, 8192, 64), (2, 8193, 64), (5, 6000, 72), (1, 600, 4104),
+                          (2, 6656, 64), (2, 6657, 64), (1, 13824, 64), (1, 13825, 64)]
+    for o, n, i in shapes:
+        for kind in ("softmax", "log_softmax"):
+            x = torch.randn(o, n, i, device="cuda", dtype=dtype) * 3
+            _cuda_check(x, 1, kind, variant, dtype, f"{variant} {kind} cols ({o},{n},{i}) {dtype}")
+        if o * n * i < 2_000_000:
+            base = torch.randn(o * n * i + 1, device="cuda", dtype=dtype)
+            _cuda_check(base[1:].view(o, n, i), 1, "softmax", variant, dtype, f"{variant} misaligned ({o},{n},{i})")
+    # Many tiles per resident cluster (stage slots reused, tiles wrap) and a 5-d middle dim.
+    x = torch.randn(300, 1500, 128, device="cuda", dtype=dtype)
+    _cuda_check(x, 1, "softmax", variant, dtype, f"{variant} cols (300,1500,128)")
+    x = torch.randn(2, 3, 1100, 8, 16, device="cuda", dtype=dtype)
+    _cuda_check(x, 2, "log_softmax", variant, dtype, f"{variant} 5-d dim=2")
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", ROW_VARIANTS + COL_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_variants_extremes(variant, dtype):
+    # -inf, all -inf lines, whole warps / blocks / cluster ranks of -inf, +inf, NaN, huge negative
+    # values, under each variant: NaN exactly where torch has it, and values close elsewhere.
+    torch.manual_seed(33)
+    v = 16 // torch.empty((), dtype=dtype).element_size()
+    for n in (50000 - 50000 % v, 131072, 3000, 4096):
+        x = torch.randn(8, n, device="cuda", dtype=torch.float32) * 10
+        x[0, ::3] = -INF
+        x[1] = -INF
+        x[2, n // 2] = INF
+        x[3, n - 1] = float("nan")
+        x[4, :-1] = -INF
+        x[5, : (2 * n) // 3] = -INF
+        x[6, n // 3:] = -INF
+        x[7] = x[7] * 1e4 - 1e6  # huge magnitudes: exp(-max) overflows float
+        x = x.to(dtype)
+        lines = [(x, -1)] if n > 4096 else [(x.t().contiguous().repeat_interleave(64, dim=1).unsqueeze(0), 1)]
+        for kind in ("softmax", "log_softmax"):
+            f, ref = FUNCS[kind]
+            op = torch.ops.gpu_puzzles.softmax if kind == "softmax" else torch.ops.gpu_puzzles.log_softmax
+            for xx, dim in lines:
+                _poison_cache()
+                y, r = op(xx, dim, variant).cpu().double(), ref(xx.cpu().double(), dim)
+                assert torch.equal(torch.isnan(y), torch.isnan(r)), (variant, n, dim, dtype, kind)
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(y, r, rtol=tol, atol=tol, equal_nan=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", ROW_VARIANTS + COL_VARIANTS)
+def test_cuda_variants_deterministic(variant):
+    # Fixed merge orders: the same input gives the same bits, forward and backward.
+    torch.manual_seed(34)
+    for shape, dim in (((40, 100000), -1), ((16, 4096, 256), 1)):
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn_like(x)
+        y = torch.ops.gpu_puzzles.softmax(x, dim, variant)
+        dx = torch.ops.gpu_puzzles.softmax_backward(g, y, dim, variant)
+        for _ in range(2):
+            assert torch.equal(y, torch.ops.gpu_puzzles.softmax(x, dim, variant))
+            assert torch.equal(dx, torch.ops.gpu_puzzles.softmax_backward(g, y, dim, variant))
+
+
+@requires_cuda
+def test_cuda_variant_environment(tmp_path):
+    # The environment picks the process default: a subprocess with the variables set gives the
+    # same bits as the per-call variant string.
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import sys, torch, gpu_puzzles\n"
+        "torch.manual_seed(0)\n"
+        "x = torch.randn(64, 131072, device='cuda')\n"
+        "c = torch.randn(8, 4096, 256, device='cuda', dtype=torch.bfloat16)\n"
+        "g = torch.randn_like(c)\n"
+        "v = sys.argv[1]\n"
+        "y = torch.ops.gpu_puzzles.softmax(c, 1, 'auto')\n"
+        "ok = [torch.equal(torch.ops.gpu_puzzles.softmax(x, -1, 'auto'), torch.ops.gpu_puzzles.softmax(x, -1, v)),\n"
+        "      torch.equal(y, torch.ops.gpu_puzzles.softmax(c, 1, v)),\n"
+        "      torch.equal(torch.ops.gpu_puzzles.softmax_backward(g, y, 1, 'auto'),\n"
+        "                  torch.ops.gpu_puzzles.softmax_backward(g, y, 1, v))]\n"
+        "print(ok)\n"
+        "sys.exit(0 if all(ok) else 1)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for env, v in (({"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "old", "GPU_PUZZLES_SOFTMAX_COL_VARIANT": "old"},
+                    "auto:rows=old,cols=old"),
+                   ({"GPU_PUZZLES_SOFTMAX_CLUSTER": "16", "GPU_PUZZLES_SOFTMAX_STAGES": "3",
+                     "GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD": "16", "GPU_PUZZLES_SOFTMAX_COL_ROWS_BWD": "4"},
+                    "auto:rows=new,cluster=16,stages=3,cols=new,col_rows_fwd=16,col_rows_bwd=4")):
+        full = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+        r = subprocess.run([sys.executable, str(script), v], env=full, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (env, r.stdout, r.stderr[-2000:])
+
+
 # ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
 
 from hypothesis import given, strategies as st  # noqa: E402

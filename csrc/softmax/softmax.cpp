@@ -5,7 +5,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <string>
 
@@ -33,8 +35,49 @@ Dims canon(const at::Tensor& x, int64_t dim, const char* op, const char* name) {
   return r;
 }
 
+// "auto:key=value,...": the auto kernels with a variant for tuning sweeps and
+// tests (keys rows=old|new, cluster=8|16, stages=2|3, cols=old|new,
+// col_rows_fwd=4|8|16, col_rows_bwd=4|8|16; see SoftmaxTuning). Not a public
+// choice: the Python checks accept only the plain names.
+SoftmaxTuning parse_tuning(const std::string& algorithm, const char* op) {
+  SoftmaxTuning t;
+  if (algorithm.rfind("auto:", 0) != 0) return t;
+  std::string rest = algorithm.substr(5);
+  size_t pos = 0;
+  while (pos <= rest.size()) {
+    const size_t end = std::min(rest.find(',', pos), rest.size());
+    const std::string item = rest.substr(pos, end - pos);
+    const size_t eq = item.find('=');
+    TORCH_CHECK(eq != std::string::npos, op, ": algorithm variant item '", item, "' is not key=value");
+    const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
+    auto old_new = [&]() {
+      TORCH_CHECK(v == "old" || v == "new", op, ": algorithm variant ", k, " must be old or new, got '", v, "'");
+      return v == "old" ? 1 : 2;
+    };
+    auto one_of = [&](std::initializer_list<int> allowed) {
+      for (int x : allowed)
+        if (v == std::to_string(x)) return x;
+      TORCH_CHECK(false, op, ": algorithm variant ", k, " has an unsupported value '", v, "'");
+      return 0;
+    };
+    if (k == "rows") t.rows = old_new();
+    else if (k == "cols") t.cols = old_new();
+    else if (k == "cluster") t.cluster = one_of({8, 16});
+    else if (k == "stages") t.stages = one_of({2, 3});
+    else if (k == "col_rows_fwd") t.col_rows_fwd = one_of({4, 8, 16});
+    else if (k == "col_rows_bwd") t.col_rows_bwd = one_of({4, 8, 16});
+    else TORCH_CHECK(false, op, ": unknown algorithm variant key '", k, "'");
+    pos = end + 1;
+  }
+  return t;
+}
+
 SoftmaxAlgo parse_algorithm(const std::string& algorithm, const char* op) {
   if (algorithm == "auto") return SoftmaxAlgo::Auto;
+  if (algorithm.rfind("auto:", 0) == 0) {
+    parse_tuning(algorithm, op);
+    return SoftmaxAlgo::Auto;
+  }
   if (algorithm == "tree") return SoftmaxAlgo::Tree;
   if (algorithm == "shuffle") return SoftmaxAlgo::Shuffle;
   if (algorithm == "online") return SoftmaxAlgo::Online;
@@ -151,7 +194,7 @@ at::Tensor log_softmax_backward_cpu(const at::Tensor& g, const at::Tensor& y, in
 bool needs_move(const Dims& d, SoftmaxAlgo algo) { return algo != SoftmaxAlgo::Auto && d.inner != 1; }
 
 at::Tensor run_cuda(const at::Tensor& a, const at::Tensor* b, const Dims& d0, SoftmaxAlgo algo, bool log,
-                    bool backward) {
+                    bool backward, const SoftmaxTuning& tune) {
   Dims d = d0;
   const bool move = needs_move(d, algo);
   at::Tensor ac = move ? a.movedim(d.dim, -1).contiguous() : a.contiguous();
@@ -161,7 +204,7 @@ at::Tensor run_cuda(const at::Tensor& a, const at::Tensor* b, const Dims& d0, So
   at::Tensor out = at::empty(ac.sizes(), ac.options());
   if (ac.numel() > 0) {
     SoftmaxArgs args{ac.data_ptr(), bc.defined() ? bc.data_ptr() : nullptr, out.data_ptr(), d.outer, d.N, d.inner,
-                     log, to_dtype(a.scalar_type())};
+                     log, to_dtype(a.scalar_type()), tune};
     const int64_t wsb = softmax_workspace_bytes(args, algo, backward);
     at::Tensor ws = wsb > 0 ? at::empty({wsb}, a.options().dtype(at::kByte)) : at::Tensor();
     void* wp = ws.defined() ? ws.data_ptr() : nullptr;
@@ -178,7 +221,7 @@ at::Tensor forward_cuda(const at::Tensor& x, int64_t dim, c10::string_view algor
   const SoftmaxAlgo algo = parse_algorithm(std::string(algorithm), op);
   TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor for the CUDA kernel, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  return run_cuda(x, nullptr, d, algo, log, false);
+  return run_cuda(x, nullptr, d, algo, log, false, parse_tuning(std::string(algorithm), op));
 }
 
 at::Tensor backward_cuda(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim, c10::string_view algorithm,
@@ -188,7 +231,7 @@ at::Tensor backward_cuda(const at::Tensor& grad_out, const at::Tensor& out, int6
   const Dims d = canon(out, dim, op, "out");
   const SoftmaxAlgo algo = parse_algorithm(std::string(algorithm), op);
   const c10::cuda::CUDAGuard guard(out.device());
-  return run_cuda(out, &grad_out, d, algo, log, true);
+  return run_cuda(out, &grad_out, d, algo, log, true, parse_tuning(std::string(algorithm), op));
 }
 
 at::Tensor softmax_cuda(const at::Tensor& x, int64_t dim, c10::string_view algorithm) {

@@ -17,6 +17,20 @@ namespace gpu_puzzles {
 //   Online  : single-pass running (max, sum), then one write pass.
 enum class SoftmaxAlgo : int { Auto = 0, Tree = 1, Shuffle = 2, Online = 3 };
 
+// Kernel variants of the Auto forward / backward, for tuning sweeps. A field
+// left at 0 takes the process default: the environment, read once
+// (GPU_PUZZLES_SOFTMAX_ROWS_VARIANT=old|new, GPU_PUZZLES_SOFTMAX_CLUSTER=8|16,
+// GPU_PUZZLES_SOFTMAX_STAGES=2|3, GPU_PUZZLES_SOFTMAX_COL_VARIANT=old|new,
+// GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD / _BWD=4|8|16), else the built-in choice.
+// Tests and sweeps override it per call with algorithm "auto:key=value,...".
+struct SoftmaxTuning {
+  int rows = 0;      // long rows, forward: 1 old (cluster in registers), 2 new (staged, persistent)
+  int cluster = 0;   // new rows kernel: preferred cluster size, 8 or 16
+  int stages = 0;    // new kernels: copies in flight per block, 2 or 3
+  int cols = 0;      // non-last dim: 1 old, 2 new (staged column tiles, forward and backward)
+  int col_rows_fwd = 0, col_rows_bwd = 0;  // new column kernel: rows per thread, 4, 8 or 16
+};
+
 struct SoftmaxArgs {
   const void* a;  // forward: x;     backward: y (the forward's output)
   const void* b;  // forward: null;  backward: dy
@@ -24,7 +38,11 @@ struct SoftmaxArgs {
   int64_t outer, N, inner;
   bool log;       // log_softmax instead of softmax
   DType dtype;
+  SoftmaxTuning tune = {};
 };
+
+// Fills the zero fields of `t` from the environment / built-in defaults.
+SoftmaxTuning softmax_resolve_tuning(SoftmaxTuning t);
 
 // Bytes of scratch the launch needs (the split path for very long rows keeps
 // per-chunk partial statistics there); 0 when none.

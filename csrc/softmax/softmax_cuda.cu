@@ -23,18 +23,31 @@
 //                                      exchange and 2 blocks per SM (cluster_fwd_kernel);
 //   columns, 512 < N <= 4096        : a cluster per 128-byte column tile, N split
 //                                      over its blocks, in registers (inner_cluster_fwd_kernel).
-// A refused cluster launch falls back to the split / column kernels.
+// Default since the staged variants (SoftmaxTuning rows=new / cols=new):
+//   rows, 2048 V < N <= 65536 V, N % V == 0, aligned (forward): persistent
+//                                      clusters of 2-16 blocks, each thread's slice
+//                                      of the next rows in flight through cp.async
+//                                      into shared memory (staged_rows_fwd_kernel);
+//   columns, N > 512, inner % V == 0, aligned (forward and backward): persistent
+//                                      clusters per 128-byte column tile, the next
+//                                      tiles staged the same way (staged_cols_kernel).
+// A refused cluster launch falls back to the older kernels.
 // The teaching kernels (tree / shuffle / online) run one block per row.
 // Statistics are float (double for float64); exp is the accurate expf/exp.
 // Index arithmetic is 64-bit: tensors may exceed 2^31 elements.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
 #include <initializer_list>
 #include <type_traits>
 
 #include <cooperative_groups.h>
 
+#include "common/cp_async.cuh"
 #include "common/device.cuh"
 #include "softmax/softmax.h"
 
@@ -850,6 +863,315 @@ inner_cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t o
 #endif
 }
 
+// ---- long rows, forward, on Hopper: staged, persistent clusters (rows=new) -----
+// Why the register cluster kernel above tops out near 2/3 of HBM speed: each
+// block lives for one row slice only (load, reduce, cluster barrier, store,
+// exit), so an SM's loads stop while its blocks reduce, wait at the barrier,
+// store and are replaced, and a new cluster of 8 needs 8 free slots in one GPC
+// at once. Here a grid of exactly the resident clusters loops over rows, and
+// each thread keeps the next `stages` rows of its slice in flight with cp.async
+// into shared memory: x is read once, the copies for later rows overlap this
+// row's reductions, barrier and stores. Thread t of the cluster owns vectors
+// (c G + t) V, c < K (each warp access a contiguous 512 bytes), staged at its
+// own shared-memory slots: only the thread that copied a slot reads it, after
+// its own cp.async.wait_group, and refills it only after a block barrier that
+// follows its use (no cross-thread hazard). Statistics as cluster_fwd_kernel:
+// per-warp (shift, sum) pairs, one DSMEM exchange per row.
+constexpr int kSrThreads = 512;
+
+template <typename T, bool LOG, int K>
+__global__ void __launch_bounds__(kSrThreads, K <= 4 ? 2 : 1)
+staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, int stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  constexpr int V = 16 / sizeof(T);
+  extern __shared__ __align__(16) unsigned char sr_raw[];
+  uint4* buf = reinterpret_cast<uint4*>(sr_raw);
+  __shared__ A wred[kSrThreads / 32][2];
+  __shared__ A part[2][2];  // [row parity][shift, sum]
+  cg::cluster_group cluster = cg::this_cluster();
+  const int CS = int(cluster.num_blocks());
+  const int BT = int(blockDim.x), tid = int(threadIdx.x);
+  const int64_t G = int64_t(BT) * CS;
+  const int64_t t = int64_t(cluster.block_rank()) * BT + tid;
+  const int lane = tid & 31, w = tid >> 5, nw = BT >> 5;
+  const int64_t step = gridDim.x / CS;
+  const int64_t first = blockIdx.x / CS;
+  const int64_t rem = N - t * V;  // elements of a row from this thread's first
+  auto issue = [&](int64_t row, int st) {
+    if (row < rows) {
+      const T* ar = a + row * N + t * V;
+#pragma unroll
+      for (int c = 0; c < K; ++c)
+        if (int64_t(c) * G * V < rem) cp_async16(&buf[(st * K + c) * BT + tid], ar + int64_t(c) * G * V);
+    }
+    cp_async_commit();  // empty groups too: every thread counts the same groups
+  };
+  for (int st = 0; st < stages; ++st) issue(first + int64_t(st) * step, st);
+  int parity = 0, st = 0;
+  for (int64_t row = first; row < rows; row += step, parity ^= 1) {  // cluster-uniform
+    // `stages` groups are pending (this row's is the oldest): wait for the oldest.
+    if (stages >= 3) cp_async_wait<2>();
+    else cp_async_wait<1>();
+    A v[K][V];
+#pragma unroll
+    for (int c = 0; c < K; ++c) {
+      if (int64_t(c) * G * V < rem) {
+        Vec<T, V> r;
+        r.q[0] = buf[(st * K + c) * BT + tid];
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[c][k] = to_acc<A>(r.e[k]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[c][k] = neg_inf<A>();
+      }
+    }
+    A mw = neg_inf<A>();
+#pragma unroll
+    for (int c = 0; c < K; ++c)
+#pragma unroll
+      for (int k = 0; k < V; ++k) mw = max_a(mw, v[c][k]);
+    mw = warp_max(mw);
+    const A shift = mw == neg_inf<A>() ? A(0) : mw;  // an empty warp: see cluster_fwd_kernel
+    const ExpShift<T> ex(shift);
+    A s = A(0);
+#pragma unroll
+    for (int c = 0; c < K; ++c)
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const A e = ex(v[c][k]);
+        s += e;
+        if (!LOG) v[c][k] = e;
+      }
+    s = warp_sum(s);
+    if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
+    __syncthreads();
+    // This thread's slots of stage `st` are in registers and used: refill them
+    // with the row `stages` steps on.
+    issue(row + int64_t(stages) * step, st);
+    st = st + 1 == stages ? 0 : st + 1;
+    if (w == 0) {
+      A bm = lane < nw ? wred[lane][0] : A(0), bs = lane < nw ? wred[lane][1] : A(0);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const A m2 = __shfl_xor_sync(0xffffffffu, bm, o), s2 = __shfl_xor_sync(0xffffffffu, bs, o);
+        pair_merge(bm, bs, m2, s2);
+      }
+      if (lane == 0) { part[parity][0] = bm; part[parity][1] = bs; }
+    }
+    cluster.sync();  // every block's pair visible; this row's wred reads done
+    A M = A(0), S = A(0);
+    for (int r = 0; r < CS; ++r) {  // rank order: identical bits in every block
+      const A* p = cluster.map_shared_rank(&part[parity][0], r);
+      pair_merge(M, S, p[0], p[1]);
+    }
+    const A nan = A(NAN);
+    T* outr = out + row * N + t * V;
+    if (LOG) {
+      const A ls = S == A(0) ? nan : log_a(S);
+#pragma unroll
+      for (int c = 0; c < K; ++c)
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[c][k] = (v[c][k] - M) - ls;
+    } else {
+      const A scale = S == A(0) ? nan : (s == A(0) ? A(0) : exp_a(shift - M) / S);
+#pragma unroll
+      for (int c = 0; c < K; ++c)
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[c][k] *= scale;
+    }
+#pragma unroll
+    for (int c = 0; c < K; ++c) {
+      if (int64_t(c) * G * V < rem) {
+        Vec<T, V> y;
+#pragma unroll
+        for (int k = 0; k < V; ++k) y.e[k] = from_acc<T>(v[c][k]);
+        __stcs(reinterpret_cast<uint4*>(outr + int64_t(c) * G * V), y.q[0]);
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can remain; leave none behind
+  cluster.sync();      // no block exits while another may still read its `part`
+#endif
+}
+
+// ---- a non-last dim, on Hopper: staged column tiles, persistent (cols=new) ---
+// Forward and backward. Tile = 8 16-byte vectors across inner (128 bytes of each
+// of the N rows) of one outer index; the cluster's CS blocks split N, block r
+// owning rows [r NB, r NB + NB), NB = 32 R; thread (tx, ty) copies rows ty,
+// ty + 32, ... of vector tx (and dy's) into its own shared-memory slots with
+// cp.async, `stages` tiles ahead, and reads them back itself (no cross-thread
+// hazard on the slots; a slot is refilled after the thread's last read of it).
+// A grid of the resident clusters loops over tiles, so the next tiles' loads
+// overlap this one's reductions, cluster barrier and stores. Per column: the
+// forward merges (shift, sum) pairs, the backward sums dy y (log: dy), over the
+// 4 lanes sharing tx (shuffles), the 8 warps (shared memory) and the cluster's
+// blocks (distributed shared memory, one cluster barrier, rank order).
+constexpr int kScTx = 8, kScTy = 32;
+constexpr int kScThreads = kScTx * kScTy;  // 256
+
+template <typename T> __device__ __forceinline__ acc_t<T> exp_shift(acc_t<T> x, acc_t<T> sh) {
+  return ExpShift<T>(sh)(x);
+}
+
+template <typename T, bool BWD, bool LOG>
+__global__ void __launch_bounds__(kScThreads)
+staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t outer, int64_t N,
+                   int64_t inner, int64_t tiles, int R, int stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  constexpr int V = 16 / sizeof(T);
+  constexpr int TW = kScTx * V;  // tile width in elements
+  constexpr int ARR = BWD ? 2 : 1;
+  extern __shared__ __align__(16) unsigned char sc_raw[];
+  uint4* buf = reinterpret_cast<uint4*>(sc_raw);
+  __shared__ A red[kScThreads / 32][TW][2];
+  __shared__ A part[2][TW][2];  // [tile parity][column][shift, sum]
+  __shared__ A fin[TW][2];      // the cluster's (M, S) per column (backward: S only)
+  cg::cluster_group cluster = cg::this_cluster();
+  const int CS = int(cluster.num_blocks());
+  const int tid = int(threadIdx.x), tx = tid % kScTx, ty = tid / kScTx, lane = tid & 31, w = tid >> 5;
+  const int64_t NB = int64_t(R) * kScTy;
+  const int64_t n0 = int64_t(cluster.block_rank()) * NB;
+  const int64_t n1 = min(N, n0 + NB);
+  // Rows of this thread in the block's range: ty + 32 j < n1 - n0, j < R.
+  const int cnt = n1 - n0 > ty ? int(min(int64_t(R), (n1 - n0 - ty + kScTy - 1) / kScTy)) : 0;
+  const int64_t step = gridDim.x / CS, first = blockIdx.x / CS, total = outer * tiles;
+  auto slot = [&](int st, int q, int j) { return &buf[((st * ARR + q) * R + j) * kScThreads + tid]; };
+  auto issue = [&](int64_t tile, int st) {
+    if (tile < total) {
+      const int64_t o = tile / tiles, col = (tile % tiles) * TW + int64_t(tx) * V;
+      if (col < inner) {  // inner % V == 0: a vector is wholly in or out
+        const int64_t base = o * N * inner + col;
+        for (int j = 0; j < cnt; ++j) {
+          const int64_t off = base + (n0 + ty + int64_t(j) * kScTy) * inner;
+          cp_async16(slot(st, 0, j), a + off);
+          if constexpr (BWD) cp_async16(slot(st, 1, j), b + off);
+        }
+      }
+    }
+    cp_async_commit();  // empty groups too: every thread counts the same groups
+  };
+  for (int st = 0; st < stages; ++st) issue(first + int64_t(st) * step, st);
+  int parity = 0, st = 0;
+  for (int64_t tile = first; tile < total; tile += step, parity ^= 1) {  // cluster-uniform
+    if (stages >= 3) cp_async_wait<2>();
+    else cp_async_wait<1>();
+    const int64_t o = tile / tiles, col = (tile % tiles) * TW + int64_t(tx) * V;
+    const bool active = col < inner;
+    const int my = active ? cnt : 0;
+    A sh[V], s[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) { sh[k] = A(0); s[k] = A(0); }
+    if constexpr (!BWD) {
+      A m[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) m[k] = neg_inf<A>();
+      for (int j = 0; j < my; ++j) {
+        Vec<T, V> r;
+        r.q[0] = *slot(st, 0, j);
+#pragma unroll
+        for (int k = 0; k < V; ++k) m[k] = max_a(m[k], to_acc<A>(r.e[k]));
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) sh[k] = m[k] == neg_inf<A>() ? A(0) : m[k];  // nothing but -inf: empty
+      for (int j = 0; j < my; ++j) {
+        Vec<T, V> r;
+        r.q[0] = *slot(st, 0, j);
+#pragma unroll
+        for (int k = 0; k < V; ++k) s[k] += exp_shift<T>(to_acc<A>(r.e[k]), sh[k]);
+      }
+      // Lanes tx, tx + 8, tx + 16, tx + 24 share the columns.
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+#pragma unroll
+        for (int of = kScTx; of < 32; of <<= 1) {
+          const A m2 = __shfl_xor_sync(0xffffffffu, sh[k], of), s2 = __shfl_xor_sync(0xffffffffu, s[k], of);
+          pair_merge(sh[k], s[k], m2, s2);
+        }
+    } else {
+      for (int j = 0; j < my; ++j) {
+        Vec<T, V> y, g;
+        y.q[0] = *slot(st, 0, j);
+        g.q[0] = *slot(st, 1, j);
+#pragma unroll
+        for (int k = 0; k < V; ++k) s[k] += LOG ? to_acc<A>(g.e[k]) : to_acc<A>(g.e[k]) * to_acc<A>(y.e[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) {  // a fixed order: every lane of the 4 gets the same bits
+        const A s8 = s[k] + __shfl_xor_sync(0xffffffffu, s[k], 8);
+        s[k] = s8 + __shfl_xor_sync(0xffffffffu, s8, 16);
+      }
+    }
+    if (lane < kScTx) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) { red[w][tx * V + k][0] = sh[k]; red[w][tx * V + k][1] = s[k]; }
+    }
+    __syncthreads();
+    if (tid < TW) {
+      A bm = A(0), bs = A(0);
+      for (int ww = 0; ww < kScThreads / 32; ++ww) {
+        if constexpr (BWD) bs += red[ww][tid][1];
+        else pair_merge(bm, bs, red[ww][tid][0], red[ww][tid][1]);
+      }
+      part[parity][tid][0] = bm;
+      part[parity][tid][1] = bs;
+    }
+    cluster.sync();  // every block's pairs visible (release/acquire); red reads done
+    if (tid < TW) {
+      A M = A(0), S = A(0);
+      for (int rk = 0; rk < CS; ++rk) {  // rank order: identical bits in every block
+        const A* p = cluster.map_shared_rank(&part[parity][tid][0], rk);
+        if constexpr (BWD) S += p[1];
+        else pair_merge(M, S, p[0], p[1]);
+      }
+      fin[tid][0] = M;
+      fin[tid][1] = S;
+    }
+    __syncthreads();
+    A M[V], mul[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const A Mk = fin[tx * V + k][0], Sk = fin[tx * V + k][1];
+      M[k] = Mk;
+      if constexpr (BWD) mul[k] = Sk;
+      else mul[k] = Sk == A(0) ? A(NAN) : (LOG ? log_a(Sk) : A(1) / Sk);  // all -inf column: NaN, as torch
+    }
+    // fin is rewritten only after the next cluster barrier, which every thread
+    // reaches after these reads.
+    if (active) {
+      T* op = out + o * N * inner + col;
+      for (int j = 0; j < my; ++j) {
+        Vec<T, V> y, r;
+        r.q[0] = *slot(st, 0, j);
+        if constexpr (BWD) {
+          Vec<T, V> g;
+          g.q[0] = *slot(st, 1, j);
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            const A yv = to_acc<A>(r.e[k]), gv = to_acc<A>(g.e[k]);
+            y.e[k] = from_acc<T>(LOG ? gv - exp_a(yv) * mul[k] : yv * (gv - mul[k]));
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            const A x = to_acc<A>(r.e[k]);
+            y.e[k] = from_acc<T>(LOG ? (x - M[k]) - mul[k] : exp_shift<T>(x, M[k]) * mul[k]);
+          }
+        }
+        __stcs(reinterpret_cast<uint4*>(op + (n0 + ty + int64_t(j) * kScTy) * inner), y.q[0]);
+      }
+    }
+    // The stores above consumed every value this thread read from stage `st`
+    // (in-order issue): its slots may be refilled.
+    issue(tile + int64_t(stages) * step, st);
+    st = st + 1 == stages ? 0 : st + 1;
+  }
+  cp_async_wait<0>();
+  cluster.sync();  // no block exits while another may still read its `part`
+#endif
+}
+
 // ---- a non-last dim: columns over inner -------------------------------------
 // Block (TC, TY) owns TC adjacent columns of one outer index; thread (tx, ty)
 // walks n = ty, ty + TY, ... of column tx, so each warp reads whole 16/32-byte
@@ -987,7 +1309,8 @@ looped_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ 
 
 // ---- planning ----------------------------------------------------------------
 
-enum class Kind { WarpRows, RowWarp, BlockRows, ClusterRows, ClusterFwd, Split, Inner, InnerCluster, Looped };
+enum class Kind { WarpRows, RowWarp, BlockRows, ClusterRows, ClusterFwd, StagedRows, Split, Inner, InnerCluster,
+                  StagedCols, Looped };
 
 struct Plan {
   Kind kind;
@@ -996,7 +1319,8 @@ struct Plan {
   int threads = 0;   // block size (BlockRows, ClusterRows), TC (Inner)
   int64_t S = 1;     // chunks per row (Split), blocks per cluster (ClusterRows, ClusterFwd, InnerCluster)
   bool cache = false;
-  int64_t smem = 0;  // dynamic shared memory bytes (Inner)
+  int64_t smem = 0;  // dynamic shared memory bytes (Inner, StagedRows, StagedCols)
+  int stages = 2;    // StagedRows, StagedCols: copies in flight per thread, in rows / tiles
   // InnerCluster keeps threads / cache / smem of the Inner plan: its fallback
   // when the cluster launch is refused.
 };
@@ -1053,11 +1377,153 @@ template <typename K> bool cluster_fwd_ok(K kernel, int threads) {
   return ok;
 }
 
+// ---- the staged kernels' launch limits ------------------------------------------
+// Dynamic shared memory a staged block may take (227 KB per block on sm_90, less
+// the kernels' static arrays, under 6 KB).
+constexpr int64_t kStagedSmemMax = 220 * 1024;
+
+template <typename T, int K> auto staged_rows_kernel_for(bool log) {
+  return log ? staged_rows_fwd_kernel<T, true, K> : staged_rows_fwd_kernel<T, false, K>;
+}
+template <typename T, bool BWD> auto staged_cols_kernel_for(bool log) {
+  return log ? staged_cols_kernel<T, BWD, true> : staged_cols_kernel<T, BWD, false>;
+}
+
+// Clusters of `cs` blocks of the kernel that the GPU holds at once (0: none, or
+// no sm_90 code), asked once per device, kernel and configuration. Allows the
+// non-portable cluster size 16 and the dynamic shared memory first.
+template <typename Kern> int resident_clusters(Kern kernel, int threads, int cs, int64_t smem) {
+  struct Key { int dev; const void* fn; int threads, cs; int64_t smem; int n; };
+  static std::mutex mu;
+  static std::vector<Key> known;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) { cudaGetLastError(); return 0; }
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const Key& k : known)
+      if (k.dev == dev && k.fn == fn && k.threads == threads && k.cs == cs && k.smem == smem) return k.n;
+  }
+  int n = 0, major = 0;
+  cudaFuncAttributes fa{};
+  if (smem <= kStagedSmemMax && cs <= 16 &&
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 &&
+      cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.ptxVersion >= 90 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) == cudaSuccess &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(unsigned(cs));
+    cfg.blockDim = dim3(unsigned(threads));
+    cfg.dynamicSmemBytes = size_t(smem);
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(cs);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
+  }
+  cudaGetLastError();  // a refused query leaves no error behind
+  std::lock_guard<std::mutex> lock(mu);
+  known.push_back(Key{dev, fn, threads, cs, smem, n});
+  return n;
+}
+
+template <typename Kern, typename... Args>
+cudaError_t launch_staged(Kern kernel, const Plan& p, int64_t items, cudaStream_t st, Args... args) {
+  const int n = resident_clusters(kernel, p.threads, int(p.S), p.smem);
+  if (n <= 0) return cudaErrorInvalidConfiguration;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem));
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(std::min<int64_t>(items, n) * p.S));  // persistent: loops over the rest
+  cfg.blockDim = dim3(unsigned(p.threads));
+  cfg.dynamicSmemBytes = size_t(p.smem);
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(p.S);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+// Staged plans: fill p and say whether the GPU runs it (else the older kernels).
+bool plan_staged_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, Plan& p) {
+  const int V = 16 / esize(a.dtype);
+  const int64_t N = a.N;
+  int K = 8;
+  int64_t cs = std::max<int64_t>(2, pow2ceil(cdiv(N, int64_t(kSrThreads) * 8 * V)));
+  if (tu.cluster > cs) {  // a larger cluster with half the registers per thread (2 blocks per SM)
+    const int64_t cs4 = std::min<int64_t>(tu.cluster, std::max<int64_t>(2, pow2ceil(cdiv(N, int64_t(kSrThreads) * 4 * V))));
+    if (cs4 > cs) { cs = cs4; K = 4; }
+  }
+  if (cs > 16) return false;
+  p.kind = Kind::StagedRows;
+  p.S = cs;
+  p.ch = K;
+  p.threads = int(std::max<int64_t>(128, pow2ceil(cdiv(N, cs * K * V))));
+  if (p.threads > kSrThreads) return false;  // cs K V 512 >= N by the choice above; kept as a guard
+  p.stages = tu.stages;
+  while (p.stages > 2 && int64_t(p.stages) * K * p.threads * 16 > kStagedSmemMax) --p.stages;
+  p.smem = int64_t(p.stages) * K * p.threads * 16;
+  if (p.smem > kStagedSmemMax) return false;
+  return dispatch_dtype(a.dtype, [&](auto tag) -> bool {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) > 4) {
+      return false;
+    } else {
+      return K == 8 ? resident_clusters(staged_rows_kernel_for<T, 8>(a.log), p.threads, int(cs), p.smem) > 0
+                    : resident_clusters(staged_rows_kernel_for<T, 4>(a.log), p.threads, int(cs), p.smem) > 0;
+    }
+  });
+}
+
+bool plan_staged_cols(const SoftmaxArgs& a, const SoftmaxTuning& tu, bool bwd, Plan& p) {
+  const int64_t arrays = bwd ? 2 : 1;
+  const int64_t rmax = bwd ? tu.col_rows_bwd : tu.col_rows_fwd;
+  // rmax is a preference: the cluster stops at 16 blocks, the rows per thread grow.
+  int64_t cs = std::min<int64_t>(16, std::max<int64_t>(2, pow2ceil(cdiv(a.N, kScTy * rmax))));
+  int stages = tu.stages;
+  auto bytes = [&](int64_t c, int sg) { return int64_t(sg) * arrays * cdiv(cdiv(a.N, c), kScTy) * kScThreads * 16; };
+  // Too big for shared memory: fewer stages, then more blocks per tile.
+  while (stages > 2 && bytes(cs, stages) > kStagedSmemMax) --stages;
+  while (cs < 16 && bytes(cs, stages) > kStagedSmemMax) cs *= 2;
+  if (cs > 16 || bytes(cs, stages) > kStagedSmemMax) return false;
+  p.kind = Kind::StagedCols;
+  p.S = cs;
+  p.ch = int(cdiv(cdiv(a.N, cs), kScTy));  // R, rows per thread
+  p.threads = kScThreads;
+  p.stages = stages;
+  p.smem = bytes(cs, stages);
+  return dispatch_dtype(a.dtype, [&](auto tag) -> bool {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) > 4) {
+      return false;
+    } else {
+      return bwd ? resident_clusters(staged_cols_kernel_for<T, true>(a.log), p.threads, int(cs), p.smem) > 0
+                 : resident_clusters(staged_cols_kernel_for<T, false>(a.log), p.threads, int(cs), p.smem) > 0;
+    }
+  });
+}
+
 Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
   Plan p{};
   const int es = esize(a.dtype), V = 16 / es;
   if (algo != SoftmaxAlgo::Auto) { p.kind = Kind::Looped; return p; }
+  const SoftmaxTuning tu = softmax_resolve_tuning(a.tune);
   if (a.inner > 1) {
+    // 512 < N, whole 16-byte vectors across inner, at least half a 128-byte tile
+    // used: staged column tiles (forward and backward), x / y and dy read once.
+    if (tu.cols == 2 && es <= 4 && a.N > int64_t(kIcTy) * kIcRows && a.inner % V == 0 && a.inner * es >= 64 &&
+        al16(a.a) && al16(a.out) && (!bwd || al16(a.b))) {
+      Plan q{};
+      if (plan_staged_cols(a, tu, bwd, q)) return q;
+    }
     p.kind = Kind::Inner;
     const int64_t full = std::min<int64_t>(32 / es, pow2ceil(a.inner));
     const int64_t arrays = bwd ? 2 : 1;
@@ -1093,6 +1559,12 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
     p.kind = Kind::RowWarp;
     p.ch = N <= 32 * 8 * V ? 8 : 16;
     return p;
+  }
+  // Forward, long rows: staged, persistent clusters (rows=new), x read once with
+  // the next rows' copies in flight.
+  if (!bwd && tu.rows == 2 && N > 2048 * V && es <= 4 && N % V == 0 && al16(a.a) && al16(a.out)) {
+    Plan q{};
+    if (plan_staged_rows(a, tu, q)) return q;
   }
   // Forward, long rows: a cluster per row with one cluster barrier and two
   // blocks per SM (the backward keeps the 1024-thread cluster kernel below).
@@ -1169,6 +1641,18 @@ cudaError_t launch_inner(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
     inner_kernel<T, BWD, false><<<g, block, 0, st>>>(A_, B_, O, a.outer, a.N, a.inner, tiles, a.log);
   }
   return cudaGetLastError();
+}
+
+template <typename T, bool BWD>
+cudaError_t launch_typed(const SoftmaxArgs& a, const Plan& p, void* workspace, cudaStream_t st, SoftmaxAlgo algo);
+
+// The plan with the staged kernels turned off: their fallback when a launch is refused.
+template <typename T, bool BWD>
+cudaError_t launch_old(const SoftmaxArgs& a, void* workspace, cudaStream_t st, SoftmaxAlgo algo) {
+  SoftmaxArgs o = a;
+  o.tune.rows = 1;
+  o.tune.cols = 1;
+  return launch_typed<T, BWD>(o, make_plan(o, algo, BWD), workspace, st, algo);
 }
 
 template <typename T, bool BWD>
@@ -1280,6 +1764,34 @@ cudaError_t launch_typed(const SoftmaxArgs& a, const Plan& p, void* workspace, c
       }
       break;
     }
+    case Kind::StagedRows: {
+      if constexpr (!BWD && sizeof(T) <= 4) {
+        const cudaError_t e =
+            p.ch == 8 ? launch_staged(staged_rows_kernel_for<T, 8>(a.log), p, rows, st, A_, O, rows, N, p.stages)
+                      : launch_staged(staged_rows_kernel_for<T, 4>(a.log), p, rows, st, A_, O, rows, N, p.stages);
+        if (e != cudaSuccess) {  // refused: the older kernels
+          cudaGetLastError();
+          return launch_old<T, BWD>(a, workspace, st, algo);
+        }
+      } else {
+        return cudaErrorInvalidValue;  // forward, 2- and 4-byte types only
+      }
+      break;
+    }
+    case Kind::StagedCols: {
+      if constexpr (sizeof(T) <= 4) {
+        const int64_t tiles = cdiv(a.inner, int64_t(kScTx) * V);
+        const cudaError_t e = launch_staged(staged_cols_kernel_for<T, BWD>(a.log), p, a.outer * tiles, st, A_, B_, O,
+                                            a.outer, N, a.inner, tiles, p.ch, p.stages);
+        if (e != cudaSuccess) {
+          cudaGetLastError();
+          return launch_old<T, BWD>(a, workspace, st, algo);
+        }
+      } else {
+        return cudaErrorInvalidValue;
+      }
+      break;
+    }
     case Kind::Split:
       return launch_split<T, BWD>(a, workspace, st, vec);
     case Kind::Inner:
@@ -1314,9 +1826,51 @@ int64_t softmax_workspace_bytes(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bac
   if (a.outer * a.N * a.inner == 0) return 0;
   const Plan p = make_plan(a, algo, backward);
   // The cluster paths fall back to the split path when a launch is refused.
-  if (p.kind != Kind::Split && p.kind != Kind::ClusterRows && p.kind != Kind::ClusterFwd) return 0;
+  if (p.kind != Kind::Split && p.kind != Kind::ClusterRows && p.kind != Kind::ClusterFwd && p.kind != Kind::StagedRows)
+    return 0;
   const int64_t acc = a.dtype == DType::Float64 ? 8 : 4;
   return a.outer * cdiv(a.N, kSplitChunk) * acc * (backward ? 1 : 2);
+}
+
+namespace {
+int env_int(const char* name, std::initializer_list<int> allowed, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
+  const int x = std::atoi(v);
+  for (int ok : allowed)
+    if (x == ok) return x;
+  return fallback;
+}
+int env_old_new(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
+  if (std::strcmp(v, "old") == 0) return 1;
+  if (std::strcmp(v, "new") == 0) return 2;
+  return fallback;
+}
+}  // namespace
+
+SoftmaxTuning softmax_resolve_tuning(SoftmaxTuning t) {
+  // The environment is read once per process (the sweep sets it per subprocess).
+  static const SoftmaxTuning env = [] {
+    SoftmaxTuning e;
+    e.rows = env_old_new("GPU_PUZZLES_SOFTMAX_ROWS_VARIANT", 2);
+    e.cluster = env_int("GPU_PUZZLES_SOFTMAX_CLUSTER", {8, 16}, 8);
+    // 3 stages: two rows / tiles in flight behind the one in use (1 block per SM
+    // for the long rows and the column backward either way).
+    e.stages = env_int("GPU_PUZZLES_SOFTMAX_STAGES", {2, 3}, 3);
+    e.cols = env_old_new("GPU_PUZZLES_SOFTMAX_COL_VARIANT", 2);
+    e.col_rows_fwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD", {4, 8, 16}, 8);
+    e.col_rows_bwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_BWD", {4, 8, 16}, 8);
+    return e;
+  }();
+  if (t.rows == 0) t.rows = env.rows;
+  if (t.cluster == 0) t.cluster = env.cluster;
+  if (t.stages == 0) t.stages = env.stages;
+  if (t.cols == 0) t.cols = env.cols;
+  if (t.col_rows_fwd == 0) t.col_rows_fwd = env.col_rows_fwd;
+  if (t.col_rows_bwd == 0) t.col_rows_bwd = env.col_rows_bwd;
+  return t;
 }
 
 LaunchStatus softmax_forward_cuda(const SoftmaxArgs& a, SoftmaxAlgo algo, void* workspace, cudaStream_t stream) {
