@@ -460,11 +460,12 @@ cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restr
 // ---- fast forward kernels (Auto, forward only) ---------------------------------
 // Shared pieces: exp(x - m) and stores that do not linger in L2.
 //
-// Half types: exp(x - m) = 2^(x log2e - m log2e) as one FFMA and MUFU.EX2. The
-// rounding of m log2e is a factor common to every element of the row (the sum
-// too), so it cancels in softmax; ex2.approx's own error (~2^-22) is far under
-// half precision. float / double keep the accurate expf / exp (the fp32 tests
-// hold softmax to 5e-6 relative).
+// Half types: exp(x - m) = 2^((x - m) log2e) with MUFU.EX2; ex2.approx's own
+// error (~2^-22) is far under half precision. The subtraction comes first: the
+// one-FFMA form 2^(x log2e - round(m log2e)) carries the rounding of m log2e
+// (up to 2% at |m| ~ 1e6) as a factor that cancels in softmax but not in
+// log_softmax's log(sum) (seen on the H100 at bf16 |x| ~ 1e6). float / double
+// keep the accurate expf / exp (the fp32 tests hold softmax to 5e-6 relative).
 constexpr float kLog2e = 1.4426950408889634f;
 __device__ __forceinline__ float ex2_approx(float v) {
   float r;
@@ -478,9 +479,9 @@ template <typename T, bool HALF = (sizeof(T) == 2)> struct ExpShift {
   __device__ __forceinline__ A operator()(A x) const { return exp_a(x - m); }
 };
 template <typename T> struct ExpShift<T, true> {
-  float nml;  // -m log2e; m = -inf (an all -inf row) gives NaN, as torch does
-  __device__ __forceinline__ explicit ExpShift(float m) : nml(-m * kLog2e) {}
-  __device__ __forceinline__ float operator()(float x) const { return ex2_approx(fmaf(x, kLog2e, nml)); }
+  float m;  // m = -inf (an all -inf row) gives NaN, as torch does
+  __device__ __forceinline__ explicit ExpShift(float m_) : m(m_) {}
+  __device__ __forceinline__ float operator()(float x) const { return ex2_approx((x - m) * kLog2e); }
 };
 
 // Raw 16-byte chunks (the row kept packed in registers: 8 KB of bf16 is 64
