@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 CONFIGS = ["auto", "old", "r32_bn64_w4_s2", "r32_bn32_w4_s2", "r32_bn32_w8_s2", "r16_bn64_w8_s2",
-           "r32_bn32_w4_s1"]
+           "r32_bn64_w4_s1"]
 # (label, B, H, S, D, causal)
 SHAPES = [("4x32x4096x128", 4, 32, 4096, 128, False), ("4x32x4096x128 causal", 4, 32, 4096, 128, True),
           ("8x16x2048x64", 8, 16, 2048, 64, False), ("8x16x2048x64 causal", 8, 16, 2048, 64, True)]

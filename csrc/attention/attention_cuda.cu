@@ -1391,7 +1391,7 @@ cudaError_t launch_fwd_tc2(const AttentionFwdArgs& a, int dev, cudaStream_t stre
 // benchmark sweeps). "old" is attn_fwd_tc (warps from fwd_tc_warps); the others are
 // attn_fwd_tc2 r<rows per warp>_bn<keys per tile>_w<warps>_s<stages>. Unset/"auto": the
 // default below; an unknown name warns once on stderr and uses the default.
-enum class FwdCfg { Auto, Old, R32Bn64W4S2, R32Bn32W4S2, R32Bn32W8S2, R16Bn64W8S2, R32Bn32W4S1 };
+enum class FwdCfg { Auto, Old, R32Bn64W4S2, R32Bn32W4S2, R32Bn32W8S2, R16Bn64W8S2, R32Bn64W4S1 };
 struct FwdCfgName {
   const char* name;
   FwdCfg cfg;
@@ -1402,11 +1402,12 @@ constexpr FwdCfgName kFwdCfgNames[] = {{"auto", FwdCfg::Auto},
                                        {"r32_bn32_w4_s2", FwdCfg::R32Bn32W4S2},
                                        {"r32_bn32_w8_s2", FwdCfg::R32Bn32W8S2},
                                        {"r16_bn64_w8_s2", FwdCfg::R16Bn64W8S2},
-                                       {"r32_bn32_w4_s1", FwdCfg::R32Bn32W4S1}};
+                                       {"r32_bn64_w4_s1", FwdCfg::R32Bn64W4S1}};
 constexpr FwdCfg kFwdCfgDefault = FwdCfg::Auto;
 // Auto (not yet measured on a GPU; ptxas, sm_90): D = 128 -> r32_bn32_w4_s2 (244 registers,
 // no spills; r32_bn64 needs 255 + ~84 bytes of spills at D = 128), D = 64 -> r32_bn64_w4_s2
-// (241 registers, no spills).
+// (241 registers, no spills). r32_bn64_w4_s1 is FlashAttention-2's own sm80/sm90 tiling
+// for D = 128 (128 x 64, 4 warps, one K and one V buffer).
 
 FwdCfg fwd_cfg() {
   static const FwdCfg cfg = [] {
@@ -1432,8 +1433,8 @@ template <typename T, int D> cudaError_t launch_fwd_tc(const AttentionFwdArgs& a
       return launch_fwd_tc2<T, D, 32, 32, 8, 2>(a, dev, stream);
     case FwdCfg::R16Bn64W8S2:
       return launch_fwd_tc2<T, D, 16, 64, 8, 2>(a, dev, stream);
-    case FwdCfg::R32Bn32W4S1:
-      return launch_fwd_tc2<T, D, 32, 32, 4, 1>(a, dev, stream);
+    case FwdCfg::R32Bn64W4S1:
+      return launch_fwd_tc2<T, D, 32, 64, 4, 1>(a, dev, stream);
     case FwdCfg::R32Bn64W4S2:
     default:
       return launch_fwd_tc2<T, D, 32, 64, 4, 2>(a, dev, stream);
