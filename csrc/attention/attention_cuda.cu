@@ -1404,10 +1404,19 @@ constexpr FwdCfgName kFwdCfgNames[] = {{"auto", FwdCfg::Auto},
                                        {"r16_bn64_w8_s2", FwdCfg::R16Bn64W8S2},
                                        {"r32_bn64_w4_s1", FwdCfg::R32Bn64W4S1}};
 constexpr FwdCfg kFwdCfgDefault = FwdCfg::Auto;
-// Auto (not yet measured on a GPU; ptxas, sm_90): D = 128 -> r32_bn32_w4_s2 (244 registers,
-// no spills; r32_bn64 needs 255 + ~84 bytes of spills at D = 128), D = 64 -> r32_bn64_w4_s2
-// (241 registers, no spills). r32_bn64_w4_s1 is FlashAttention-2's own sm80/sm90 tiling
-// for D = 128 (128 x 64, 4 warps, one K and one V buffer).
+// Auto (not yet measured on a GPU): D = 128 -> r32_bn32_w4_s2, D = 64 -> r32_bn64_w4_s2, the
+// largest tiles that need no spills. r32_bn64_w4_s1 is FlashAttention-2's own sm80/sm90
+// tiling for D = 128 (128 x 64, 4 warps, one K and one V buffer).
+// Registers per thread (stack bytes, when spilling), sm_90 / sm_80, fp16 = bf16 (nvcc 13.0):
+//   config           D=128            D=64     smem D=128 / D=64
+//   r32_bn64_w4_s2   255+24 / 255+24  243/229  102 / 54 KiB
+//   r32_bn32_w4_s2   243 / 241        168/170   68 / 36 KiB
+//   r32_bn32_w8_s2   242 / 230        182/174  102 / 54 KiB
+//   r16_bn64_w8_s2   182 / 182        132/127  102 / 54 KiB
+//   r32_bn64_w4_s1   255+72 / 255+80  242/236   68 / 36 KiB
+//   old (w4, w8)     249, 216 / 226, 205  140, 127 / 141, 128
+// The r32_bn64 spills at D = 128 are the partial row sums and a few loop invariants:
+// about 6 local loads/stores per thread per 64-key tile (L1 hits).
 
 FwdCfg fwd_cfg() {
   static const FwdCfg cfg = [] {
