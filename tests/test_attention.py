@@ -1,6 +1,9 @@
 """attention: seed vector example, SDPA float64 references, gradients, opcheck, compile, bad input,
 the unfused chain, nn.Attention; CUDA: every dtype at many shapes, poisoned memory, linear memory."""
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -535,3 +538,42 @@ def test_cuda_online_softmax_rescaling(dtype):
     # Causal, Sq = 1: the one query sees key 0 only, so the output is v[0].
     q, k, v = make_qkv((3,), 1, 500, 64, 64, "cuda", dtype)
     _assert_close(gp.attention(q, k, v, causal=True)[:, 0], v[:, 0].double(), dtype, "causal Sq=1")
+
+
+# ---- forward tensor-core configurations (GPU_PUZZLES_ATTN_FWD_CFG, read once per process) -------
+# Each configuration runs the checks below in a child pytest process with the variable set.
+FWD_CFGS = ["old", "r32_bn64_w4_s2", "r32_bn32_w4_s2", "r32_bn32_w8_s2", "r16_bn64_w8_s2", "r32_bn64_w4_s1"]
+# (lead, Sq, Sk, D): S < BN (32/64), lengths not multiples of BM (64/128/256) or BN, exact
+# multiples, Sq != Sk both ways (causal stays top-left aligned), one query, one key.
+CFG_SHAPES = [((1,), 1, 1, 64), ((2,), 5, 17, 128), ((2, 3), 31, 33, 64), ((2,), 33, 129, 128),
+              ((1, 4), 129, 33, 64), ((2,), 127, 255, 128), ((1, 2), 255, 127, 64), ((2,), 128, 128, 64),
+              ((2,), 256, 256, 128), ((1, 2), 257, 257, 128), ((1, 2), 300, 700, 64), ((1,), 700, 300, 128),
+              ((1,), 1000, 1000, 128), ((1,), 1, 300, 64), ((1,), 300, 1, 128), ((2,), 513, 511, 64)]
+_CFG_CHILD = os.environ.get("GP_TEST_ATTN_CFG_CHILD") == "1"
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg", FWD_CFGS)
+def test_cuda_forward_configs(cfg):
+    if _CFG_CHILD:
+        pytest.skip("already in a child")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, GPU_PUZZLES_ATTN_FWD_CFG=cfg, GP_TEST_ATTN_CFG_CHILD="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        f"{os.path.abspath(__file__)}::test_cuda_forward_config_child"],
+                       env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0 and "1 passed" in r.stdout, f"{cfg}:\n{r.stdout[-6000:]}\n{r.stderr[-2000:]}"
+
+
+@pytest.mark.skipif(not _CFG_CHILD, reason="runs inside test_cuda_forward_configs' child process")
+@requires_cuda
+def test_cuda_forward_config_child():
+    # Output, lse (directly and through the backward's gradients) vs float64, on poisoned memory.
+    for dtype in (torch.bfloat16, torch.float16):
+        for lead, Sq, Sk, D in CFG_SHAPES:
+            for causal in (False, True):
+                _cuda_check(lead, Sq, Sk, D, D, causal, dtype, f"{lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
+        _cuda_check((2,), 70, 90, 128, 128, True, dtype, "scale=1.0", scale=1.0)
+        _cuda_check((1, 2), 4100, 4100, 128, 128, True, dtype, "S=4100 D=128 causal")
+        test_cuda_online_softmax_rescaling(dtype)

@@ -10,10 +10,15 @@
 //    FlashAttention-2 structure with mma.sync.m16n8k16 (fp32 accumulate) and
 //    ldmatrix fragments from padded shared memory (row stride D+8 halves, so the
 //    8 row addresses of one ldmatrix hit 8 different 16-byte bank groups).
-//    forward : block = 8 warps = 128 query rows (16 per warp; 4 warps with the env
-//              knob GPU_PUZZLES_ATTN_FWD_WARPS=4), Q fragments held in registers,
+//    forward : attn_fwd_tc2 (default): 32 query rows per warp (two m16 tiles, so each
+//              K/V fragment read from shared memory feeds two mma), 4 warps = 128 rows
+//              per block, 32- or 64-key K/V tiles double-buffered with cp.async (tile
+//              j+1 loads during tile j, one barrier per tile); the tiling is a template
+//              and GPU_PUZZLES_ATTN_FWD_CFG picks a configuration (see fwd_cfg).
+//              attn_fwd_tc ("old"): 16 rows per warp, 8 warps (4 with the env knob
+//              GPU_PUZZLES_ATTN_FWD_WARPS=4), Q fragments held in registers,
 //              64-key K/V tiles loaded with cp.async (V(j) overlaps S = Q K(j)^T,
-//              K(j+1) overlaps O += P V(j)); P goes from the S accumulators
+//              K(j+1) overlaps O += P V(j)). Both: P goes from the S accumulators
 //              straight into the A operand of the P V mma.
 //    backward: deterministic, no atomics, two passes after delta = rowsum(dO * O):
 //              dK/dV pass: block = 64 keys (16 per warp), loops over 32-query tiles
@@ -37,9 +42,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "attention/attention.h"
@@ -452,6 +460,15 @@ template <> struct MmaOp<__half> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
   }
+  // Same, not volatile: a pure register op the compiler may schedule freely (attn_fwd_tc2).
+  static __device__ __forceinline__ void run_nv(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+  }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);  // .x (low 16 bits) = lo
     return *reinterpret_cast<uint32_t*>(&h);
@@ -462,6 +479,15 @@ template <> struct MmaOp<__nv_bfloat16> {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+  }
+  // Same, not volatile: a pure register op the compiler may schedule freely (attn_fwd_tc2).
+  static __device__ __forceinline__ void run_nv(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -491,6 +517,14 @@ __device__ __forceinline__ void load_tile_async(T* __restrict__ dst, const T* __
       cp_async16(smem_addr(dst + r * LDS + ch * 8), g, valid);
     }
   }
+}
+
+// 2^x with one MUFU.EX2: flushes subnormal results to 0 (probabilities below 2^-126 of
+// the row max) and skips exp2f's subnormal-range fix-up; 2^-inf = 0. attn_fwd_tc2 only.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Quad (4 lanes sharing g) reductions: the lanes holding one accumulator row.
@@ -665,6 +699,249 @@ attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
       if (t == 0) lse[bh * Sq + row] = l > 0.f ? (m_r[h] + log2f(l)) * kLn2 : -INFINITY;
     }
   }
+}
+
+// ---- forward, v2 (configurable) -----------------------------------------------
+// Same math and masking as attn_fwd_tc, with the tiling as template parameters:
+//   RPW    query rows per warp, 16 or 32. At 32 each warp holds two m16 tiles, so every
+//          K / V B-fragment read by ldmatrix feeds two mma instead of one: half the
+//          shared-memory traffic per FLOP (at 16 rows, smem bandwidth caps mma.sync).
+//   BN     keys per K/V tile, 32 or 64 (S accumulators: RPW/16 * BN/2 floats per lane).
+//   WARPS  4 or 8; BM = RPW * WARPS query rows per block.
+//   STAGES 2: K/V double-buffered; tile j+1 is fetched (cp.async) during all of tile
+//          j's compute, one __syncthreads per tile. 1: the single-buffer schedule of
+//          attn_fwd_tc (V(j) overlaps S = Q K(j)^T, K(j+1) overlaps O += P V(j)).
+// Q fragments are held in registers when they fit in 32 registers (RPW = 16, or D = 64);
+// otherwise (RPW = 32, D = 128) they are re-read from shared memory at each k-step, as
+// O (MT * D/2 floats) + S (MT * BN/2 floats) already use most of the register file.
+// Causal: a warp whose rows all precede a tile's first key skips that tile's math (it
+// still joins the loads and barriers); only tiles that cross the diagonal or the key
+// tail are masked. Warps whose rows are all past Sq skip the math too (never stored).
+template <int D, int RPW, int BN, int WARPS, int STAGES> constexpr int tc_fwd2_smem_bytes() {
+  return (RPW * WARPS + STAGES * 2 * BN) * (D + 8) * 2;
+}
+
+template <typename T, int D, int RPW, int BN, int WARPS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32)
+attn_fwd_tc2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
+             float* __restrict__ lse, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
+  static_assert(RPW == 16 || RPW == 32, "RPW");
+  static_assert(BN == 32 || BN == 64, "BN");
+  static_assert(STAGES == 1 || STAGES == 2, "STAGES");
+  constexpr int MT = RPW / 16;     // m16 tiles per warp
+  constexpr int BM = RPW * WARPS;  // query rows per block
+  constexpr int NT = WARPS * 32;
+  constexpr int LDS = D + 8;
+  constexpr int NKT = BN / 8;  // S n-tiles (keys)
+  constexpr int NDT = D / 8;   // O n-tiles (head dim)
+  constexpr int KD = D / 16;   // k-steps over the head dim
+  constexpr bool QREG = MT * KD * 4 <= 32;
+  using Mma = MmaOp<T>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LDS]
+  T* Ks = Qs + BM * LDS;                   // [STAGES][BN][LDS]
+  T* Vs = Ks + STAGES * BN * LDS;          // [STAGES][BN][LDS]
+
+  const int64_t bh = bh0 + blockIdx.y;
+  const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heaviest first
+  const int64_t m0 = mblk * BM;
+  const T* qb = q + bh * Sq * D;
+  const T* kb = k + bh * Sk * D;
+  const T* vb = v + bh * Sk * D;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t wrow0 = m0 + warp * RPW;  // this warp's first query row
+
+  const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
+  const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
+  const int n_tiles = static_cast<int>((n_end + BN - 1) / BN);
+
+  load_tile_async<BM, D, LDS, NT>(Qs, qb, m0, Sq, tid);
+  if (n_tiles > 0) {
+    load_tile_async<BN, D, LDS, NT>(Ks, kb, 0, Sk, tid);
+    if constexpr (STAGES == 2) load_tile_async<BN, D, LDS, NT>(Vs, vb, 0, Sk, tid);
+  }
+  cp_async_commit();
+
+  uint32_t qf[QREG ? MT : 1][QREG ? KD : 1][4];
+  if constexpr (STAGES == 1 || QREG) {
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+  if constexpr (QREG) {
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk)
+        ldsm_x4(qf[mi][kk], smem_addr(Qs + (warp * RPW + mi * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8));
+  }
+
+  float acc[MT][NDT][4];
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int i = 0; i < NDT; ++i) acc[mi][i][0] = acc[mi][i][1] = acc[mi][i][2] = acc[mi][i][3] = 0.f;
+  float m_r[MT][2], l_r[MT][2];  // running max (log2 domain) and per-lane partial sums, rows g, g + 8
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) m_r[mi][0] = m_r[mi][1] = -INFINITY, l_r[mi][0] = l_r[mi][1] = 0.f;
+
+  // s = Q K^T for this warp's rows and the BN keys at Kt (log2-scaled, masked), then the
+  // online-softmax update; on return s holds the unnormalised probabilities.
+  auto scores = [&](float (&s)[MT][NKT][4], const T* Kt, int64_t n0) {
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int i = 0; i < NKT; ++i) s[mi][i][0] = s[mi][i][1] = s[mi][i][2] = s[mi][i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        if constexpr (QREG) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mi][e] = qf[mi][kk][e];
+        } else {
+          ldsm_x4(a[mi], smem_addr(Qs + (warp * RPW + mi * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8));
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < NKT / 2; ++np) {
+        uint32_t b[4];
+        ldsm_x4(b, smem_addr(Kt + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 +
+                             ((lane >> 3) & 1) * 8));
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          Mma::run_nv(s[mi][2 * np], a[mi], b[0], b[1]);
+          Mma::run_nv(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+        }
+      }
+    }
+    const bool need_mask = (n0 + BN > Sk) || (causal && n0 + BN - 1 > wrow0);
+    // Tile-relative 32-bit bounds (fewer live 64-bit registers): key column c (0..BN) is
+    // visible to warp row r (0..RPW) iff c < kv_lim and (!causal || c <= r + diag).
+    const int kv_lim = static_cast<int>(std::min<int64_t>(Sk - n0, BN));
+    const int diag = static_cast<int>(std::max<int64_t>(std::min<int64_t>(wrow0 - n0, BN), -2 * RPW));
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < NKT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[mi][nt][e] * scale_log2;
+          if (need_mask) {
+            const int c = nt * 8 + 2 * t + (e & 1);
+            const int r = mi * 16 + g + 8 * (e >> 1);
+            if (c >= kv_lim || (causal && c > r + diag)) x = -INFINITY;
+          }
+          s[mi][nt][e] = x;
+        }
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = m_r[mi][h];
+#pragma unroll
+        for (int nt = 0; nt < NKT; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * h], s[mi][nt][2 * h + 1]));
+        mx = quad_max(mx);
+        const float base = mx == -INFINITY ? 0.f : mx;  // row still fully masked
+        const float alpha = exp2_ftz(m_r[mi][h] - base);   // old max -inf -> 0
+        m_r[mi][h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NKT; ++nt) {
+          s[mi][nt][2 * h] = exp2_ftz(s[mi][nt][2 * h] - base);
+          s[mi][nt][2 * h + 1] = exp2_ftz(s[mi][nt][2 * h + 1] - base);
+          sum += s[mi][nt][2 * h] + s[mi][nt][2 * h + 1];
+        }
+        l_r[mi][h] = l_r[mi][h] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < NDT; ++dt) {
+          acc[mi][dt][2 * h] *= alpha;
+          acc[mi][dt][2 * h + 1] *= alpha;
+        }
+      }
+  };
+
+  // O += P V for the BN keys at Vt; P comes straight from the S accumulators.
+  auto pv = [&](const float (&s)[MT][NKT][4], const T* Vt) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        pa[mi][0] = Mma::pack(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+        pa[mi][1] = Mma::pack(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+        pa[mi][2] = Mma::pack(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+        pa[mi][3] = Mma::pack(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < NDT / 2; ++dp) {
+        uint32_t b[4];
+        ldsm_x4_trans(b, smem_addr(Vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 +
+                                   (lane >> 4) * 8));
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          Mma::run_nv(acc[mi][2 * dp], pa[mi], b[0], b[1]);
+          Mma::run_nv(acc[mi][2 * dp + 1], pa[mi], b[2], b[3]);
+        }
+      }
+    }
+  };
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int64_t n0 = static_cast<int64_t>(j) * BN;
+    // Warp-uniform: rows all past Sq (never stored) or all above this tile's keys.
+    const bool active = wrow0 < Sq && !(causal && n0 > wrow0 + RPW - 1);
+    if constexpr (STAGES == 2) {
+      const int st = j & 1;
+      cp_async_wait<0>();  // tile j (issued one iteration ago, or in the prologue) landed
+      __syncthreads();     // ... and is visible; every warp is done with tile j-1 (stage st^1)
+      if (j + 1 < n_tiles) {
+        load_tile_async<BN, D, LDS, NT>(Ks + (st ^ 1) * BN * LDS, kb, n0 + BN, Sk, tid);
+        load_tile_async<BN, D, LDS, NT>(Vs + (st ^ 1) * BN * LDS, vb, n0 + BN, Sk, tid);
+      }
+      cp_async_commit();
+      if (active) {
+        float s[MT][NKT][4];
+        scores(s, Ks + st * BN * LDS, n0);
+        pv(s, Vs + st * BN * LDS);
+      }
+    } else {
+      // Invariant: K(j) resident and visible; every warp is done with V(j-1).
+      load_tile_async<BN, D, LDS, NT>(Vs, vb, n0, Sk, tid);
+      cp_async_commit();
+      float s[MT][NKT][4];
+      if (active) scores(s, Ks, n0);
+      __syncthreads();  // every warp is done reading K(j)
+      if (j + 1 < n_tiles) load_tile_async<BN, D, LDS, NT>(Ks, kb, n0 + BN, Sk, tid);
+      cp_async_commit();   // possibly empty group: keeps the wait counts uniform
+      cp_async_wait<1>();  // V(j) has landed
+      __syncthreads();
+      if (active) pv(s, Vs);
+      cp_async_wait<0>();  // K(j+1) has landed
+      __syncthreads();     // ... is visible, and every warp is done with V(j)
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: O / l, lse = (m + log2 l) * ln2 (natural log).
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = quad_sum(l_r[mi][h]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int64_t row = wrow0 + mi * 16 + g + 8 * h;
+      if (row < Sq) {
+        T* orow = o + (bh * Sq + row) * D;
+#pragma unroll
+        for (int dt = 0; dt < NDT; ++dt) {
+          const uint32_t pk = Mma::pack(acc[mi][dt][2 * h] * inv, acc[mi][dt][2 * h + 1] * inv);
+          *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) = pk;
+        }
+        if (t == 0) lse[bh * Sq + row] = l > 0.f ? (m_r[mi][h] + log2f(l)) * kLn2 : -INFINITY;
+      }
+    }
 }
 
 // ---- backward: dK, dV -------------------------------------------------------
@@ -989,12 +1266,22 @@ attn_bwd_dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 // =============================================================================
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-bool device_has_sm80(cudaError_t& err) {
-  int dev = 0, major = 0;
-  err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return false;
-  err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  return err == cudaSuccess && major >= 8;
+// Per-device host caches (attribute queries and cudaFuncSetAttribute cost microseconds
+// per call). Lock-free: a race only repeats an idempotent query/set. Devices past the
+// table are served uncached.
+constexpr int kMaxCachedDevices = 64;
+bool cacheable_device(int dev) { return dev >= 0 && dev < kMaxCachedDevices; }
+
+bool device_has_sm80(int dev, cudaError_t& err) {
+  static std::atomic<int> major_plus1[kMaxCachedDevices];  // 0: not queried yet
+  err = cudaSuccess;
+  int major = cacheable_device(dev) ? major_plus1[dev].load(std::memory_order_relaxed) - 1 : -1;
+  if (major < 0) {
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (err != cudaSuccess) return false;
+    if (cacheable_device(dev)) major_plus1[dev].store(major + 1, std::memory_order_relaxed);
+  }
+  return major >= 8;
 }
 
 template <typename T> constexpr bool is_half_type() {
@@ -1011,9 +1298,22 @@ template <typename F> cudaError_t for_bh_chunks(int64_t BH, F&& f) {
   return cudaSuccess;
 }
 
-template <typename K> cudaError_t set_smem(K kernel, size_t bytes) {
+// Opt kernel Kern in to `bytes` of dynamic shared memory on device dev (the current
+// one). Remembers per device the largest size set (the SIMT kernels' size depends on
+// D), so steady-state launches make no attribute call.
+template <auto Kern> cudaError_t set_smem(int dev, size_t bytes) {
   if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  static std::atomic<int> done[kMaxCachedDevices];  // largest size set so far, 0 = none
+  const int b = static_cast<int>(bytes);
+  const bool cache = cacheable_device(dev);
+  if (cache && done[dev].load(std::memory_order_acquire) >= b) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(Kern, cudaFuncAttributeMaxDynamicSharedMemorySize, b);
+  if (e == cudaSuccess && cache) {
+    int cur = done[dev].load(std::memory_order_relaxed);
+    while (cur < b && !done[dev].compare_exchange_weak(cur, b, std::memory_order_release)) {
+    }
+  }
+  return e;
 }
 
 // Chunk count (32 columns each) covering a head dim, as a template dispatch.
@@ -1057,10 +1357,11 @@ int fwd_tc_warps(int64_t D) {
   return D >= 128 ? 4 : 8;
 }
 
-template <typename T, int D, int WARPS> cudaError_t launch_fwd_tc(const AttentionFwdArgs& a, cudaStream_t stream) {
+template <typename T, int D, int WARPS>
+cudaError_t launch_fwd_tc(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   constexpr int smem = tc_fwd_smem_bytes<D, WARPS>();
-  auto kern = attn_fwd_tc<T, D, WARPS>;
-  cudaError_t e = set_smem(kern, smem);
+  constexpr auto kern = attn_fwd_tc<T, D, WARPS>;
+  cudaError_t e = set_smem<kern>(dev, smem);
   if (e != cudaSuccess) return e;
   const unsigned gx = ceil_div_u(a.Sq, 16 * WARPS);
   const float sl = a.scale * kLog2e;
@@ -1071,19 +1372,93 @@ template <typename T, int D, int WARPS> cudaError_t launch_fwd_tc(const Attentio
   });
 }
 
-template <typename T, int D> cudaError_t launch_fwd_tc(const AttentionFwdArgs& a, cudaStream_t stream) {
-  return fwd_tc_warps(D) == 4 ? launch_fwd_tc<T, D, 4>(a, stream) : launch_fwd_tc<T, D, 8>(a, stream);
+template <typename T, int D, int RPW, int BN, int WARPS, int STAGES>
+cudaError_t launch_fwd_tc2(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+  constexpr int smem = tc_fwd2_smem_bytes<D, RPW, BN, WARPS, STAGES>();
+  constexpr auto kern = attn_fwd_tc2<T, D, RPW, BN, WARPS, STAGES>;
+  cudaError_t e = set_smem<kern>(dev, smem);
+  if (e != cudaSuccess) return e;
+  const unsigned gx = ceil_div_u(a.Sq, RPW * WARPS);
+  const float sl = a.scale * kLog2e;
+  return for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
+    kern<<<dim3(gx, nbh), WARPS * 32, smem, stream>>>(
+        static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v), static_cast<T*>(a.o),
+        static_cast<float*>(a.lse), bh0, a.Sq, a.Sk, sl, a.causal);
+  });
 }
 
-template <typename T> cudaError_t launch_fwd_simt(const AttentionFwdArgs& a, cudaStream_t stream) {
+// Forward tensor-core configuration: GPU_PUZZLES_ATTN_FWD_CFG=<name> (read once; for
+// benchmark sweeps). "old" is attn_fwd_tc (warps from fwd_tc_warps); the others are
+// attn_fwd_tc2 r<rows per warp>_bn<keys per tile>_w<warps>_s<stages>. Unset/"auto": the
+// default below; an unknown name warns once on stderr and uses the default.
+enum class FwdCfg { Auto, Old, R32Bn64W4S2, R32Bn32W4S2, R32Bn32W8S2, R16Bn64W8S2, R32Bn64W4S1 };
+struct FwdCfgName {
+  const char* name;
+  FwdCfg cfg;
+};
+constexpr FwdCfgName kFwdCfgNames[] = {{"auto", FwdCfg::Auto},
+                                       {"old", FwdCfg::Old},
+                                       {"r32_bn64_w4_s2", FwdCfg::R32Bn64W4S2},
+                                       {"r32_bn32_w4_s2", FwdCfg::R32Bn32W4S2},
+                                       {"r32_bn32_w8_s2", FwdCfg::R32Bn32W8S2},
+                                       {"r16_bn64_w8_s2", FwdCfg::R16Bn64W8S2},
+                                       {"r32_bn64_w4_s1", FwdCfg::R32Bn64W4S1}};
+constexpr FwdCfg kFwdCfgDefault = FwdCfg::Auto;
+// Auto (not yet measured on a GPU): D = 128 -> r32_bn32_w4_s2, D = 64 -> r32_bn64_w4_s2, the
+// largest tiles that need no spills. r32_bn64_w4_s1 is FlashAttention-2's own sm80/sm90
+// tiling for D = 128 (128 x 64, 4 warps, one K and one V buffer).
+// Registers per thread (stack bytes, when spilling), sm_90 / sm_80, fp16 = bf16 (nvcc 13.0):
+//   config           D=128            D=64     smem D=128 / D=64
+//   r32_bn64_w4_s2   255+24 / 255+24  243/229  102 / 54 KiB
+//   r32_bn32_w4_s2   243 / 241        168/170   68 / 36 KiB
+//   r32_bn32_w8_s2   242 / 230        182/174  102 / 54 KiB
+//   r16_bn64_w8_s2   182 / 182        132/127  102 / 54 KiB
+//   r32_bn64_w4_s1   255+72 / 255+80  242/236   68 / 36 KiB
+//   old (w4, w8)     249, 216 / 226, 205  140, 127 / 141, 128
+// The r32_bn64 spills at D = 128 are the partial row sums and a few loop invariants:
+// about 6 local loads/stores per thread per 64-key tile (L1 hits).
+
+FwdCfg fwd_cfg() {
+  static const FwdCfg cfg = [] {
+    const char* e = std::getenv("GPU_PUZZLES_ATTN_FWD_CFG");
+    if (e == nullptr || *e == '\0') return kFwdCfgDefault;
+    for (const auto& n : kFwdCfgNames)
+      if (std::strcmp(e, n.name) == 0) return n.cfg;
+    std::fprintf(stderr, "gpu_puzzles: unknown GPU_PUZZLES_ATTN_FWD_CFG=%s; using the default\n", e);
+    return kFwdCfgDefault;
+  }();
+  return cfg;
+}
+
+template <typename T, int D> cudaError_t launch_fwd_tc(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+  FwdCfg cfg = fwd_cfg();
+  if (cfg == FwdCfg::Auto) cfg = D == 128 ? FwdCfg::R32Bn32W4S2 : FwdCfg::R32Bn64W4S2;
+  switch (cfg) {
+    case FwdCfg::Old:
+      return fwd_tc_warps(D) == 4 ? launch_fwd_tc<T, D, 4>(a, dev, stream) : launch_fwd_tc<T, D, 8>(a, dev, stream);
+    case FwdCfg::R32Bn32W4S2:
+      return launch_fwd_tc2<T, D, 32, 32, 4, 2>(a, dev, stream);
+    case FwdCfg::R32Bn32W8S2:
+      return launch_fwd_tc2<T, D, 32, 32, 8, 2>(a, dev, stream);
+    case FwdCfg::R16Bn64W8S2:
+      return launch_fwd_tc2<T, D, 16, 64, 8, 2>(a, dev, stream);
+    case FwdCfg::R32Bn64W4S1:
+      return launch_fwd_tc2<T, D, 32, 64, 4, 1>(a, dev, stream);
+    case FwdCfg::R32Bn64W4S2:
+    default:
+      return launch_fwd_tc2<T, D, 32, 64, 4, 2>(a, dev, stream);
+  }
+}
+
+template <typename T> cudaError_t launch_fwd_simt(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   using A = acc_t<T>;
   constexpr int RPW = simt_rpw<T>();
   return dispatch_nc(std::max(a.D, a.Dv), [&](auto nc) -> cudaError_t {
     constexpr int NC = decltype(nc)::value;
     const int D = static_cast<int>(a.D), Dv = static_cast<int>(a.Dv);
     const size_t smem = sizeof(A) * (static_cast<size_t>(kSimtWarps * RPW) * D + kSimtT * (D + 1) + kSimtT * Dv);
-    auto kern = attn_fwd_simt<T, A, NC, RPW>;
-    cudaError_t e = set_smem(kern, smem);
+    constexpr auto kern = attn_fwd_simt<T, A, NC, RPW>;
+    cudaError_t e = set_smem<kern>(dev, smem);
     if (e != cudaSuccess) return e;
     const unsigned gx = ceil_div_u(a.Sq, kSimtWarps * RPW);
     return for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
@@ -1094,26 +1469,27 @@ template <typename T> cudaError_t launch_fwd_simt(const AttentionFwdArgs& a, cud
   });
 }
 
-template <typename T> cudaError_t forward_typed(const AttentionFwdArgs& a, cudaStream_t stream) {
+template <typename T> cudaError_t forward_typed(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   if constexpr (is_half_type<T>()) {
     if (tc_ok_fwd<T>(a)) {
       cudaError_t e = cudaSuccess;
-      if (device_has_sm80(e)) return a.D == 64 ? launch_fwd_tc<T, 64>(a, stream) : launch_fwd_tc<T, 128>(a, stream);
+      if (device_has_sm80(dev, e))
+        return a.D == 64 ? launch_fwd_tc<T, 64>(a, dev, stream) : launch_fwd_tc<T, 128>(a, dev, stream);
       if (e != cudaSuccess) return e;
     }
   }
-  return launch_fwd_simt<T>(a, stream);
+  return launch_fwd_simt<T>(a, dev, stream);
 }
 
 template <typename T, int D>
-cudaError_t launch_bwd_tc(const AttentionBwdArgs& a, const float* delta, cudaStream_t stream) {
+cudaError_t launch_bwd_tc(const AttentionBwdArgs& a, const float* delta, int dev, cudaStream_t stream) {
   constexpr int smem_kv = tc_dkdv_smem_bytes<D>();
   constexpr int smem_q = tc_dq_smem_bytes<D>();
-  auto kkv = attn_bwd_dkdv_tc<T, D>;
-  auto kq = attn_bwd_dq_tc<T, D>;
-  cudaError_t e = set_smem(kkv, smem_kv);
+  constexpr auto kkv = attn_bwd_dkdv_tc<T, D>;
+  constexpr auto kq = attn_bwd_dq_tc<T, D>;
+  cudaError_t e = set_smem<kkv>(dev, smem_kv);
   if (e != cudaSuccess) return e;
-  e = set_smem(kq, smem_q);
+  e = set_smem<kq>(dev, smem_q);
   if (e != cudaSuccess) return e;
   const T* q = static_cast<const T*>(a.q);
   const T* k = static_cast<const T*>(a.k);
@@ -1135,7 +1511,7 @@ cudaError_t launch_bwd_tc(const AttentionBwdArgs& a, const float* delta, cudaStr
 }
 
 template <typename T>
-cudaError_t launch_bwd_simt(const AttentionBwdArgs& a, const acc_t<T>* delta, cudaStream_t stream) {
+cudaError_t launch_bwd_simt(const AttentionBwdArgs& a, const acc_t<T>* delta, int dev, cudaStream_t stream) {
   using A = acc_t<T>;
   constexpr int RPW = simt_rpw<T>();
   return dispatch_nc(std::max(a.D, a.Dv), [&](auto nc) -> cudaError_t {
@@ -1151,8 +1527,8 @@ cudaError_t launch_bwd_simt(const AttentionBwdArgs& a, const acc_t<T>* delta, cu
     if (a.Sk > 0) {
       const size_t smem_kv = sizeof(A) * (static_cast<size_t>(R) * D + R * Dv + kSimtT * (D + 1) +
                                           kSimtT * (Dv + 1) + 2 * kSimtT);
-      auto kkv = attn_bwd_dkdv_simt<T, A, NC, RPW>;
-      cudaError_t e = set_smem(kkv, smem_kv);
+      constexpr auto kkv = attn_bwd_dkdv_simt<T, A, NC, RPW>;
+      cudaError_t e = set_smem<kkv>(dev, smem_kv);
       if (e != cudaSuccess) return e;
       e = for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
         kkv<<<dim3(ceil_div_u(a.Sk, R), nbh), kSimtWarps * 32, smem_kv, stream>>>(
@@ -1163,8 +1539,8 @@ cudaError_t launch_bwd_simt(const AttentionBwdArgs& a, const acc_t<T>* delta, cu
     }
     const size_t smem_q =
         sizeof(A) * (static_cast<size_t>(R) * D + R * Dv + kSimtT * (D + 1) + kSimtT * (Dv + 1));
-    auto kq = attn_bwd_dq_simt<T, A, NC, RPW>;
-    cudaError_t e = set_smem(kq, smem_q);
+    constexpr auto kq = attn_bwd_dq_simt<T, A, NC, RPW>;
+    cudaError_t e = set_smem<kq>(dev, smem_q);
     if (e != cudaSuccess) return e;
     return for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
       kq<<<dim3(ceil_div_u(a.Sq, R), nbh), kSimtWarps * 32, smem_q, stream>>>(
@@ -1173,7 +1549,8 @@ cudaError_t launch_bwd_simt(const AttentionBwdArgs& a, const acc_t<T>* delta, cu
   });
 }
 
-template <typename T> cudaError_t backward_typed(const AttentionBwdArgs& a, void* workspace, cudaStream_t stream) {
+template <typename T>
+cudaError_t backward_typed(const AttentionBwdArgs& a, void* workspace, int dev, cudaStream_t stream) {
   using A = acc_t<T>;
   A* delta = static_cast<A*>(workspace);
   const int64_t rows = a.BH * a.Sq;
@@ -1184,12 +1561,12 @@ template <typename T> cudaError_t backward_typed(const AttentionBwdArgs& a, void
   if (e != cudaSuccess) return e;
   if constexpr (is_half_type<T>()) {
     if (tc_ok_bwd<T>(a)) {
-      if (device_has_sm80(e))
-        return a.D == 64 ? launch_bwd_tc<T, 64>(a, delta, stream) : launch_bwd_tc<T, 128>(a, delta, stream);
+      if (device_has_sm80(dev, e))
+        return a.D == 64 ? launch_bwd_tc<T, 64>(a, delta, dev, stream) : launch_bwd_tc<T, 128>(a, delta, dev, stream);
       if (e != cudaSuccess) return e;
     }
   }
-  return launch_bwd_simt<T>(a, delta, stream);
+  return launch_bwd_simt<T>(a, delta, dev, stream);
 }
 
 }  // namespace
@@ -1203,7 +1580,10 @@ LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stre
   if (a.BH <= 0 || a.Sq <= 0) return static_cast<LaunchStatus>(cudaSuccess);
   if (a.D <= 0 || a.Dv <= 0 || a.D > kAttentionMaxHeadDim || a.Dv > kAttentionMaxHeadDim)
     return static_cast<LaunchStatus>(cudaErrorInvalidValue);
-  const cudaError_t e = dispatch_dtype(a.dtype, [&](auto tag) { return forward_typed<decltype(tag)>(a, stream); });
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess)
+    e = dispatch_dtype(a.dtype, [&](auto tag) { return forward_typed<decltype(tag)>(a, dev, stream); });
   return static_cast<LaunchStatus>(e);
 }
 
@@ -1222,8 +1602,10 @@ LaunchStatus attention_backward_cuda(const AttentionBwdArgs& a, void* workspace,
     }
     return static_cast<LaunchStatus>(cudaSuccess);
   }
-  const cudaError_t e =
-      dispatch_dtype(a.dtype, [&](auto tag) { return backward_typed<decltype(tag)>(a, workspace, stream); });
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess)
+    e = dispatch_dtype(a.dtype, [&](auto tag) { return backward_typed<decltype(tag)>(a, workspace, dev, stream); });
   return static_cast<LaunchStatus>(e);
 }
 

@@ -1,0 +1,118 @@
+"""Sweep the fused attention forward's tensor-core configurations (GPU_PUZZLES_ATTN_FWD_CFG).
+
+Each configuration runs in its own subprocess (the variable is read once per process):
+it first checks correctness against float64 SDPA at small odd shapes (output, lse, and the
+gradients of the backward that consumes the lse), then times the forward with CUDA events
+(warm-up, median of --reps) at the issue's shapes. One table at the end.
+
+    PYTHONPATH=$PWD python benchmarks/attention_sweep.py            # every config
+    PYTHONPATH=$PWD python benchmarks/attention_sweep.py --configs old r32_bn64_w4_s2 --reps 50
+
+FLOPs: 4*B*H*Sq*Sk*D (half when causal), as in gpu_puzzles/bench/attention.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+CONFIGS = ["auto", "old", "r32_bn64_w4_s2", "r32_bn32_w4_s2", "r32_bn32_w8_s2", "r16_bn64_w8_s2",
+           "r32_bn64_w4_s1"]
+# (label, B, H, S, D, causal)
+SHAPES = [("4x32x4096x128", 4, 32, 4096, 128, False), ("4x32x4096x128 causal", 4, 32, 4096, 128, True),
+          ("8x16x2048x64", 8, 16, 2048, 64, False), ("8x16x2048x64 causal", 8, 16, 2048, 64, True)]
+# (lead, Sq, Sk, D, causal): tails past every tile size, S < BN, Sq != Sk both ways under causal.
+CHECK_SHAPES = [((2, 3), 1, 1, 64, False), ((2,), 17, 5, 128, True), ((2,), 31, 33, 64, True),
+                ((1, 2), 129, 33, 128, True), ((1, 2), 33, 129, 64, True), ((2,), 255, 127, 128, False),
+                ((1, 3), 257, 300, 64, True), ((1, 2), 300, 257, 128, True), ((1,), 1000, 1001, 128, False),
+                ((1,), 1000, 1001, 64, True)]
+
+
+def child(reps: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    import gpu_puzzles  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.gpu_puzzles
+    res = {"cfg": os.environ.get("GPU_PUZZLES_ATTN_FWD_CFG", "auto"), "max_err": 0.0, "fail": []}
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        tol = 6e-2 if dtype == torch.bfloat16 else 1e-2
+        for lead, Sq, Sk, D, causal in CHECK_SHAPES:
+            mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to("cuda", dtype)  # noqa: E731
+            q, k, v, do = mk(*lead, Sq, D), mk(*lead, Sk, D), mk(*lead, Sk, D), mk(*lead, Sq, D)
+            o, lse = ops.attention(q, k, v, None, causal)
+            dq, dk, dv = ops.attention_backward(do, q, k, v, o, lse, None, causal)
+            leaves = [t.double().requires_grad_() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+            s = leaves[0].detach() @ leaves[1].detach().transpose(-1, -2) / D**0.5
+            if causal:
+                s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+            grads = torch.autograd.grad(ref, leaves, do.double())
+            errs = {"out": (o.double() - ref).abs().max().item() / max(1.0, ref.abs().max().item()),
+                    "lse": (lse.double() - torch.logsumexp(s, -1)).abs().max().item()}
+            for n, a, r in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+                errs[n] = (a.double() - r).abs().max().item() / max(1.0, r.abs().max().item()) / 2
+            for n, e in errs.items():
+                res["max_err"] = max(res["max_err"], e) if e == e else float("nan")
+                if not e <= tol:  # NaN fails too
+                    res["fail"].append(f"{dtype} {lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {n} err={e:.3g}")
+    for label, B, H, S, D, causal in SHAPES:
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        fn = lambda: ops.attention(q, k, v, None, causal)  # noqa: E731
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        times.sort()
+        ms = times[len(times) // 2]
+        flops = 4 * B * H * S * S * D // (2 if causal else 1)
+        res[label] = flops / (ms * 1e-3) / 1e12
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", nargs="*", default=CONFIGS)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args.reps)))
+        return
+    rows = []
+    for cfg in args.configs:
+        env = dict(os.environ, GPU_PUZZLES_ATTN_FWD_CFG=cfg)
+        r = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps)], env=env,
+                           capture_output=True, text=True)
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if r.returncode != 0 or line is None:
+            rows.append({"cfg": cfg, "error": (r.stderr or r.stdout).strip().splitlines()[-1:]})
+        else:
+            rows.append(json.loads(line[len("RESULT "):]))
+    head = f"{'config':<16} {'check':<6} {'max err':>8} " + " ".join(f"{s[0]:>21}" for s in SHAPES)
+    print("forward TFLOP/s (bf16, median of CUDA-event times)")
+    print(head)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['cfg']:<16} ERROR  {r['error']}")
+            continue
+        ok = "ok" if not r["fail"] else "FAIL"
+        print(f"{r['cfg']:<16} {ok:<6} {r['max_err']:>8.2e} " + " ".join(f"{r[s[0]]:>21.1f}" for s in SHAPES))
+    for r in rows:
+        for f in r.get("fail", [])[:10]:
+            print(f"  {r['cfg']}: {f}")
+
+
+if __name__ == "__main__":
+    main()
