@@ -25,7 +25,7 @@ SANITIZE_K_DEFAULT="not cpu and not graph and not huge and not reduce_overhead a
 # gpu_puzzles): instrumenting PyTorch's own reference kernels (float64 sums,
 # randn) made those runs 100x slower and timed out. memcheck keeps every kernel.
 # The selfcheck step proves the filter still catches a deliberate race/bad barrier.
-SANITIZE_KERNELS=${SANITIZE_KERNELS:-kns=gpu_puzzles}
+SANITIZE_KERNELS=${SANITIZE_KERNELS-kns=gpu_puzzles}  # set empty to instrument every kernel
 sanitize() {  # $1 = memcheck | racecheck | synccheck
   local filt=()
   [ "$1" != memcheck ] && [ -n "$SANITIZE_KERNELS" ] && filt=(--kernel-name "$SANITIZE_KERNELS")
