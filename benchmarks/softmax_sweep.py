@@ -12,7 +12,7 @@ reference on the case's shape and on odd shapes around its dispatch edges, so a
 broken variant shows up as FAIL next to its speed.
 
 Built-in defaults (used when a variable is unset): ROWS_VARIANT=new, CLUSTER=8,
-STAGES=3, COL_VARIANT=new, COL_ROWS_FWD=8, COL_ROWS_BWD=8 (all prefixed
+STAGES=3, COL_VARIANT unset (new for the backward, old for the forward), COL_ROWS_FWD=8, COL_ROWS_BWD=8 (all prefixed
 GPU_PUZZLES_SOFTMAX_). Per call, tests use algorithm "auto:rows=new,cluster=16,...".
 """
 from __future__ import annotations

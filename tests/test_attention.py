@@ -542,7 +542,7 @@ def test_cuda_online_softmax_rescaling(dtype):
 
 # ---- forward tensor-core configurations (GPU_PUZZLES_ATTN_FWD_CFG, read once per process) -------
 # Each configuration runs the checks below in a child pytest process with the variable set.
-FWD_CFGS = ["old", "r32_bn64_w4_s2", "r32_bn32_w4_s2", "r32_bn32_w8_s2", "r16_bn64_w8_s2", "r32_bn64_w4_s1"]
+FWD_CFGS = ["old", "r32_bn32_w4_s2"]
 # (lead, Sq, Sk, D): S < BN (32/64), lengths not multiples of BM (64/128/256) or BN, exact
 # multiples, Sq != Sk both ways (causal stays top-left aligned), one query, one key.
 CFG_SHAPES = [((1,), 1, 1, 64), ((2,), 5, 17, 128), ((2, 3), 31, 33, 64), ((2,), 33, 129, 128),

@@ -1391,32 +1391,22 @@ cudaError_t launch_fwd_tc2(const AttentionFwdArgs& a, int dev, cudaStream_t stre
 // benchmark sweeps). "old" is attn_fwd_tc (warps from fwd_tc_warps); the others are
 // attn_fwd_tc2 r<rows per warp>_bn<keys per tile>_w<warps>_s<stages>. Unset/"auto": the
 // default below; an unknown name warns once on stderr and uses the default.
-enum class FwdCfg { Auto, Old, R32Bn64W4S2, R32Bn32W4S2, R32Bn32W8S2, R16Bn64W8S2, R32Bn64W4S1 };
+enum class FwdCfg { Auto, Old, R32Bn32W4S2 };
 struct FwdCfgName {
   const char* name;
   FwdCfg cfg;
 };
-constexpr FwdCfgName kFwdCfgNames[] = {{"auto", FwdCfg::Auto},
-                                       {"old", FwdCfg::Old},
-                                       {"r32_bn64_w4_s2", FwdCfg::R32Bn64W4S2},
-                                       {"r32_bn32_w4_s2", FwdCfg::R32Bn32W4S2},
-                                       {"r32_bn32_w8_s2", FwdCfg::R32Bn32W8S2},
-                                       {"r16_bn64_w8_s2", FwdCfg::R16Bn64W8S2},
-                                       {"r32_bn64_w4_s1", FwdCfg::R32Bn64W4S1}};
+constexpr FwdCfgName kFwdCfgNames[] = {
+    {"auto", FwdCfg::Auto}, {"old", FwdCfg::Old}, {"r32_bn32_w4_s2", FwdCfg::R32Bn32W4S2}};
 constexpr FwdCfg kFwdCfgDefault = FwdCfg::Auto;
-// Auto (not yet measured on a GPU): D = 128 -> r32_bn32_w4_s2, D = 64 -> r32_bn64_w4_s2, the
-// largest tiles that need no spills. r32_bn64_w4_s1 is FlashAttention-2's own sm80/sm90
-// tiling for D = 128 (128 x 64, 4 warps, one K and one V buffer).
-// Registers per thread (stack bytes, when spilling), sm_90 / sm_80, fp16 = bf16 (nvcc 13.0):
-//   config           D=128            D=64     smem D=128 / D=64
-//   r32_bn64_w4_s2   255+24 / 255+24  243/229  102 / 54 KiB
-//   r32_bn32_w4_s2   243 / 241        168/170   68 / 36 KiB
-//   r32_bn32_w8_s2   242 / 230        182/174  102 / 54 KiB
-//   r16_bn64_w8_s2   182 / 182        132/127  102 / 54 KiB
-//   r32_bn64_w4_s1   255+72 / 255+80  242/236   68 / 36 KiB
-//   old (w4, w8)     249, 216 / 226, 205  140, 127 / 141, 128
-// The r32_bn64 spills at D = 128 are the partial row sums and a few loop invariants:
-// about 6 local loads/stores per thread per 64-key tile (L1 hits).
+// Auto: D = 128 -> r32_bn32_w4_s2, D = 64 -> old (8 warps). Measured on an H200 (bf16
+// forward TFLOP/s, benchmarks/attention_sweep.py; (4,32,4096,128) / causal / (8,16,2048,64) /
+// causal): old 250 / 236 / 229 / 183; r32_bn32_w4_s2 255 / 235 / 199 / 164;
+// r32_bn64_w4_s2 236 / 214 / 188 / 149; r32_bn32_w8_s2 226 / 203 / 154 / 117;
+// r16_bn64_w8_s2 188 / 176 / 139 / 125; r32_bn64_w4_s1 (FlashAttention-2's tiling) 239 / 213 /
+// 179 / 145. Only the two kept are instantiated (build time); the template takes any of them.
+// Registers per thread, sm_90, fp16 = bf16 (nvcc 13.0): r32_bn32_w4_s2 243 (D=128) / 168
+// (D=64), smem 68 / 36 KiB; old w4 249 / 140, w8 216 / 127. The BN=64, 32-row tiles spill at D=128.
 
 FwdCfg fwd_cfg() {
   static const FwdCfg cfg = [] {
@@ -1432,22 +1422,9 @@ FwdCfg fwd_cfg() {
 
 template <typename T, int D> cudaError_t launch_fwd_tc(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   FwdCfg cfg = fwd_cfg();
-  if (cfg == FwdCfg::Auto) cfg = D == 128 ? FwdCfg::R32Bn32W4S2 : FwdCfg::R32Bn64W4S2;
-  switch (cfg) {
-    case FwdCfg::Old:
-      return fwd_tc_warps(D) == 4 ? launch_fwd_tc<T, D, 4>(a, dev, stream) : launch_fwd_tc<T, D, 8>(a, dev, stream);
-    case FwdCfg::R32Bn32W4S2:
-      return launch_fwd_tc2<T, D, 32, 32, 4, 2>(a, dev, stream);
-    case FwdCfg::R32Bn32W8S2:
-      return launch_fwd_tc2<T, D, 32, 32, 8, 2>(a, dev, stream);
-    case FwdCfg::R16Bn64W8S2:
-      return launch_fwd_tc2<T, D, 16, 64, 8, 2>(a, dev, stream);
-    case FwdCfg::R32Bn64W4S1:
-      return launch_fwd_tc2<T, D, 32, 64, 4, 1>(a, dev, stream);
-    case FwdCfg::R32Bn64W4S2:
-    default:
-      return launch_fwd_tc2<T, D, 32, 64, 4, 2>(a, dev, stream);
-  }
+  if (cfg == FwdCfg::Auto) cfg = D == 128 ? FwdCfg::R32Bn32W4S2 : FwdCfg::Old;
+  if (cfg == FwdCfg::R32Bn32W4S2) return launch_fwd_tc2<T, D, 32, 32, 4, 2>(a, dev, stream);
+  return fwd_tc_warps(D) == 4 ? launch_fwd_tc<T, D, 4>(a, dev, stream) : launch_fwd_tc<T, D, 8>(a, dev, stream);
 }
 
 template <typename T> cudaError_t launch_fwd_simt(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
