@@ -409,14 +409,10 @@ def test_cuda_fold_epilogue_tiles(dtype, M, H, N):
 @requires_cuda
 @pytest.mark.parametrize("dtype,H", [(torch.bfloat16, 1024), (torch.bfloat16, 1032), (torch.float16, 8),
                                      (torch.float32, 7), (torch.float32, 512), (torch.float64, 256),
-                                     (torch.float64, 3), (torch.bfloat16, 1), (torch.bfloat16, 4096),
-                                     (torch.bfloat16, 4104), (torch.float32, 2048), (torch.float32, 2052),
-                                     (torch.float16, 3000), (torch.float64, 1024), (torch.float32, 2050)])
+                                     (torch.float64, 3), (torch.bfloat16, 1)])
 def test_cuda_layer_norm_short_rows(dtype, H):
-    # Rows up to 32 * 16 vectors take a warp-per-row kernel (8 rows per block; 4 or 16
-    # vectors per lane; float64 and rows not a multiple of the vector stop at 4):
-    # both sides of each boundary, M not a multiple of 8, poisoned outputs, statistics
-    # and output vs float64.
+    # Short rows take the warp-per-row kernel (8 rows per block; up to 32 * 4 vectors per
+    # row): M not a multiple of 8, poisoned outputs, statistics and output vs float64.
     M = 3001
     torch.manual_seed(H)
     x = (torch.randn(M, H, dtype=torch.float64) * 2 + torch.randn(M, 1, dtype=torch.float64) * 3).to("cuda", dtype)

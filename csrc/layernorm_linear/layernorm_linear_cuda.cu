@@ -22,7 +22,6 @@ namespace gpu_puzzles {
 namespace {
 
 constexpr int kCache = 4;  // vectors per thread held in registers by the cached kernels
-constexpr int kWideCache = 16;  // vectors per lane of the wide warp-per-row forward
 // Widest blocks of the cached kernels: with launch bounds their registers always
 // fit an SM (the backward keeps ~150 per thread for bf16); longer rows loop.
 constexpr int kFwdMaxThreads = 512;
@@ -159,18 +158,15 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
   }
 }
 
-// Rows of at most 32 * CACHE vectors: one warp per row, kWarpRows rows per block,
-// the row in registers, warp shuffles only (no barrier, no shared memory). Same
-// arithmetic as ln_fwd_cached (pivot shift, exact two-pass). CACHE = 4 (H <= 1024
-// in bf16): the block-per-row kernel would run one-warp blocks, and the SM's
-// 32-block limit would halve the loads in flight. CACHE = 16 (H <= 4096 in bf16):
-// the block-per-row kernel's two block barriers per row left 8192x4096 bf16 at
-// 1.3 TB/s on the H100 once outputs really reach HBM; a warp per row with 16
-// loads in flight per lane is how softmax's row kernel reaches 2.9 TB/s there.
+// Short rows (at most 32 * kCache vectors: H <= 1024 in bf16): one warp per row,
+// kWarpRows rows per block, the row in registers, warp shuffles only (no barrier,
+// no shared memory). The block-per-row kernel would run one-warp blocks here, and
+// the SM's 32-block limit would cap it at half occupancy, halving the loads in
+// flight. Same arithmetic as ln_fwd_cached (pivot shift, exact two-pass).
 constexpr int kWarpRows = 8;
 
-template <typename T, int VEC, int CACHE, int MINB>
-__global__ void __launch_bounds__(32 * kWarpRows, MINB) ln_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma,
+template <typename T, int VEC>
+__global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma,
                               const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
                               acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
   using A = acc_t<T>;
@@ -180,11 +176,11 @@ __global__ void __launch_bounds__(32 * kWarpRows, MINB) ln_fwd_warp(const T* __r
   for (int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < M;
        row += (int64_t)gridDim.x * (blockDim.x >> 5)) {
     const T* xr = x + row * H;
-    T v[CACHE][VEC];
+    T v[kCache][VEC];
     const A pivot = to_acc<A>(xr[0]);
     A s = 0;
 #pragma unroll
-    for (int k = 0; k < CACHE; ++k) {
+    for (int k = 0; k < kCache; ++k) {
       const int64_t c = lane + (int64_t)k * 32;
       if (c < nvec) {
         load_pack<T, VEC>(v[k], xr + c * VEC);
@@ -196,7 +192,7 @@ __global__ void __launch_bounds__(32 * kWarpRows, MINB) ln_fwd_warp(const T* __r
     const A mu = pivot + s / A(H);
     A q = 0;
 #pragma unroll
-    for (int k = 0; k < CACHE; ++k) {
+    for (int k = 0; k < kCache; ++k) {
       const int64_t c = lane + (int64_t)k * 32;
       if (c < nvec) {
 #pragma unroll
@@ -214,7 +210,7 @@ __global__ void __launch_bounds__(32 * kWarpRows, MINB) ln_fwd_warp(const T* __r
     }
     if (y != nullptr) {
 #pragma unroll
-      for (int k = 0; k < CACHE; ++k) {
+      for (int k = 0; k < kCache; ++k) {
         const int64_t c = lane + (int64_t)k * 32;
         if (c < nvec) {
           T g[VEC], b[VEC], o[VEC];
@@ -636,16 +632,12 @@ LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const voi
     const bool vec = H % V == 0 && all_aligned({x, gamma, beta, y});
     const int64_t nvec = vec ? H / V : H;
     const unsigned grid = row_grid(M);
-    const unsigned wgrid = row_grid((M + kWarpRows - 1) / kWarpRows);
     if (nvec <= (int64_t)kCache * 32) {
+      const unsigned wgrid = row_grid((M + kWarpRows - 1) / kWarpRows);
       if (vec)
-        ln_fwd_warp<T, V, kCache, 6><<<wgrid, 32 * kWarpRows, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
+        ln_fwd_warp<T, V><<<wgrid, 32 * kWarpRows, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
       else
-        ln_fwd_warp<T, 1, kCache, 6><<<wgrid, 32 * kWarpRows, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
-    } else if (vec && sizeof(T) <= 4 && nvec <= (int64_t)kWideCache * 32) {  // float64: would spill
-      // 2 blocks (16 warps) per SM: 128 registers, no spills; 128 KB of loads in flight per SM.
-      if constexpr (sizeof(T) <= 4)
-        ln_fwd_warp<T, V, kWideCache, 2><<<wgrid, 32 * kWarpRows, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
+        ln_fwd_warp<T, 1><<<wgrid, 32 * kWarpRows, 0, stream>>>(xp, gp, bp, yp, mp, rp, M, H, eps);
     } else if (nvec <= (int64_t)kCache * kFwdMaxThreads) {
       const int threads = cached_threads(nvec);
       if (vec)
