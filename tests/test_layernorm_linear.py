@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from conftest import DEVICES, HAS_CUDA, TOL, assert_close_ref, device_dtypes, requires_cuda
+from conftest import DEVICES, TOL, assert_close_ref, device_dtypes, requires_cuda
 
 IMPLS = {"fused": gp.fused_layernorm_linear, "unfused": gp.unfused_layernorm_linear}
 

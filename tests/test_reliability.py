@@ -8,9 +8,8 @@ and a float64 reference. The huge-tensor tests at the end are per op (each needs
 slicing) and device-only.
 """
 import gc
-import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import gpu_puzzles as gp
 from gpu_puzzles.bench.conv1d import reference as conv1d_ref
 from gpu_puzzles.bench.embedding import reference as embedding_ref, reference_grad as embedding_ref_grad
 
-from conftest import DEVICES, HAS_CUDA, TOL, assert_close_ref, requires_cuda
+from conftest import DEVICES, HAS_CUDA, assert_close_ref, requires_cuda
 from strategies import grad_close
 
 ERRORS = (RuntimeError, ValueError, TypeError)
