@@ -81,6 +81,7 @@ class Layout:
 
 
 CONTIGUOUS = Layout()
+OFFSET = Layout("offset")  # contiguous, storage one element past an allocation: misaligned
 
 
 @st.composite

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 
 from conftest import DEVICES, HAS_CUDA, poison, requires_cuda
+from strategies import OFFSET, make_tensor
 
 OPS = torch.ops.gpu_puzzles
 
@@ -385,8 +386,7 @@ def test_cuda_vector_and_misaligned_and_strided():
     q, K, V = torch.randn(16, device="cuda"), torch.randn(16, 16, device="cuda"), torch.randn(16, 16, device="cuda")
     _assert_close(gp.attention(q, K, V, scale=1.0), ref_attention(q, K, V, scale=1.0), torch.float32, "vector")
     for dtype in (torch.bfloat16, torch.float32):
-        base = torch.randn(2 * 3 * 77 * 64 + 1, device="cuda", dtype=dtype)
-        q = base[1:].view(2, 3, 77, 64)  # contiguous, misaligned base
+        q = make_tensor((2, 3, 77, 64), dtype, "cuda", OFFSET)  # contiguous, misaligned base
         k = torch.randn(2, 77, 3, 64, device="cuda", dtype=dtype).transpose(1, 2)  # strided
         v = torch.randn(2, 3, 77, 64, device="cuda", dtype=dtype)
         _assert_close(gp.attention(q, k, v, causal=True), ref_attention(q, k, v, causal=True), dtype, "misaligned")

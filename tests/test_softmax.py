@@ -7,6 +7,7 @@ import torch
 import gpu_puzzles as gp
 
 from conftest import DEVICES, HAS_CUDA, assert_close_ref, device_dtypes, requires_cuda
+from strategies import OFFSET, make_tensor
 
 ALGORITHMS = ["auto", "tree", "shuffle", "online"]
 FUNCS = {"softmax": (gp.softmax, torch.softmax), "log_softmax": (gp.log_softmax, torch.log_softmax)}
@@ -231,8 +232,8 @@ def test_cuda_rows_all_paths(dtype, kind):
         x = torch.randn(rows, n, device="cuda", dtype=dtype) * 2
         _cuda_check(x, -1, kind, "auto", dtype, f"{kind} rows ({rows},{n}) {dtype}")
         if rows * n < 5_000_000:  # misaligned view: the scalar path
-            base = torch.randn(rows * n + 1, device="cuda", dtype=dtype)
-            _cuda_check(base[1:].view(rows, n), -1, kind, "auto", dtype, f"{kind} misaligned ({rows},{n})")
+            xm = make_tensor((rows, n), dtype, "cuda", OFFSET, seed=n)
+            _cuda_check(xm, -1, kind, "auto", dtype, f"{kind} misaligned ({rows},{n})")
 
 
 @requires_cuda
@@ -341,8 +342,8 @@ def test_cuda_fast_row_warp_thresholds(dtype, kind):
         for rows in (1, 5, 131):  # 131: blocks of 4 warps with a ragged last block
             x = torch.randn(rows, n, device="cuda", dtype=dtype) * 3
             _cuda_check(x, -1, kind, "auto", dtype, f"{kind} row-warp ({rows},{n}) {dtype}")
-        base = torch.randn(3 * n + 1, device="cuda", dtype=dtype)
-        _cuda_check(base[1:].view(3, n), -1, kind, "auto", dtype, f"{kind} row-warp misaligned (3,{n})")
+        xm = make_tensor((3, n), dtype, "cuda", OFFSET, seed=n)
+        _cuda_check(xm, -1, kind, "auto", dtype, f"{kind} row-warp misaligned (3,{n})")
 
 
 @requires_cuda
@@ -359,8 +360,8 @@ def test_cuda_fast_cluster_rows(dtype, kind):
         rows = 3 if n > 60000 else 7
         x = torch.randn(rows, n, device="cuda", dtype=dtype) * 3
         _cuda_check(x, -1, kind, "auto", dtype, f"{kind} cluster ({rows},{n}) {dtype}")
-        base = torch.randn(2 * n + 1, device="cuda", dtype=dtype)
-        _cuda_check(base[1:].view(2, n), -1, kind, "auto", dtype, f"{kind} cluster misaligned (2,{n})")
+        xm = make_tensor((2, n), dtype, "cuda", OFFSET, seed=n)
+        _cuda_check(xm, -1, kind, "auto", dtype, f"{kind} cluster misaligned (2,{n})")
     # Many rows: clusters retire and start while others still read their partials.
     x = torch.randn(300, 40000, device="cuda", dtype=dtype)
     _cuda_check(x, -1, kind, "auto", dtype, f"{kind} cluster (300,40000) {dtype}")
@@ -382,8 +383,8 @@ def test_cuda_fast_cluster_columns(dtype, kind):
         x = torch.randn(o, n, i, device="cuda", dtype=dtype) * 3
         _cuda_check(x, 1, kind, "auto", dtype, f"{kind} cols ({o},{n},{i}) {dtype}")
         if o * n * i < 2_000_000:  # misaligned view: the older column kernel
-            base = torch.randn(o * n * i + 1, device="cuda", dtype=dtype)
-            _cuda_check(base[1:].view(o, n, i), 1, kind, "auto", dtype, f"{kind} cols misaligned ({o},{n},{i})")
+            xm = make_tensor((o, n, i), dtype, "cuda", OFFSET, seed=n)
+            _cuda_check(xm, 1, kind, "auto", dtype, f"{kind} cols misaligned ({o},{n},{i})")
     # A 4-d tensor over a middle dim (outer and inner both products of sizes).
     x = torch.randn(2, 3, 1100, 8, 16, device="cuda", dtype=dtype)
     _cuda_check(x, 2, kind, "auto", dtype, f"{kind} 5-d dim=2 {dtype}")
@@ -501,8 +502,8 @@ def test_cuda_variants_columns(variant, dtype):
             x = torch.randn(o, n, i, device="cuda", dtype=dtype) * 3
             _cuda_check(x, 1, kind, variant, dtype, f"{variant} {kind} cols ({o},{n},{i}) {dtype}")
         if o * n * i < 2_000_000:
-            base = torch.randn(o * n * i + 1, device="cuda", dtype=dtype)
-            _cuda_check(base[1:].view(o, n, i), 1, "softmax", variant, dtype, f"{variant} misaligned ({o},{n},{i})")
+            xm = make_tensor((o, n, i), dtype, "cuda", OFFSET, seed=n)
+            _cuda_check(xm, 1, "softmax", variant, dtype, f"{variant} misaligned ({o},{n},{i})")
     # Many tiles per resident cluster (stage slots reused, tiles wrap) and a 5-d middle dim.
     x = torch.randn(300, 1500, 128, device="cuda", dtype=dtype)
     _cuda_check(x, 1, "softmax", variant, dtype, f"{variant} cols (300,1500,128)")
@@ -593,7 +594,7 @@ def test_cuda_variant_environment(tmp_path):
 
 from hypothesis import given, strategies as st  # noqa: E402
 
-from strategies import dtypes, grad_close, layouts, make_tensor, seeds, shapes  # noqa: E402
+from strategies import dtypes, grad_close, layouts, seeds, shapes  # noqa: E402
 
 
 @pytest.mark.parametrize("device", DEVICES)
