@@ -109,8 +109,9 @@ def parse_args(argv=None):
                         "under the sanitizer costs 10-20 s, so cheap tests share one)")
     p.add_argument("--costs", help="JSON {test_id: seconds} from a previous run (its costs.json)")
     p.add_argument("--deadline", type=float, default=None, help="wall budget for the whole run, seconds")
-    p.add_argument("--margin", type=float, default=60.0,
-                   help="start no chunk when less than this is left before the deadline")
+    p.add_argument("--margin", type=float, default=None,
+                   help="start no chunk when less than this is left before the deadline "
+                        "(default: 60 s or a quarter of the deadline, whichever is less)")
     p.add_argument("--job-timeout", type=float, default=540.0, help="seconds per sanitizer process")
     p.add_argument("--launcher", default=os.environ.get(LAUNCHER_ENV, "compute-sanitizer"),
                    help="sanitizer command (default $%s or compute-sanitizer)" % LAUNCHER_ENV)
@@ -119,6 +120,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.workers_per_gpu < 1 or a.chunk < 1:
         p.error("--workers-per-gpu and --chunk must be >= 1")
+    if a.margin is None:
+        a.margin = min(60.0, a.deadline / 4) if a.deadline else 60.0
     return a
 
 
@@ -147,6 +150,9 @@ def collect(a, f):
         return [], "collection timed out"
     ids = [l.strip() for l in p.stdout.splitlines()
            if "::" in l and not l.startswith(("ERROR", "FAILED", "=", " ", "_"))]
+    # node ids are relative to pytest's rootdir: spell them with the path as given, which
+    # the test processes (same working directory) can find
+    ids = [f + t[t.index("::"):] for t in ids]
     if p.returncode not in (0, 5):  # 5: nothing selected
         return ids, (p.stdout + p.stderr)[-2000:]
     return ids, None
