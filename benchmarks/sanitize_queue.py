@@ -276,11 +276,10 @@ class Runner:
                         done[tid] = r
         with open(log, errors="replace") as fh:
             text = fh.read()
-        errors = sum(int(m) for m in ERR_RE.findall(text))
-        warnings = 0
-        for _, e, w in RACE_RE.findall(text):
-            errors += int(e)
-            warnings += int(w)
+        race = RACE_RE.findall(text)
+        # racecheck reports in its own summary line; take one kind only, never both twice
+        errors = sum(int(e) for _, e, _ in race) if race else sum(int(m) for m in ERR_RE.findall(text))
+        warnings = sum(int(w) for _, _, w in race)
         if rc == 99 and errors == 0:  # the tool said error but its summary was lost
             errors = 1
         faults = text.count("Internal Sanitizer Error")
@@ -428,6 +427,9 @@ def atomic_json(path, obj):
     os.replace(tmp, path)  # a reader (or a kill) never sees half a file
 
 
+UNFINISHED_SHOWN = 15  # per file in the printed summary; summary.json lists them all
+
+
 def human(s):
     lines = ["%s: %d GPU(s) x %d workers, %d processes, %.0f s%s, kernels: %s" % (
         s["tool"], len(s["gpus"]), s["workers_per_gpu"], len(s["jobs"]), s["wall_s"],
@@ -449,8 +451,11 @@ def human(s):
             lines.append("    logs with sanitizer errors: " + " ".join(c["logs_with_errors"]))
         for t in c["failed_ids"]:
             lines.append("    failed: " + t)
-        for t, why in c["unfinished_ids"].items():
+        unf = list(c["unfinished_ids"].items())
+        for t, why in unf[:UNFINISHED_SHOWN]:
             lines.append("    unfinished: %s (%s)" % (t, why))
+        if len(unf) > UNFINISHED_SHOWN:
+            lines.append("    ... %d more unfinished: see summary.json" % (len(unf) - UNFINISHED_SHOWN))
     lines.append("result: %s" % ("OK" if s["ok"] else "PROBLEMS (failed tests, sanitizer errors or crashes)"))
     return "\n".join(lines)
 

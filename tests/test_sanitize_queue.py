@@ -22,7 +22,10 @@ while args and args[0].startswith("--"):  # compute-sanitizer's options, each wi
 print("fake sanitizer on GPU", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
 rc = subprocess.call(args)
 n = int(os.environ.get("FAKE_ERRORS", "0"))
-print("========= ERROR SUMMARY: %d error%s" % (n, "" if n == 1 else "s"), flush=True)
+if os.environ.get("FAKE_RACE"):  # racecheck's own summary line, with warnings
+    print("========= RACECHECK SUMMARY: %d hazards displayed (%d errors, 2 warnings)" % (n + 2, n), flush=True)
+else:
+    print("========= ERROR SUMMARY: %d error%s" % (n, "" if n == 1 else "s"), flush=True)
 sys.exit(99 if n and rc == 0 else rc)
 """
 
@@ -39,12 +42,14 @@ def test_cpu_only():  # deselected by the default -k
 """
 
 
-def run_queue(tmp_path, *args, errors=0):
+def run_queue(tmp_path, *args, errors=0, race=False):
     (tmp_path / "fake_sanitizer.py").write_text(textwrap.dedent(FAKE))
     (tmp_path / "test_tiny.py").write_text(textwrap.dedent(TESTS))
     env = dict(os.environ, FAKE_ERRORS=str(errors), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                SANITIZE_QUEUE_LAUNCHER="%s %s" % (sys.executable, tmp_path / "fake_sanitizer.py"))
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    if race:
+        env["FAKE_RACE"] = "1"
     p = subprocess.run([sys.executable, SCRIPT, "--tool", "racecheck", "--files", "test_tiny.py",
                         "--out", "out", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=60)
@@ -72,11 +77,12 @@ def test_cpu_timeout_requeues_rest_and_failure_fails(tmp_path):
     assert "unfinished: test_tiny.py::test_long_sleep (timeout" in p.stdout
 
 
-@pytest.mark.parametrize("errors", [0, 1])
-def test_cpu_sanitizer_errors_set_exit_code(tmp_path, errors):
-    p, s, c = run_queue(tmp_path, "-k", "ok", "--kernels", "", errors=errors)
+@pytest.mark.parametrize("errors,race", [(0, False), (1, False), (1, True)])
+def test_cpu_sanitizer_errors_set_exit_code(tmp_path, errors, race):
+    p, s, c = run_queue(tmp_path, "-k", "ok", "--kernels", "", errors=errors, race=race)
     assert p.returncode == errors, p.stdout + p.stderr
     assert (c["selected"], c["passed"], c["unfinished"], c["sanitizer_errors"]) == (1, 1, 0, errors)
+    assert c["sanitizer_warnings"] == (2 if race else 0)  # warnings alone fail nothing
     assert s["ok"] == (not errors) and not c["filtered"]
     assert c["logs_with_errors"] == (["test_tiny.0.log"] if errors else [])
 
