@@ -37,7 +37,10 @@ import time
 K_DEFAULT = "not cpu and not graph and not huge and not reduce_overhead and not ddp and not second_gpu"
 # Without a costs file these names mark the tests that ran longest under racecheck before.
 HEAVY = ("many_shapes", "configs", "all_paths", "long", "variants")
-HEAVY_S, LIGHT_S = 60.0, 3.0  # guessed seconds per test under the sanitizer, for ordering only
+# Guessed seconds under the sanitizer, for ordering and chunking only: a heavy test function's
+# parametrizations share HEAVY_FN_S (80 cheap embedding shapes are not 80 slow attention ones),
+# each between LIGHT_S and HEAVY_S; any other test LIGHT_S.
+HEAVY_FN_S, HEAVY_S, LIGHT_S = 480.0, 60.0, 3.0
 RECORD_ENV = "SANITIZE_QUEUE_RECORD"  # where the plugin below writes, set per chunk
 LAUNCHER_ENV = "SANITIZE_QUEUE_LAUNCHER"  # the CPU tests swap compute-sanitizer for a fake
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -158,17 +161,27 @@ def collect(a, f):
     return ids, None
 
 
-def estimate(tid, costs):
-    if tid in costs:
-        return float(costs[tid])
-    return HEAVY_S if any(h in tid for h in HEAVY) else LIGHT_S
+def estimates(ids, costs):
+    """{id: seconds}: from costs (an earlier run) where known, else guessed from the name."""
+    fn = lambda t: t.split("[")[0]  # the test function, without its parameters
+    n = {}
+    for t in ids:
+        n[fn(t)] = n.get(fn(t), 0) + 1
+    est = {}
+    for t in ids:
+        if t in costs:
+            est[t] = float(costs[t])
+        elif any(h in fn(t).split("::")[-1] for h in HEAVY):
+            est[t] = min(HEAVY_S, max(LIGHT_S, HEAVY_FN_S / n[fn(t)]))
+        else:
+            est[t] = LIGHT_S
+    return est
 
 
-def make_chunks(ids, costs, chunk, chunk_seconds):
+def make_chunks(ids, est, chunk, chunk_seconds):
     """Split one file's ids into balanced chunks: the count follows from the estimated total and
     --chunk; ids go, most expensive first, to the chunk with the least estimated time so far, so
     the parametrizations of one heavy test land in different chunks and run in parallel."""
-    est = {t: estimate(t, costs) for t in ids}
     m = max(1, math.ceil(sum(est.values()) / chunk_seconds), math.ceil(len(ids) / chunk))
     m = min(m, len(ids))
     bins = [[0.0, []] for _ in range(m)]
@@ -191,6 +204,7 @@ class Runner:
             with open(a.costs) as f:
                 self.costs = json.load(f)
         self.new_costs = {}
+        self.est = {}  # test id -> estimated seconds, for ordering
         self.cond = threading.Condition()
         self.queue = []  # [est_seconds, file, ids], longest first
         self.active = 0
@@ -212,7 +226,7 @@ class Runner:
                 and norm(f) not in {norm(u) for u in self.a.unfiltered_files})
 
     def push(self, f, ids):
-        est = sum(estimate(t, self.costs) for t in ids)
+        est = sum(self.est[t] for t in ids)
         self.queue.append([est, f, ids])
         self.queue.sort(key=lambda j: -j[0])  # longest-processing-time first
 
@@ -347,7 +361,8 @@ class Runner:
         for f in a.files:
             ids, err = coll[f]
             self.files[f] = {"ids": ids, "collect_error": err}
-            for _, chunk in make_chunks(ids, self.costs, a.chunk, a.chunk_seconds) if ids else []:
+            self.est.update(estimates(ids, self.costs))
+            for _, chunk in make_chunks(ids, self.est, a.chunk, a.chunk_seconds) if ids else []:
                 self.push(f, chunk)
         self.write_summary()
         workers = [threading.Thread(target=self.worker, args=(self.gpus[i % len(self.gpus)],), daemon=True)

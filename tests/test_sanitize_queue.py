@@ -96,13 +96,20 @@ def test_cpu_deadline_stops_and_still_writes_summary(tmp_path):
 
 
 def test_cpu_chunks_spread_heavy_ids():
+    sq = sanitize_queue
     ids = ["f.py::test_many_shapes[%d]" % i for i in range(4)] + ["f.py::test_small[%d]" % i for i in range(8)]
-    chunks = sanitize_queue.make_chunks(ids, {}, chunk=25, chunk_seconds=60)
+    est = sq.estimates(ids, {})
+    assert est[ids[0]] == sq.HEAVY_S and est[ids[-1]] == sq.LIGHT_S
+    chunks = sq.make_chunks(ids, est, chunk=25, chunk_seconds=60)
     assert len(chunks) == 5  # 4 x 60 s + 8 x 3 s
     assert all(sum("many_shapes" in t for t in ts) <= 1 for _, ts in chunks)
     assert sorted(t for _, ts in chunks for t in ts) == sorted(ids)
+    # many parametrizations of a heavy function share its guess
+    many = ["f.py::test_many_shapes[%d]" % i for i in range(80)]
+    assert sq.estimates(many, {})[many[0]] == sq.HEAVY_FN_S / 80
     # known costs override the names; --chunk caps the ids per process
-    assert len(sanitize_queue.make_chunks(ids, {t: 0.1 for t in ids}, chunk=5, chunk_seconds=60)) == 3
+    cheap = sq.estimates(ids, {t: 0.1 for t in ids})
+    assert len(sq.make_chunks(ids, cheap, chunk=5, chunk_seconds=60)) == 3
 
 
 def test_cpu_visible_gpus(monkeypatch):
