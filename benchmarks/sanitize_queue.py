@@ -209,7 +209,6 @@ class Runner:
         self.queue = []  # [est_seconds, file, ids], longest first
         self.active = 0
         self.stop = False  # deadline near, or we were signalled: start nothing more
-        self.procs = set()
         self.files = {}  # file -> {"ids": [...], "collect_error": ...}
         self.results = {}  # test id -> {"outcome", "duration", "log"}
         self.unfinished = {}  # test id -> reason
@@ -255,8 +254,6 @@ class Runner:
             lf.write("# gpu %s: %s\n" % (gpu, shlex.join(cmd)))
             lf.flush()
             p = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            with self.cond:
-                self.procs.add(p)
             while p.poll() is None:  # poll, so a signal to the driver stops chunks at once
                 if self.stop == "signal":
                     killed = "signal"
@@ -267,8 +264,6 @@ class Runner:
                     break
                 time.sleep(0.2)
             rc = p.wait()
-            with self.cond:
-                self.procs.discard(p)
         wall = time.time() - t
         with open(log, "a") as lf:
             lf.write("\n# exit %s after %.0f s%s\n" % (rc, wall, " (killed: %s)" % killed if killed else ""))
