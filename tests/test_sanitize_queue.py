@@ -1,0 +1,118 @@
+"""benchmarks/sanitize_queue.py on the CPU: a fake sanitizer (drops the tool's options, runs the
+test command, prints an ERROR SUMMARY) over a throwaway test file with a passing, a failing and a
+hanging test. Every test name says "cpu" so the sanitizer runs themselves (-k "not cpu") skip them."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "sanitize_queue.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+import sanitize_queue  # noqa: E402
+
+FAKE = """
+import os, subprocess, sys
+args = sys.argv[1:]
+while args and args[0].startswith("--"):  # compute-sanitizer's options, each with a value
+    args = args[2:]
+print("fake sanitizer on GPU", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
+rc = subprocess.call(args)
+n = int(os.environ.get("FAKE_ERRORS", "0"))
+if os.environ.get("FAKE_RACE"):  # racecheck's own summary line, with warnings
+    print("========= RACECHECK SUMMARY: %d hazards displayed (%d errors, 2 warnings)" % (n + 2, n), flush=True)
+else:
+    print("========= ERROR SUMMARY: %d error%s" % (n, "" if n == 1 else "s"), flush=True)
+sys.exit(99 if n and rc == 0 else rc)
+"""
+
+TESTS = """
+import time
+def test_ok():
+    pass
+def test_bad():
+    assert 1 == 2
+def test_long_sleep():  # "long": ordered first, and alone past the job timeout
+    time.sleep(60)
+def test_cpu_only():  # deselected by the default -k
+    pass
+"""
+
+
+def run_queue(tmp_path, *args, errors=0, race=False):
+    (tmp_path / "fake_sanitizer.py").write_text(textwrap.dedent(FAKE))
+    (tmp_path / "test_tiny.py").write_text(textwrap.dedent(TESTS))
+    env = dict(os.environ, FAKE_ERRORS=str(errors), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+               SANITIZE_QUEUE_LAUNCHER="%s %s" % (sys.executable, tmp_path / "fake_sanitizer.py"))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if race:
+        env["FAKE_RACE"] = "1"
+    p = subprocess.run([sys.executable, SCRIPT, "--tool", "racecheck", "--files", "test_tiny.py",
+                        "--out", "out", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=60)
+    summary = json.loads((tmp_path / "out" / "racecheck" / "summary.json").read_text())
+    return p, summary, summary["files"]["test_tiny.py"]
+
+
+def test_cpu_timeout_requeues_rest_and_failure_fails(tmp_path):
+    # one chunk, the hanging test first: it times out, the two behind it get a new process
+    p, s, c = run_queue(tmp_path, "--gpus", "2", "--chunk-seconds", "1000", "--job-timeout", "3")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert (c["selected"], c["passed"], c["failed"], c["error"], c["skipped"]) == (3, 1, 1, 0, 0)
+    assert c["unfinished"] == 1 and list(c["unfinished_ids"]) == ["test_tiny.py::test_long_sleep"]
+    assert c["unfinished_ids"]["test_tiny.py::test_long_sleep"].startswith("timeout")
+    assert c["failed_ids"] == ["test_tiny.py::test_bad"]
+    assert c["sanitizer_errors"] == 0 and c["crashed_chunks"] == 0 and not s["ok"]
+    assert [j["killed"] for j in s["jobs"]] == ["timeout", None]
+    assert {j["gpu"] for j in s["jobs"]} <= {"0", "1"}
+    assert c["filtered"] and s["kernels"] == "kns=gpu_puzzles"
+    log = (tmp_path / "out" / "racecheck" / s["jobs"][0]["log"]).read_text()
+    assert "--kernel-name kns=gpu_puzzles" in log and "fake sanitizer on GPU" in log
+    costs = json.loads((tmp_path / "out" / "racecheck" / "costs.json").read_text())
+    assert set(costs) == {"test_tiny.py::test_ok", "test_tiny.py::test_bad", "test_tiny.py::test_long_sleep"}
+    assert costs["test_tiny.py::test_long_sleep"] >= 2
+    assert "unfinished: test_tiny.py::test_long_sleep (timeout" in p.stdout
+
+
+@pytest.mark.parametrize("errors,race", [(0, False), (1, False), (1, True)])
+def test_cpu_sanitizer_errors_set_exit_code(tmp_path, errors, race):
+    p, s, c = run_queue(tmp_path, "-k", "ok", "--kernels", "", errors=errors, race=race)
+    assert p.returncode == errors, p.stdout + p.stderr
+    assert (c["selected"], c["passed"], c["unfinished"], c["sanitizer_errors"]) == (1, 1, 0, errors)
+    assert c["sanitizer_warnings"] == (2 if race else 0)  # warnings alone fail nothing
+    assert s["ok"] == (not errors) and not c["filtered"]
+    assert c["logs_with_errors"] == (["test_tiny.0.log"] if errors else [])
+
+
+def test_cpu_deadline_stops_and_still_writes_summary(tmp_path):
+    p, s, c = run_queue(tmp_path, "--chunk-seconds", "1000", "--deadline", "5", "--margin", "2")
+    assert p.returncode == 0, p.stdout + p.stderr  # unfinished is reported, not failed
+    assert c["unfinished"] == 3 and s["wall_s"] < 8
+    assert c["unfinished_ids"]["test_tiny.py::test_long_sleep"] == "stopped at the deadline"
+    assert c["unfinished_ids"]["test_tiny.py::test_ok"].startswith("not run")
+
+
+def test_cpu_chunks_spread_heavy_ids():
+    sq = sanitize_queue
+    ids = ["f.py::test_many_shapes[%d]" % i for i in range(4)] + ["f.py::test_small[%d]" % i for i in range(8)]
+    est = sq.estimates(ids, {})
+    assert est[ids[0]] == sq.HEAVY_S and est[ids[-1]] == sq.LIGHT_S
+    chunks = sq.make_chunks(ids, est, chunk=25, chunk_seconds=60)
+    assert len(chunks) == 5  # 4 x 60 s + 8 x 3 s
+    assert all(sum("many_shapes" in t for t in ts) <= 1 for _, ts in chunks)
+    assert sorted(t for _, ts in chunks for t in ts) == sorted(ids)
+    # many parametrizations of a heavy function share its guess
+    many = ["f.py::test_many_shapes[%d]" % i for i in range(80)]
+    assert sq.estimates(many, {})[many[0]] == sq.HEAVY_FN_S / 80
+    # known costs override the names; --chunk caps the ids per process
+    cheap = sq.estimates(ids, {t: 0.1 for t in ids})
+    assert len(sq.make_chunks(ids, cheap, chunk=5, chunk_seconds=60)) == 3
+
+
+def test_cpu_visible_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert sanitize_queue.visible_gpus(None) == ["2", "3"]
+    assert sanitize_queue.visible_gpus(1) == ["2"]
