@@ -13,7 +13,9 @@ broken variant shows up as FAIL next to its speed.
 
 Built-in defaults (used when a variable is unset): ROWS_VARIANT=new, CLUSTER=8,
 STAGES=3, COL_VARIANT unset (new for the backward, old for the forward), COL_ROWS_FWD=8, COL_ROWS_BWD=8 (all prefixed
-GPU_PUZZLES_SOFTMAX_). Per call, tests use algorithm "auto:rows=new,cluster=16,...".
+GPU_PUZZLES_SOFTMAX_). ROWS_VARIANT=smem|bulk: the row slices in shared memory (CLUSTER = 4|8|16
+blocks for a 512 KB row); STAGES=1: column tiles one at a time, not persistent. Per call, tests
+use algorithm "auto:rows=smem,cluster=16,...".
 """
 from __future__ import annotations
 
@@ -26,25 +28,23 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> environment. The first of each group is the old kernel.
+def _env(rows=None, cluster=None, stages=None, cols=None, fwd=None, bwd=None):
+    keys = {"ROWS_VARIANT": rows, "CLUSTER": cluster, "STAGES": stages, "COL_VARIANT": cols,
+            "COL_ROWS_FWD": fwd, "COL_ROWS_BWD": bwd}
+    return {f"GPU_PUZZLES_SOFTMAX_{k}": str(v) for k, v in keys.items() if v is not None}
+
+
+# name -> environment. The first of each group is the current default. Earlier rounds
+# (results/softmax_sweep_h100.txt) dropped rows=old, the 2-stage rows and cluster 16 (slower).
 VARIANTS = {
     "rows": {
-        "rows=old": {"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "old"},
-        "rows=new cs8 st2": {"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "new", "GPU_PUZZLES_SOFTMAX_CLUSTER": "8",
-                             "GPU_PUZZLES_SOFTMAX_STAGES": "2"},
-        "rows=new cs8 st3": {"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "new", "GPU_PUZZLES_SOFTMAX_CLUSTER": "8",
-                             "GPU_PUZZLES_SOFTMAX_STAGES": "3"},
-        "rows=new cs16 st2": {"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "new", "GPU_PUZZLES_SOFTMAX_CLUSTER": "16",
-                              "GPU_PUZZLES_SOFTMAX_STAGES": "2"},
-        "rows=new cs16 st3": {"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "new", "GPU_PUZZLES_SOFTMAX_CLUSTER": "16",
-                              "GPU_PUZZLES_SOFTMAX_STAGES": "3"},
+        "rows=new cs8 st3": _env("new", 8, 3),
+        **{f"rows={kind} cluster={cs}": _env(kind, cs) for kind in ("smem", "bulk") for cs in (8, 16, 4)},
     },
     "cols": {
-        "cols=old": {"GPU_PUZZLES_SOFTMAX_COL_VARIANT": "old"},
-        **{f"cols=new fwd{f} bwd{b} st{s}": {"GPU_PUZZLES_SOFTMAX_COL_VARIANT": "new",
-                                             "GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD": str(f),
-                                             "GPU_PUZZLES_SOFTMAX_COL_ROWS_BWD": str(b),
-                                             "GPU_PUZZLES_SOFTMAX_STAGES": str(s)}
-           for f, b in ((8, 8), (16, 16), (4, 4)) for s in (2, 3)},
+        "cols=default": {},
+        "cols=new fwd8 bwd8 st2": _env(cols="new", fwd=8, bwd=8, stages=2),
+        **{f"cols=new fwd{r} bwd{r} st1": _env(cols="new", fwd=r, bwd=r, stages=1) for r in (4, 8, 16)},
     },
 }
 

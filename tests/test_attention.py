@@ -361,24 +361,35 @@ def _cuda_check(lead, Sq, Sk, D, Dv, causal, dtype, what, scale=None):
         _assert_close(a, r, dtype, f"{what} d{name}", grad=True)
 
 
+# One test per shape (not a loop): a failure names its shape, and the sanitizer runs
+# (benchmarks/sanitize_queue.py) can spread the shapes over processes.
+@requires_cuda
+@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_forward_backward_many_shapes(shape, dtype, causal):
+    _cuda_check(*shape, causal, dtype, f"{shape} causal={causal} {dtype}")
+
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_cuda_forward_backward_many_shapes(dtype, causal):
-    for shape in CUDA_SHAPES:
-        _cuda_check(*shape, causal, dtype, f"{shape} causal={causal} {dtype}")
+def test_cuda_forward_backward_scale(dtype, causal):
     _cuda_check((2,), 70, 90, 64, 64, causal, dtype, "scale=1.0", scale=1.0)
 
 
+# The fast configs at ~4096, lengths not multiples of 64/128: (lead, Sq, Sk, causal).
+LONG_CASES = [((1, 2), 4100, 4100, False), ((1, 2), 4100, 4100, True), ((1,), 1000, 4097, True),
+              ((1,), 4097, 1000, True)]
+
+
 @requires_cuda
+@pytest.mark.parametrize("case", LONG_CASES, ids=str)
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_cuda_fast_configs_long(dtype):
-    # The fast configs at ~4096, lengths not multiples of 64/128.
-    for D in (64, 128):
-        for causal in (False, True):
-            _cuda_check((1, 2), 4100, 4100, D, D, causal, dtype, f"S=4100 D={D} causal={causal}")
-        _cuda_check((1,), 1000, 4097, D, D, True, dtype, f"Sq=1000 Sk=4097 D={D} causal")
-        _cuda_check((1,), 4097, 1000, D, D, True, dtype, f"Sq=4097 Sk=1000 D={D} causal")
+def test_cuda_fast_configs_long(case, D, dtype):
+    lead, Sq, Sk, causal = case
+    _cuda_check(lead, Sq, Sk, D, D, causal, dtype, f"Sq={Sq} Sk={Sk} D={D} causal={causal}")
 
 
 @requires_cuda
@@ -553,27 +564,28 @@ _CFG_CHILD = os.environ.get("GP_TEST_ATTN_CFG_CHILD") == "1"
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("cfg", FWD_CFGS)
-def test_cuda_forward_configs(cfg):
+def test_cuda_forward_configs(cfg, dtype):
     if _CFG_CHILD:
         pytest.skip("already in a child")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, GPU_PUZZLES_ATTN_FWD_CFG=cfg, GP_TEST_ATTN_CFG_CHILD="1",
+    env = dict(os.environ, GPU_PUZZLES_ATTN_FWD_CFG=cfg, GP_TEST_ATTN_CFG_CHILD="1", GP_TEST_ATTN_CFG_DTYPE=dtype,
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         f"{os.path.abspath(__file__)}::test_cuda_forward_config_child"],
                        env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert r.returncode == 0 and "1 passed" in r.stdout, f"{cfg}:\n{r.stdout[-6000:]}\n{r.stderr[-2000:]}"
+    assert r.returncode == 0 and "1 passed" in r.stdout, f"{cfg} {dtype}:\n{r.stdout[-6000:]}\n{r.stderr[-2000:]}"
 
 
 @pytest.mark.skipif(not _CFG_CHILD, reason="runs inside test_cuda_forward_configs' child process")
 @requires_cuda
 def test_cuda_forward_config_child():
     # Output, lse (directly and through the backward's gradients) vs float64, on poisoned memory.
-    for dtype in (torch.bfloat16, torch.float16):
-        for lead, Sq, Sk, D in CFG_SHAPES:
-            for causal in (False, True):
-                _cuda_check(lead, Sq, Sk, D, D, causal, dtype, f"{lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
-        _cuda_check((2,), 70, 90, 128, 128, True, dtype, "scale=1.0", scale=1.0)
-        _cuda_check((1, 2), 4100, 4100, 128, 128, True, dtype, "S=4100 D=128 causal")
-        test_cuda_online_softmax_rescaling(dtype)
+    dtype = getattr(torch, os.environ["GP_TEST_ATTN_CFG_DTYPE"])
+    for lead, Sq, Sk, D in CFG_SHAPES:
+        for causal in (False, True):
+            _cuda_check(lead, Sq, Sk, D, D, causal, dtype, f"{lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
+    _cuda_check((2,), 70, 90, 128, 128, True, dtype, "scale=1.0", scale=1.0)
+    _cuda_check((1, 2), 4100, 4100, 128, 128, True, dtype, "S=4100 D=128 causal")
+    test_cuda_online_softmax_rescaling(dtype)

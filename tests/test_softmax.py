@@ -441,8 +441,12 @@ def test_cuda_fast_kernels_deterministic():
 # Every variant must be right on every shape it can be dispatched for; shapes outside a variant's
 # range (N not a multiple of the vector, misaligned views, too long) must fall back correctly.
 ROW_VARIANTS = ["auto:rows=new,cluster=8,stages=2", "auto:rows=new,cluster=16,stages=2",
-                "auto:rows=new,cluster=8,stages=3", "auto:rows=new,cluster=16,stages=3", "auto:rows=old"]
+                "auto:rows=new,cluster=8,stages=3", "auto:rows=new,cluster=16,stages=3", "auto:rows=old",
+                "auto:rows=smem,cluster=8", "auto:rows=smem,cluster=16", "auto:rows=bulk,cluster=4",
+                "auto:rows=bulk,cluster=8"]
 COL_VARIANTS = ["auto:cols=new,col_rows_fwd=8,col_rows_bwd=8,stages=2",
+                "auto:cols=new,col_rows_fwd=8,col_rows_bwd=8,stages=1",
+                "auto:cols=new,col_rows_fwd=16,col_rows_bwd=16,stages=1",
                 "auto:cols=new,col_rows_fwd=16,col_rows_bwd=16,stages=2",
                 "auto:cols=new,col_rows_fwd=4,col_rows_bwd=4,stages=3",
                 "auto:cols=new,col_rows_fwd=8,col_rows_bwd=8,stages=3", "auto:cols=old"]
@@ -462,10 +466,12 @@ def test_variant_strings_cpu():
 def _variant_row_lengths(v):
     # Block/cluster edge (2048 V), N % V != 0 (older kernels), each cluster size's capacity
     # (512 threads x 8 or 4 vectors x V per block), the staged limit (16 blocks x 512 x 8 V)
-    # and one past it (split path).
+    # and one past it (split path), the shared-memory slices' limit (16 blocks x 220 KB) and one past.
     top = 16 * 512 * 8 * v
+    smem_top = 16 * 220 * 1024 // (16 // v)
     return sorted({2048 * v, 2048 * v + 1, 2048 * v + v, 4096 * v + v, 16384 + v, 32768 - v, 32768 + v, 65536 + 3 * v,
-                   100000 - 100000 % v, 131072, 131072 + v, 200000 - 200000 % v, top, top + v})
+                   100000 - 100000 % v, 131072, 131072 + v, 200000 - 200000 % v, top, top + v, smem_top,
+                   smem_top + v})
 
 
 @requires_cuda

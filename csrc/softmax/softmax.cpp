@@ -36,7 +36,7 @@ Dims canon(const at::Tensor& x, int64_t dim, const char* op, const char* name) {
 }
 
 // "auto:key=value,...": the auto kernels with a variant for tuning sweeps and
-// tests (keys rows=old|new, cluster=8|16, stages=2|3, cols=old|new,
+// tests (keys rows=old|new|smem|bulk, cluster=4|8|16, stages=1|2|3, cols=old|new,
 // col_rows_fwd=4|8|16, col_rows_bwd=4|8|16; see SoftmaxTuning). Not a public
 // choice: the Python checks accept only the plain names.
 SoftmaxTuning parse_tuning(const std::string& algorithm, const char* op) {
@@ -60,10 +60,14 @@ SoftmaxTuning parse_tuning(const std::string& algorithm, const char* op) {
       TORCH_CHECK(false, op, ": algorithm variant ", k, " has an unsupported value '", v, "'");
       return 0;
     };
-    if (k == "rows") t.rows = old_new();
+    if (k == "rows") {
+      TORCH_CHECK(v == "old" || v == "new" || v == "smem" || v == "bulk", op,
+                  ": algorithm variant rows must be old, new, smem or bulk, got '", v, "'");
+      t.rows = v == "old" ? 1 : v == "new" ? 2 : v == "smem" ? 3 : 4;
+    }
     else if (k == "cols") t.cols = old_new();
-    else if (k == "cluster") t.cluster = one_of({8, 16});
-    else if (k == "stages") t.stages = one_of({2, 3});
+    else if (k == "cluster") t.cluster = one_of({4, 8, 16});
+    else if (k == "stages") t.stages = one_of({1, 2, 3});
     else if (k == "col_rows_fwd") t.col_rows_fwd = one_of({4, 8, 16});
     else if (k == "col_rows_bwd") t.col_rows_bwd = one_of({4, 8, 16});
     else TORCH_CHECK(false, op, ": unknown algorithm variant key '", k, "'");

@@ -47,6 +47,7 @@
 
 #include <cooperative_groups.h>
 
+#include "common/bulk_copy.cuh"
 #include "common/cp_async.cuh"
 #include "common/device.cuh"
 #include "softmax/softmax.h"
@@ -996,6 +997,117 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
 #endif
 }
 
+// ---- long rows, forward, on Hopper: the row slice in shared memory (rows=smem|bulk)
+// Why another one: the staged kernel above keeps its slice in registers (112 per
+// thread), so one 512-thread block fills an SM, and a cluster of 8 then needs 8
+// whole SMs of one GPC: the H100 holds 15 such clusters, 120 of its 132 SMs (ncu).
+// Here the block's slice of the row (SV 16-byte vectors, SV 16 bytes of dynamic
+// shared memory, 64 KB for fp32 131072 over 8 blocks) is the only copy; threads
+// read it three times (max, sum, write) at shared-memory speed, need few
+// registers, and several blocks share an SM: one block's loads overlap another's
+// reductions and stores, and a cluster may spread over fewer SMs. BULK: thread 0
+// copies the slice with one bulk copy (TMA) completing on an mbarrier; else each
+// thread cp.asyncs its own vectors and reads back only those (no barrier needed
+// for them). Statistics as staged_rows_fwd_kernel: per-warp (shift, sum) pairs,
+// one DSMEM exchange per row. A grid of up to kMaxGrid blocks strides over rows.
+constexpr int kSmThreads = 256;
+
+template <typename T, bool LOG, bool BULK>
+__global__ void __launch_bounds__(kSmThreads)
+smem_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, int64_t SV) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  constexpr int V = 16 / sizeof(T);
+  extern __shared__ __align__(128) unsigned char sm_raw[];
+  uint4* buf = reinterpret_cast<uint4*>(sm_raw);
+  __shared__ A wred[kSmThreads / 32][2];
+  __shared__ A part[2][2];  // [row parity][shift, sum]
+  __shared__ uint64_t bar;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int CS = int(cluster.num_blocks());
+  const int tid = int(threadIdx.x), lane = tid & 31, w = tid >> 5;
+  const int64_t v0 = int64_t(cluster.block_rank()) * SV;
+  const int64_t cnt = max(int64_t(0), min(SV, N / V - v0));  // vectors of this block's slice
+  const int64_t step = gridDim.x / CS, first = blockIdx.x / CS;
+  if (BULK && tid == 0) mbar_init(&bar);
+  __syncthreads();
+  unsigned phase = 0;
+  int parity = 0;
+  for (int64_t row = first; row < rows; row += step, parity ^= 1) {  // cluster-uniform
+    const T* src = a + row * N + v0 * V;
+    if constexpr (BULK) {
+      if (cnt > 0) {
+        if (tid == 0) {
+          mbar_arrive_expect(&bar, unsigned(cnt * 16));
+          bulk_load(buf, src, unsigned(cnt * 16), &bar);
+        }
+        mbar_wait(&bar, phase);
+        phase ^= 1u;
+      }
+    } else {
+      for (int64_t j = tid; j < cnt; j += kSmThreads) cp_async16(&buf[j], src + j * V);
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    A m = neg_inf<A>();
+#pragma unroll 4
+    for (int64_t j = tid; j < cnt; j += kSmThreads) {
+      Vec<T, V> r;
+      r.q[0] = buf[j];
+#pragma unroll
+      for (int k = 0; k < V; ++k) m = max_a(m, to_acc<A>(r.e[k]));
+    }
+    m = warp_max(m);
+    const A shift = m == neg_inf<A>() ? A(0) : m;  // an empty warp: see cluster_fwd_kernel
+    const ExpShift<T> ex(shift);
+    A s = A(0);
+#pragma unroll 4
+    for (int64_t j = tid; j < cnt; j += kSmThreads) {
+      Vec<T, V> r;
+      r.q[0] = buf[j];
+#pragma unroll
+      for (int k = 0; k < V; ++k) s += ex(to_acc<A>(r.e[k]));
+    }
+    s = warp_sum(s);
+    if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
+    __syncthreads();
+    if (w == 0) {
+      A bm = lane < kSmThreads / 32 ? wred[lane][0] : A(0), bs = lane < kSmThreads / 32 ? wred[lane][1] : A(0);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const A m2 = __shfl_xor_sync(0xffffffffu, bm, o), s2 = __shfl_xor_sync(0xffffffffu, bs, o);
+        pair_merge(bm, bs, m2, s2);
+      }
+      if (lane == 0) { part[parity][0] = bm; part[parity][1] = bs; }
+    }
+    cluster.sync();  // every block's pair visible; this row's wred reads done
+    A M = A(0), S = A(0);
+    for (int r = 0; r < CS; ++r) {  // rank order: identical bits in every block
+      const A* p = cluster.map_shared_rank(&part[parity][0], r);
+      pair_merge(M, S, p[0], p[1]);
+    }
+    const A nan = A(NAN);
+    const A mul = S == A(0) ? nan : (LOG ? log_a(S) : A(1) / S);  // an all -inf row: NaN, as torch
+    const ExpShift<T> exm(M);
+    T* dst = out + row * N + v0 * V;
+#pragma unroll 4
+    for (int64_t j = tid; j < cnt; j += kSmThreads) {
+      Vec<T, V> r, y;
+      r.q[0] = buf[j];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const A x = to_acc<A>(r.e[k]);
+        y.e[k] = from_acc<T>(LOG ? (x - M) - mul : exm(x) * mul);
+      }
+      __stcs(reinterpret_cast<uint4*>(dst + j * V), y.q[0]);
+    }
+    // The next row's copy overwrites the slice (BULK: every thread's part of it).
+    if (BULK) __syncthreads();
+  }
+  cluster.sync();  // no block exits while another may still read its `part`
+#endif
+}
+
 // ---- a non-last dim, on Hopper: staged column tiles, persistent (cols=new) ---
 // Forward and backward. Tile = 8 16-byte vectors across inner (128 bytes of each
 // of the N rows) of one outer index; the cluster's CS blocks split N, block r
@@ -1057,7 +1169,8 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
   int parity = 0, st = 0;
   for (int64_t tile = first; tile < total; tile += step, parity ^= 1) {  // cluster-uniform
     if (stages >= 3) cp_async_wait<2>();
-    else cp_async_wait<1>();
+    else if (stages == 2) cp_async_wait<1>();
+    else cp_async_wait<0>();
     const int64_t o = tile / tiles, col = (tile % tiles) * TW + int64_t(tx) * V;
     const bool active = col < inner;
     const int my = active ? cnt : 0;
@@ -1310,8 +1423,8 @@ looped_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ 
 
 // ---- planning ----------------------------------------------------------------
 
-enum class Kind { WarpRows, RowWarp, BlockRows, ClusterRows, ClusterFwd, StagedRows, Split, Inner, InnerCluster,
-                  StagedCols, Looped };
+enum class Kind { WarpRows, RowWarp, BlockRows, ClusterRows, ClusterFwd, StagedRows, SmemRows, Split, Inner,
+                  InnerCluster, StagedCols, Looped };
 
 struct Plan {
   Kind kind;
@@ -1321,7 +1434,10 @@ struct Plan {
   int64_t S = 1;     // chunks per row (Split), blocks per cluster (ClusterRows, ClusterFwd, InnerCluster)
   bool cache = false;
   int64_t smem = 0;  // dynamic shared memory bytes (Inner, StagedRows, StagedCols)
-  int stages = 2;    // StagedRows, StagedCols: copies in flight per thread, in rows / tiles
+  int stages = 2;    // StagedRows, StagedCols: copies in flight per thread, in rows / tiles;
+                     // 1: one at a time, a grid of every cluster (not persistent), several blocks per SM
+  int64_t sv = 0;    // SmemRows: 16-byte vectors of a block's slice of the row
+  bool bulk = false; // SmemRows: the slice arrives by one bulk copy (TMA), not per-thread cp.async
   // InnerCluster keeps threads / cache / smem of the Inner plan: its fallback
   // when the cluster launch is refused.
 };
@@ -1386,6 +1502,10 @@ constexpr int64_t kStagedSmemMax = 220 * 1024;
 template <typename T, int K> auto staged_rows_kernel_for(bool log) {
   return log ? staged_rows_fwd_kernel<T, true, K> : staged_rows_fwd_kernel<T, false, K>;
 }
+template <typename T> auto smem_rows_kernel_for(bool log, bool bulk) {
+  return log ? (bulk ? smem_rows_fwd_kernel<T, true, true> : smem_rows_fwd_kernel<T, true, false>)
+             : (bulk ? smem_rows_fwd_kernel<T, false, true> : smem_rows_fwd_kernel<T, false, false>);
+}
 template <typename T, bool BWD> auto staged_cols_kernel_for(bool log) {
   return log ? staged_cols_kernel<T, BWD, true> : staged_cols_kernel<T, BWD, false>;
 }
@@ -1439,7 +1559,11 @@ cudaError_t launch_staged(Kern kernel, const Plan& p, int64_t items, cudaStream_
   if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(std::min<int64_t>(items, n) * p.S));  // persistent: loops over the rest
+  // stages > 1: persistent (the resident clusters loop over the items); 1: four
+  // times the resident clusters, each looping over a quarter of its share: blocks
+  // come and go at different phases, several per SM, and the loop is exercised.
+  const int64_t clusters = std::min<int64_t>(items, p.stages > 1 ? n : 4 * int64_t(n));
+  cfg.gridDim = dim3(unsigned(clusters * p.S));
   cfg.blockDim = dim3(unsigned(p.threads));
   cfg.dynamicSmemBytes = size_t(p.smem);
   cfg.stream = st;
@@ -1469,7 +1593,7 @@ bool plan_staged_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, Plan& p) {
   p.ch = K;
   p.threads = int(std::max<int64_t>(128, pow2ceil(cdiv(N, cs * K * V))));
   if (p.threads > kSrThreads) return false;  // cs K V 512 >= N by the choice above; kept as a guard
-  p.stages = tu.stages;
+  p.stages = std::max(2, tu.stages);  // the register slices need a copy in flight behind them
   while (p.stages > 2 && int64_t(p.stages) * K * p.threads * 16 > kStagedSmemMax) --p.stages;
   p.smem = int64_t(p.stages) * K * p.threads * 16;
   if (p.smem > kStagedSmemMax) return false;
@@ -1480,6 +1604,30 @@ bool plan_staged_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, Plan& p) {
     } else {
       return K == 8 ? resident_clusters(staged_rows_kernel_for<T, 8>(a.log), p.threads, int(cs), p.smem) > 0
                     : resident_clusters(staged_rows_kernel_for<T, 4>(a.log), p.threads, int(cs), p.smem) > 0;
+    }
+  });
+}
+
+// The slice a block holds is 512 KB / tu.cluster (64 KB at the default 8: three
+// blocks per SM), so the cluster is 8 for a 512 KB row and grows with it to 16.
+bool plan_smem_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, Plan& p) {
+  const int es = esize(a.dtype), V = 16 / es;
+  const int64_t slice = (int64_t(512) << 10) / tu.cluster;
+  const int64_t cs = std::min<int64_t>(16, std::max<int64_t>(2, pow2ceil(cdiv(a.N * es, slice))));
+  p.kind = Kind::SmemRows;
+  p.S = cs;
+  p.sv = cdiv(a.N / V, cs);
+  p.smem = p.sv * 16;
+  p.threads = kSmThreads;
+  p.stages = 1;
+  p.bulk = tu.rows == 4;
+  if (p.smem > kStagedSmemMax) return false;
+  return dispatch_dtype(a.dtype, [&](auto tag) -> bool {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) > 4) {
+      return false;
+    } else {
+      return resident_clusters(smem_rows_kernel_for<T>(a.log, p.bulk), p.threads, int(cs), p.smem) > 0;
     }
   });
 }
@@ -1560,6 +1708,12 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
     p.kind = Kind::RowWarp;
     p.ch = N <= 32 * 8 * V ? 8 : 16;
     return p;
+  }
+  // Forward, long rows: the row slices in shared memory, several blocks per SM
+  // (rows=smem, rows=bulk).
+  if (!bwd && (tu.rows == 3 || tu.rows == 4) && N > 2048 * V && es <= 4 && N % V == 0 && al16(a.a) && al16(a.out)) {
+    Plan q{};
+    if (plan_smem_rows(a, tu, q)) return q;
   }
   // Forward, long rows: staged, persistent clusters (rows=new), x read once with
   // the next rows' copies in flight.
@@ -1779,6 +1933,18 @@ cudaError_t launch_typed(const SoftmaxArgs& a, const Plan& p, void* workspace, c
       }
       break;
     }
+    case Kind::SmemRows: {
+      if constexpr (!BWD && sizeof(T) <= 4) {
+        const cudaError_t e = launch_staged(smem_rows_kernel_for<T>(a.log, p.bulk), p, rows, st, A_, O, rows, N, p.sv);
+        if (e != cudaSuccess) {  // refused: the older kernels
+          cudaGetLastError();
+          return launch_old<T, BWD>(a, workspace, st, algo);
+        }
+      } else {
+        return cudaErrorInvalidValue;  // forward, 2- and 4-byte types only
+      }
+      break;
+    }
     case Kind::StagedCols: {
       if constexpr (sizeof(T) <= 4) {
         const int64_t tiles = cdiv(a.inner, int64_t(kScTx) * V);
@@ -1827,7 +1993,8 @@ int64_t softmax_workspace_bytes(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bac
   if (a.outer * a.N * a.inner == 0) return 0;
   const Plan p = make_plan(a, algo, backward);
   // The cluster paths fall back to the split path when a launch is refused.
-  if (p.kind != Kind::Split && p.kind != Kind::ClusterRows && p.kind != Kind::ClusterFwd && p.kind != Kind::StagedRows)
+  if (p.kind != Kind::Split && p.kind != Kind::ClusterRows && p.kind != Kind::ClusterFwd && p.kind != Kind::StagedRows &&
+      p.kind != Kind::SmemRows)
     return 0;
   const int64_t acc = a.dtype == DType::Float64 ? 8 : 4;
   return a.outer * cdiv(a.N, kSplitChunk) * acc * (backward ? 1 : 2);
@@ -1849,17 +2016,23 @@ int env_old_new(const char* name, int fallback) {
   if (std::strcmp(v, "new") == 0) return 2;
   return fallback;
 }
+int env_variant(const char* name, int fallback) {  // the rows kernels: old, new, smem, bulk
+  const char* v = std::getenv(name);
+  if (v != nullptr && std::strcmp(v, "smem") == 0) return 3;
+  if (v != nullptr && std::strcmp(v, "bulk") == 0) return 4;
+  return env_old_new(name, fallback);
+}
 }  // namespace
 
 SoftmaxTuning softmax_resolve_tuning(SoftmaxTuning t) {
   // The environment is read once per process (the sweep sets it per subprocess).
   static const SoftmaxTuning env = [] {
     SoftmaxTuning e;
-    e.rows = env_old_new("GPU_PUZZLES_SOFTMAX_ROWS_VARIANT", 2);
-    e.cluster = env_int("GPU_PUZZLES_SOFTMAX_CLUSTER", {8, 16}, 8);
+    e.rows = env_variant("GPU_PUZZLES_SOFTMAX_ROWS_VARIANT", 2);
+    e.cluster = env_int("GPU_PUZZLES_SOFTMAX_CLUSTER", {4, 8, 16}, 8);
     // 3 stages: two rows / tiles in flight behind the one in use (1 block per SM
     // for the long rows and the column backward either way).
-    e.stages = env_int("GPU_PUZZLES_SOFTMAX_STAGES", {2, 3}, 3);
+    e.stages = env_int("GPU_PUZZLES_SOFTMAX_STAGES", {1, 2, 3}, 3);
     // Unset (0): staged column tiles for the backward only. Measured on the H100 at
     // (64, 4096, 256) bf16 dim=1: backward 2.40 TB/s (old 0.71), but forward 1.67
     // against the register-resident inner_cluster_fwd_kernel's 1.82.
