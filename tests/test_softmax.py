@@ -588,9 +588,12 @@ def test_cuda_variant_environment(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for env, v in (({"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "old", "GPU_PUZZLES_SOFTMAX_COL_VARIANT": "old"},
                     "auto:rows=old,cols=old"),
-                   ({"GPU_PUZZLES_SOFTMAX_CLUSTER": "16", "GPU_PUZZLES_SOFTMAX_STAGES": "3",
-                     "GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD": "16", "GPU_PUZZLES_SOFTMAX_COL_ROWS_BWD": "4"},
-                    "auto:rows=new,cluster=16,stages=3,cols=new,col_rows_fwd=16,col_rows_bwd=4")):
+                   ({"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "new", "GPU_PUZZLES_SOFTMAX_CLUSTER": "16",
+                     "GPU_PUZZLES_SOFTMAX_STAGES": "3", "GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD": "8",
+                     "GPU_PUZZLES_SOFTMAX_COL_ROWS_BWD": "4"},
+                    "auto:rows=new,cluster=16,stages=3,cols=new,col_rows_fwd=8,col_rows_bwd=4"),
+                   ({"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "bulk", "GPU_PUZZLES_SOFTMAX_CLUSTER": "4"},
+                    "auto:rows=bulk,cluster=4")):
         full = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
         r = subprocess.run([sys.executable, str(script), v], env=full, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, (env, r.stdout, r.stderr[-2000:])
