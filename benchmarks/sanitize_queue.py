@@ -87,7 +87,8 @@ def pytest_runtest_logfinish(nodeid, location):
 # How each per-test outcome counts in the summary.
 BUCKET = {"passed": "passed", "xpassed": "passed", "failed": "failed", "error": "error",
           "skipped": "skipped", "xfailed": "skipped"}
-ERR_RE = re.compile(r"ERROR SUMMARY: (\d+) errors?")
+# "ERROR SUMMARY: 20 errors" (not the "... errors were not printed" line before it)
+ERR_RE = re.compile(r"ERROR SUMMARY: (\d+) errors?\s*$", re.M)
 RACE_RE = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 
 

@@ -1221,6 +1221,10 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
 #pragma unroll
       for (int k = 0; k < V; ++k) { red[w][tx * V + k][0] = sh[k]; red[w][tx * V + k][1] = s[k]; }
     }
+    // Reconverge the warp before the (warp-aligned) barriers below: synccheck on the
+    // H200 saw warps reach them split after the lane < 8 branch (one tile per
+    // cluster, stages 1).
+    __syncwarp();
     __syncthreads();
     if (tid < TW) {
       A bm = A(0), bs = A(0);
@@ -1242,6 +1246,7 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
       fin[tid][0] = M;
       fin[tid][1] = S;
     }
+    __syncwarp();
     __syncthreads();
     A M[V], mul[V];
 #pragma unroll
