@@ -10,7 +10,7 @@
 # steps (benchmarks/sanitize_queue.py, results in $OUT/r/sanitizer/<tool>/): SANITIZE_FILES (default
 # every tests/test_*.py), SANITIZE_K (pytest -k, default below), SANITIZE_KERNELS, SANITIZE_UNFILTERED,
 # SANITIZE_TIMEOUT (deadline of each sanitizer step, s, default 480), SANITIZE_WORKERS (processes
-# per GPU, default 4, split between steps run as a+b), SANITIZE_COSTS (costs.json of an earlier run).
+# per GPU, default 4, split between steps run as a+b) (12 per H200 ran out of GPU memory), SANITIZE_COSTS (costs.json of an earlier run).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/r"

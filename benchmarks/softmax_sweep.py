@@ -11,9 +11,11 @@ forward x + y, backward y + dy + dx), then checks the variant against a float64
 reference on the case's shape and on odd shapes around its dispatch edges, so a
 broken variant shows up as FAIL next to its speed.
 
-Built-in defaults (used when a variable is unset): ROWS_VARIANT=smem, CLUSTER=8,
-STAGES=1, COL_VARIANT=new, COL_ROWS_FWD=16, COL_ROWS_BWD=8 (all prefixed
-GPU_PUZZLES_SOFTMAX_). ROWS_VARIANT=smem|bulk: the row slices in shared memory (CLUSTER = 4|8|16
+Built-in defaults (used when a variable is unset): ROWS_VARIANT=new, CLUSTER=8,
+STAGES=3, COL_VARIANT unset (new for the backward, old for the forward), COL_ROWS_FWD=8,
+COL_ROWS_BWD=8 (all prefixed GPU_PUZZLES_SOFTMAX_). The fastest measured (H100, 4512142),
+opt-in until a synccheck report on them is settled: ROWS_VARIANT=smem, and COL_VARIANT=new
+STAGES=1 COL_ROWS_FWD=16 COL_ROWS_BWD=8. ROWS_VARIANT=smem|bulk: the row slices in shared memory (CLUSTER = 4|8|16
 blocks for a 512 KB row); STAGES=1: column tiles one at a time, not persistent. Per call, tests
 use algorithm "auto:rows=smem,cluster=16,...".
 """
@@ -38,7 +40,7 @@ def _env(rows=None, cluster=None, stages=None, cols=None, fwd=None, bwd=None):
 # (results/softmax_sweep_h100.txt) dropped rows=old, the 2-stage rows and cluster 16 (slower).
 VARIANTS = {
     "rows": {
-        "rows=new cs8 st3": _env("new", 8, 3),  # the default before 4512142
+        "rows=new cs8 st3": _env("new", 8, 3),  # the default
         **{f"rows={kind} cluster={cs}": _env(kind, cs) for kind in ("smem", "bulk") for cs in (8, 16, 4)},
     },
     "cols": {

@@ -1673,7 +1673,7 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
   if (a.inner > 1) {
     // 512 < N, whole 16-byte vectors across inner, at least half a 128-byte tile
     // used: staged column tiles (forward and backward), x / y and dy read once.
-    if (tu.cols == 2 && es <= 4 && a.N > int64_t(kIcTy) * kIcRows && a.inner % V == 0 && a.inner * es >= 64 &&
+    if ((tu.cols == 2 || (tu.cols == 0 && bwd)) && es <= 4 && a.N > int64_t(kIcTy) * kIcRows && a.inner % V == 0 && a.inner * es >= 64 &&
         al16(a.a) && al16(a.out) && (!bwd || al16(a.b))) {
       Plan q{};
       if (plan_staged_cols(a, tu, bwd, q)) return q;
@@ -2033,18 +2033,24 @@ SoftmaxTuning softmax_resolve_tuning(SoftmaxTuning t) {
   // The environment is read once per process (the sweep sets it per subprocess).
   static const SoftmaxTuning env = [] {
     SoftmaxTuning e;
-    // Defaults from the H100 sweep at 4512142 (results/softmax_sweep_h100.txt):
-    // fp32 (4096, 131072) forward: rows=smem cluster 8 2.83 TB/s, bulk 2.80,
-    // smem cluster 4 / 16 2.71 / 2.58, the persistent staged kernel 2.15.
-    e.rows = env_variant("GPU_PUZZLES_SOFTMAX_ROWS_VARIANT", 3);
+    // The faster kernels are opt-in until a compute-sanitizer finding is settled.
+    // H100 sweep at 4512142 (results/softmax_sweep_h100.txt): fp32 (4096, 131072)
+    // forward rows=smem cluster 8 2.83 TB/s (bulk 2.80) against the default's 2.15;
+    // bf16 (64, 4096, 256) dim=1 with COL_VARIANT=new STAGES=1 (tiles one at a
+    // time, several blocks per SM) forward 2.25 at COL_ROWS_FWD=16, backward 2.64
+    // at 8, against 1.79 / 2.42. But synccheck (H200, 2e4e084 and 48cf4f6) reports
+    // "Divergent thread(s) in warp" at block barriers of exactly these non-persistent
+    // launches (staged_cols_kernel with stages 1, smem_rows_fwd_kernel), never of
+    // the persistent ones running the same code; not explained yet.
+    e.rows = env_variant("GPU_PUZZLES_SOFTMAX_ROWS_VARIANT", 2);
     e.cluster = env_int("GPU_PUZZLES_SOFTMAX_CLUSTER", {4, 8, 16}, 8);
-    // bf16 (64, 4096, 256) dim=1: staged column tiles one at a time (stages 1,
-    // several blocks per SM) forward 2.25 TB/s at 16 rows per thread (8: 2.02;
-    // the register cluster kernel 1.79, persistent 2 stages 1.67), backward 2.64
-    // at 8 (persistent 2 stages 2.42). The staged rows kernel takes at least 2.
-    e.stages = env_int("GPU_PUZZLES_SOFTMAX_STAGES", {1, 2, 3}, 1);
-    e.cols = env_old_new("GPU_PUZZLES_SOFTMAX_COL_VARIANT", 2);
-    e.col_rows_fwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD", {4, 8, 16}, 16);
+    // 3 stages: two rows / tiles in flight behind the one in use (1 block per SM
+    // for the long rows and the column backward either way).
+    e.stages = env_int("GPU_PUZZLES_SOFTMAX_STAGES", {1, 2, 3}, 3);
+    // Unset (0): staged column tiles for the backward only (persistent: backward
+    // 2.40 TB/s, old 0.71; forward 1.67 against the register cluster kernel's 1.82).
+    e.cols = env_old_new("GPU_PUZZLES_SOFTMAX_COL_VARIANT", 0);
+    e.col_rows_fwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD", {4, 8, 16}, 8);
     e.col_rows_bwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_BWD", {4, 8, 16}, 8);
     return e;
   }();
