@@ -390,6 +390,24 @@ def test_cuda_fast_cluster_columns(dtype, kind):
     _cuda_check(x, 2, kind, "auto", dtype, f"{kind} 5-d dim=2 {dtype}")
 
 
+def _extreme_rows(rows, n):
+    """float32 (rows, n) on the GPU, randn * 10 with: row 0 every third entry -inf, row 1 all -inf,
+    row 2 one +inf, row 3 one NaN, row 4 one finite entry, rows 5 / 6 the leading two thirds / the
+    trailing two thirds -inf (whole warps, blocks and cluster ranks empty), row 7 (if asked for)
+    huge magnitudes (exp(-max) overflows float)."""
+    x = torch.randn(rows, n, device="cuda", dtype=torch.float32) * 10
+    x[0, ::3] = -INF
+    x[1] = -INF
+    x[2, n // 2] = INF
+    x[3, n - 1] = float("nan")
+    x[4, :-1] = -INF
+    x[5, : (2 * n) // 3] = -INF
+    x[6, n // 3:] = -INF
+    if rows > 7:
+        x[7] = x[7] * 1e4 - 1e6
+    return x
+
+
 @requires_cuda
 @pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -400,15 +418,7 @@ def test_cuda_fast_kernels_extremes(kind, dtype):
     f, ref = FUNCS[kind]
     v = 16 // torch.empty((), dtype=dtype).element_size()
     for n in (300 * v, 50000, 131072, 3000):
-        x = torch.randn(7, n, device="cuda", dtype=torch.float32) * 10
-        x[0, ::3] = -INF
-        x[1] = -INF
-        x[2, n // 2] = INF
-        x[3, n - 1] = float("nan")
-        x[4, :-1] = -INF
-        x[5, : (2 * n) // 3] = -INF  # leading warps and blocks hold nothing but -inf
-        x[6, n // 3:] = -INF          # trailing ones do
-        x = x.to(dtype)
+        x = _extreme_rows(7, n).to(dtype)
         lines = [(x, -1)]
         if n <= 4096:  # the column path: (1, n, 7 * 64) over dim 1, every column one of the rows above
             lines.append((x.t().contiguous().repeat_interleave(64, dim=1).unsqueeze(0), 1))
@@ -526,16 +536,7 @@ def test_cuda_variants_extremes(variant, dtype):
     torch.manual_seed(33)
     v = 16 // torch.empty((), dtype=dtype).element_size()
     for n in (50000 - 50000 % v, 131072, 3000, 4096):
-        x = torch.randn(8, n, device="cuda", dtype=torch.float32) * 10
-        x[0, ::3] = -INF
-        x[1] = -INF
-        x[2, n // 2] = INF
-        x[3, n - 1] = float("nan")
-        x[4, :-1] = -INF
-        x[5, : (2 * n) // 3] = -INF
-        x[6, n // 3:] = -INF
-        x[7] = x[7] * 1e4 - 1e6  # huge magnitudes: exp(-max) overflows float
-        x = x.to(dtype)
+        x = _extreme_rows(8, n).to(dtype)
         lines = [(x, -1)] if n > 4096 else [(x.t().contiguous().repeat_interleave(64, dim=1).unsqueeze(0), 1)]
         for kind in ("softmax", "log_softmax"):
             f, ref = FUNCS[kind]
