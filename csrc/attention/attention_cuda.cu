@@ -51,7 +51,9 @@
 #include <type_traits>
 
 #include "attention/attention.h"
+#include "common/cp_async.cuh"
 #include "common/device.cuh"
+#include "common/func_attr.h"
 
 namespace gpu_puzzles {
 namespace {
@@ -412,27 +414,7 @@ attn_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __
 //      a0 = pack(C[2kk][0], C[2kk][1]), a1 = pack(C[2kk][2], C[2kk][3]),
 //      a2 = pack(C[2kk+1][0], C[2kk+1][1]), a3 = pack(C[2kk+1][2], C[2kk+1][3]).
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy; src_bytes == 0 zero-fills the destination (src must still
-// be a valid address, so callers pass the tensor base for out-of-range rows).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-#endif
-}
+// smem_addr, cp.async and its groups: common/cp_async.cuh.
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -514,7 +496,7 @@ __device__ __forceinline__ void load_tile_async(T* __restrict__ dst, const T* __
       const int64_t row = row0 + r;
       const bool valid = row < S;
       const T* g = valid ? src + row * D + ch * 8 : src;
-      cp_async16(smem_addr(dst + r * LDS + ch * 8), g, valid);
+      cp_async16_zfill(smem_addr(dst + r * LDS + ch * 8), g, valid);
     }
   }
 }
@@ -1266,11 +1248,7 @@ attn_bwd_dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 // =============================================================================
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// Per-device host caches (attribute queries and cudaFuncSetAttribute cost microseconds
-// per call). Lock-free: a race only repeats an idempotent query/set. Devices past the
-// table are served uncached.
-constexpr int kMaxCachedDevices = 64;
-bool cacheable_device(int dev) { return dev >= 0 && dev < kMaxCachedDevices; }
+// Per-device caches: common/func_attr.h (cacheable_device, set_smem).
 
 bool device_has_sm80(int dev, cudaError_t& err) {
   static std::atomic<int> major_plus1[kMaxCachedDevices];  // 0: not queried yet
@@ -1296,24 +1274,6 @@ template <typename F> cudaError_t for_bh_chunks(int64_t BH, F&& f) {
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
-}
-
-// Opt kernel Kern in to `bytes` of dynamic shared memory on device dev (the current
-// one). Remembers per device the largest size set (the SIMT kernels' size depends on
-// D), so steady-state launches make no attribute call.
-template <auto Kern> cudaError_t set_smem(int dev, size_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  static std::atomic<int> done[kMaxCachedDevices];  // largest size set so far, 0 = none
-  const int b = static_cast<int>(bytes);
-  const bool cache = cacheable_device(dev);
-  if (cache && done[dev].load(std::memory_order_acquire) >= b) return cudaSuccess;
-  const cudaError_t e = cudaFuncSetAttribute(Kern, cudaFuncAttributeMaxDynamicSharedMemorySize, b);
-  if (e == cudaSuccess && cache) {
-    int cur = done[dev].load(std::memory_order_relaxed);
-    while (cur < b && !done[dev].compare_exchange_weak(cur, b, std::memory_order_release)) {
-    }
-  }
-  return e;
 }
 
 // Chunk count (32 columns each) covering a head dim, as a template dispatch.

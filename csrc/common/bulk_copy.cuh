@@ -7,11 +7,9 @@
 
 #include <cstdint>
 
-namespace gpu_puzzles {
+#include "common/cp_async.cuh"  // smem_addr
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
+namespace gpu_puzzles {
 
 // Expects one arrival per phase (the issuing thread's expect_tx).
 __device__ __forceinline__ void mbar_init(uint64_t* bar) {

@@ -1,0 +1,34 @@
+// Per-device host caches of kernel attributes: attribute queries and
+// cudaFuncSetAttribute cost microseconds per call, so steady-state launches make
+// none. Lock-free: a race only repeats an idempotent query/set. Devices past the
+// table are served uncached.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstddef>
+
+namespace gpu_puzzles {
+
+constexpr int kMaxCachedDevices = 64;
+inline bool cacheable_device(int dev) { return dev >= 0 && dev < kMaxCachedDevices; }
+
+// Opt kernel Kern in to `bytes` of dynamic shared memory on device dev (the current
+// one). Remembers per device the largest size set (a kernel's size may depend on
+// the shape), never lowering it under a larger launch.
+template <auto Kern> cudaError_t set_smem(int dev, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  static std::atomic<int> done[kMaxCachedDevices];  // largest size set so far, 0 = none
+  const int b = static_cast<int>(bytes);
+  const bool cache = cacheable_device(dev);
+  if (cache && done[dev].load(std::memory_order_acquire) >= b) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(Kern, cudaFuncAttributeMaxDynamicSharedMemorySize, b);
+  if (e == cudaSuccess && cache) {
+    int cur = done[dev].load(std::memory_order_relaxed);
+    while (cur < b && !done[dev].compare_exchange_weak(cur, b, std::memory_order_release)) {
+    }
+  }
+  return e;
+}
+
+}  // namespace gpu_puzzles
