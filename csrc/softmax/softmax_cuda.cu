@@ -50,6 +50,7 @@
 #include "common/bulk_copy.cuh"
 #include "common/cp_async.cuh"
 #include "common/device.cuh"
+#include "common/func_attr.h"
 #include "softmax/softmax.h"
 
 namespace gpu_puzzles {
@@ -947,7 +948,7 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
       }
     s = warp_sum(s);
     if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
-    __syncthreads();
+    block_sync_unaligned();  // see staged_cols_kernel
     // This thread's slots of stage `st` are in registers and used: refill them
     // with the row `stages` steps on.
     issue(row + int64_t(stages) * step, st);
@@ -1030,7 +1031,7 @@ smem_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows,
   const int64_t cnt = max(int64_t(0), min(SV, N / V - v0));  // vectors of this block's slice
   const int64_t step = gridDim.x / CS, first = blockIdx.x / CS;
   if (BULK && tid == 0) mbar_init(&bar);
-  __syncthreads();
+  block_sync_unaligned();  // unaligned barriers here: see staged_cols_kernel
   unsigned phase = 0;
   int parity = 0;
   for (int64_t row = first; row < rows; row += step, parity ^= 1) {  // cluster-uniform
@@ -1070,7 +1071,7 @@ smem_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows,
     }
     s = warp_sum(s);
     if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
-    __syncthreads();
+    block_sync_unaligned();
     if (w == 0) {
       A bm = lane < kSmThreads / 32 ? wred[lane][0] : A(0), bs = lane < kSmThreads / 32 ? wred[lane][1] : A(0);
 #pragma unroll
@@ -1102,7 +1103,7 @@ smem_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows,
       __stcs(reinterpret_cast<uint4*>(dst + j * V), y.q[0]);
     }
     // The next row's copy overwrites the slice (BULK: every thread's part of it).
-    if (BULK) __syncthreads();
+    if (BULK) block_sync_unaligned();
   }
   cluster.sync();  // no block exits while another may still read its `part`
 #endif
@@ -1221,11 +1222,9 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
 #pragma unroll
       for (int k = 0; k < V; ++k) { red[w][tx * V + k][0] = sh[k]; red[w][tx * V + k][1] = s[k]; }
     }
-    // Reconverge the warp before the (warp-aligned) barriers below: synccheck on the
-    // H200 saw warps reach them split after the lane < 8 branch (one tile per
-    // cluster, stages 1).
-    __syncwarp();
-    __syncthreads();
+    // Unaligned barriers: warps leave the lane-divergent loops above split, and
+    // synccheck flagged the aligned __syncthreads here (non-persistent launches).
+    block_sync_unaligned();
     if (tid < TW) {
       A bm = A(0), bs = A(0);
       for (int ww = 0; ww < kScThreads / 32; ++ww) {
@@ -1246,8 +1245,7 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
       fin[tid][0] = M;
       fin[tid][1] = S;
     }
-    __syncwarp();
-    __syncthreads();
+    block_sync_unaligned();
     A M[V], mul[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -1519,24 +1517,38 @@ template <typename T, bool BWD> auto staged_cols_kernel_for(bool log) {
 // no sm_90 code), asked once per device, kernel and configuration. Allows the
 // non-portable cluster size 16 and the dynamic shared memory first.
 template <typename Kern> int resident_clusters(Kern kernel, int threads, int cs, int64_t smem) {
+  // Kernel attributes are per device and per function, so each (device, kernel)
+  // keeps the largest dynamic shared memory asked of it so far (a smaller plan
+  // never lowers it under a larger one); after the first call per plan this is a
+  // lookup, no cudaFuncSetAttribute per launch.
   struct Key { int dev; const void* fn; int threads, cs; int64_t smem; int n; };
+  struct Attr { int dev; const void* fn; int64_t smem; };
   static std::mutex mu;
   static std::vector<Key> known;
+  static std::vector<Attr> attrs;
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) { cudaGetLastError(); return 0; }
   const void* fn = reinterpret_cast<const void*>(kernel);
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const Key& k : known)
-      if (k.dev == dev && k.fn == fn && k.threads == threads && k.cs == cs && k.smem == smem) return k.n;
-  }
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Key& k : known)
+    if (k.dev == dev && k.fn == fn && k.threads == threads && k.cs == cs && k.smem == smem) return k.n;
+  Attr* at = nullptr;
+  for (Attr& x : attrs)
+    if (x.dev == dev && x.fn == fn) at = &x;
   int n = 0, major = 0;
   cudaFuncAttributes fa{};
-  if (smem <= kStagedSmemMax && cs <= 16 &&
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 &&
-      cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.ptxVersion >= 90 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) == cudaSuccess &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+  bool ok = smem <= kStagedSmemMax && cs <= 16 &&
+            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 &&
+            cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.ptxVersion >= 90;
+  if (ok && (at == nullptr || at->smem < smem)) {
+    ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) == cudaSuccess &&
+         cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
+    if (ok) {
+      if (at == nullptr) attrs.push_back(Attr{dev, fn, smem});
+      else at->smem = smem;
+    }
+  }
+  if (ok) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(unsigned(cs));
     cfg.blockDim = dim3(unsigned(threads));
@@ -1551,18 +1563,16 @@ template <typename Kern> int resident_clusters(Kern kernel, int threads, int cs,
     if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
   }
   cudaGetLastError();  // a refused query leaves no error behind
-  std::lock_guard<std::mutex> lock(mu);
   known.push_back(Key{dev, fn, threads, cs, smem, n});
   return n;
 }
 
 template <typename Kern, typename... Args>
 cudaError_t launch_staged(Kern kernel, const Plan& p, int64_t items, cudaStream_t st, Args... args) {
+  // A positive count means resident_clusters has set the kernel's attributes
+  // (shared memory >= p.smem, cluster size 16 allowed) on this device.
   const int n = resident_clusters(kernel, p.threads, int(p.S), p.smem);
   if (n <= 0) return cudaErrorInvalidConfiguration;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem));
-  if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg{};
   // stages > 1: persistent (the resident clusters loop over the items); 1: four
   // times the resident clusters, each looping over a quarter of its share: blocks
@@ -1793,10 +1803,11 @@ cudaError_t launch_inner(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
   const dim3 block(p.threads, kInnerThreads / p.threads);
   const unsigned g = grid_for(a.outer * tiles);
   if (p.cache) {
-    auto k = inner_kernel<T, BWD, true>;
-    const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem));
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = set_smem<inner_kernel<T, BWD, true>>(dev, size_t(p.smem));
     if (e != cudaSuccess) return e;
-    k<<<g, block, size_t(p.smem), st>>>(A_, B_, O, a.outer, a.N, a.inner, tiles, a.log);
+    inner_kernel<T, BWD, true><<<g, block, size_t(p.smem), st>>>(A_, B_, O, a.outer, a.N, a.inner, tiles, a.log);
   } else {
     inner_kernel<T, BWD, false><<<g, block, 0, st>>>(A_, B_, O, a.outer, a.N, a.inner, tiles, a.log);
   }
@@ -2033,24 +2044,22 @@ SoftmaxTuning softmax_resolve_tuning(SoftmaxTuning t) {
   // The environment is read once per process (the sweep sets it per subprocess).
   static const SoftmaxTuning env = [] {
     SoftmaxTuning e;
-    // The faster kernels are opt-in until a compute-sanitizer finding is settled.
     // H100 sweep at 4512142 (results/softmax_sweep_h100.txt): fp32 (4096, 131072)
-    // forward rows=smem cluster 8 2.83 TB/s (bulk 2.80) against the default's 2.15;
-    // bf16 (64, 4096, 256) dim=1 with COL_VARIANT=new STAGES=1 (tiles one at a
-    // time, several blocks per SM) forward 2.25 at COL_ROWS_FWD=16, backward 2.64
-    // at 8, against 1.79 / 2.42. But synccheck (H200, 2e4e084 and 48cf4f6) reports
-    // "Divergent thread(s) in warp" at block barriers of exactly these non-persistent
-    // launches (staged_cols_kernel with stages 1, smem_rows_fwd_kernel), never of
-    // the persistent ones running the same code; not explained yet.
-    e.rows = env_variant("GPU_PUZZLES_SOFTMAX_ROWS_VARIANT", 2);
+    // forward rows=smem cluster 8 2.83 TB/s (bulk 2.80; the persistent staged
+    // register kernel 2.15); bf16 (64, 4096, 256) dim=1, staged column tiles one at
+    // a time (stages 1, several blocks per SM) forward 2.25 at 16 rows per thread,
+    // backward 2.64 at 8 (register cluster kernel 1.79, persistent 3 stages 2.42).
+    // These kernels use unaligned block barriers (block_sync_unaligned): synccheck
+    // flagged their aligned __syncthreads in these non-persistent launches.
+    e.rows = env_variant("GPU_PUZZLES_SOFTMAX_ROWS_VARIANT", 3);
     e.cluster = env_int("GPU_PUZZLES_SOFTMAX_CLUSTER", {4, 8, 16}, 8);
-    // 3 stages: two rows / tiles in flight behind the one in use (1 block per SM
-    // for the long rows and the column backward either way).
-    e.stages = env_int("GPU_PUZZLES_SOFTMAX_STAGES", {1, 2, 3}, 3);
-    // Unset (0): staged column tiles for the backward only (persistent: backward
-    // 2.40 TB/s, old 0.71; forward 1.67 against the register cluster kernel's 1.82).
-    e.cols = env_old_new("GPU_PUZZLES_SOFTMAX_COL_VARIANT", 0);
-    e.col_rows_fwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD", {4, 8, 16}, 8);
+    // Column tiles: 1 stage (non-persistent). The staged rows kernel (rows=new)
+    // always keeps at least 2 stages.
+    e.stages = env_int("GPU_PUZZLES_SOFTMAX_STAGES", {1, 2, 3}, 1);
+    // new: staged column tiles forward and backward (0 would keep them for the
+    // backward only, the register cluster kernel forward).
+    e.cols = env_old_new("GPU_PUZZLES_SOFTMAX_COL_VARIANT", 2);
+    e.col_rows_fwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD", {4, 8, 16}, 16);
     e.col_rows_bwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_BWD", {4, 8, 16}, 8);
     return e;
   }();
