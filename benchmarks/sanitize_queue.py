@@ -246,6 +246,7 @@ class Runner:
         env[RECORD_ENV] = rec
         env["CUDA_VISIBLE_DEVICES"] = gpu  # this worker's GPU only
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"  # no pool: memcheck sees every tensor's bounds
+        env["GPU_PUZZLES_SANITIZE"] = "1"  # the tests' smaller repeat counts (tests/conftest.py, many)
         env["PYTHONPATH"] = os.pathsep.join([HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         # end before the deadline, leaving time for the kill and the summary
         limit = min(a.job_timeout, self.remaining() - min(10.0, a.margin / 2))

@@ -56,3 +56,29 @@ def assert_close_ref(actual, ref, dtype, what=""):
 def poison(t):
     """Fill with NaN so any element a kernel fails to write shows up."""
     return t.fill_(float("nan"))
+
+
+# Without the caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1, as in the sanitizer
+# runs) freed blocks go back to the driver: nothing to poison, and the fill would only
+# cost instrumented time.
+POOLED = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1"
+
+
+def poison_allocator(nbytes):
+    """Fill `nbytes` of freed allocator memory with NaN: the next allocations reuse these
+    blocks, so an output element (or workspace) a kernel fails to write shows up as NaN."""
+    if POOLED:
+        t = torch.empty(nbytes // 4, device="cuda").fill_(float("nan"))
+        del t
+
+
+# Under compute-sanitizer (benchmarks/sanitize_queue.py sets GPU_PUZZLES_SANITIZE=1) the
+# cases that repeat one kernel path over many rows or tiles, only so that persistent
+# grids wrap, run with fewer of them (still more than one pass over the resident
+# clusters); every path and edge shape stays. Instrumented runs are 30-100x slower.
+SANITIZE = os.environ.get("GPU_PUZZLES_SANITIZE") == "1"
+
+
+def many(full, sanitized):
+    """A repeat count: `full` normally, `sanitized` under the sanitizer."""
+    return sanitized if SANITIZE else full

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from conftest import DEVICES, HAS_CUDA, poison, requires_cuda
+from conftest import DEVICES, HAS_CUDA, poison_allocator, requires_cuda
 from strategies import OFFSET, make_tensor
 
 OPS = torch.ops.gpu_puzzles
@@ -334,11 +334,8 @@ CUDA_SHAPES = [((1,), 1, 1, 64, 64), ((2, 3), 7, 7, 16, 16), ((2,), 33, 129, 64,
 CUDA_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
-def _poison_cache(nbytes=256 << 20):
-    # Freed allocator blocks full of NaN: outputs and workspaces reuse them, so any
-    # element a kernel fails to write (or a workspace it fails to clear) shows up.
-    t = poison(torch.empty(nbytes // 4, device="cuda"))
-    del t
+def _poison_cache():
+    poison_allocator(256 << 20)  # outputs and workspaces (a workspace left uncleared shows too)
 
 
 def _cuda_check(lead, Sq, Sk, D, Dv, causal, dtype, what, scale=None):

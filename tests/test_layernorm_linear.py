@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from conftest import DEVICES, TOL, assert_close_ref, device_dtypes, requires_cuda
+from conftest import DEVICES, TOL, assert_close_ref, device_dtypes, poison_allocator, requires_cuda
 
 IMPLS = {"fused": gp.fused_layernorm_linear, "unfused": gp.unfused_layernorm_linear}
 
@@ -320,10 +320,7 @@ def test_mixed_devices():
 # ---- CUDA-only: poisoned allocator, odd/misaligned views, determinism -------------------
 
 def _poison_allocator():
-    """Fill a large block with NaN and free it: the next allocations likely reuse it, so an
-    output element a kernel fails to write shows up as NaN."""
-    t = torch.full((64 * 2**20,), float("nan"), device="cuda")
-    del t
+    poison_allocator(256 << 20)
 
 
 @requires_cuda

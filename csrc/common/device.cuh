@@ -64,12 +64,6 @@ template <typename A> __device__ __forceinline__ A warp_max(A v) {
   return v;
 }
 
-// A block barrier whose warps may arrive split (PTX barrier.sync without
-// .aligned; __syncthreads is the .aligned form, which asks every warp to arrive
-// converged). For kernels whose warps leave lane-divergent loops just before
-// the barrier; same memory ordering as __syncthreads.
-__device__ __forceinline__ void block_sync_unaligned() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
-
 // Call a functor templated on the CUDA element type that matches `dt`.
 template <typename F> inline auto dispatch_dtype(DType dt, F&& f) {
   switch (dt) {

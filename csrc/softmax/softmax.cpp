@@ -37,7 +37,7 @@ Dims canon(const at::Tensor& x, int64_t dim, const char* op, const char* name) {
 
 // "auto:key=value,...": the auto kernels with a variant for tuning sweeps and
 // tests (keys rows=old|new|smem|bulk, cluster=4|8|16, stages=1|2|3, cols=old|new,
-// col_rows_fwd=4|8|16, col_rows_bwd=4|8|16; see SoftmaxTuning). Not a public
+// col_rows_fwd=4|8|16, col_rows_bwd=4|8|16, grid=1|4; see SoftmaxTuning). Not a public
 // choice: the Python checks accept only the plain names.
 SoftmaxTuning parse_tuning(const std::string& algorithm, const char* op) {
   SoftmaxTuning t;
@@ -70,6 +70,7 @@ SoftmaxTuning parse_tuning(const std::string& algorithm, const char* op) {
     else if (k == "stages") t.stages = one_of({1, 2, 3});
     else if (k == "col_rows_fwd") t.col_rows_fwd = one_of({4, 8, 16});
     else if (k == "col_rows_bwd") t.col_rows_bwd = one_of({4, 8, 16});
+    else if (k == "grid") t.grid = one_of({1, 4});
     else TORCH_CHECK(false, op, ": unknown algorithm variant key '", k, "'");
     pos = end + 1;
   }

@@ -21,7 +21,7 @@ enum class SoftmaxAlgo : int { Auto = 0, Tree = 1, Shuffle = 2, Online = 3 };
 // left at 0 takes the process default: the environment, read once
 // (GPU_PUZZLES_SOFTMAX_ROWS_VARIANT=old|new|smem|bulk, GPU_PUZZLES_SOFTMAX_CLUSTER=4|8|16,
 // GPU_PUZZLES_SOFTMAX_STAGES=1|2|3, GPU_PUZZLES_SOFTMAX_COL_VARIANT=old|new,
-// GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD / _BWD=4|8|16), else the built-in choice.
+// GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD / _BWD=4|8|16, GPU_PUZZLES_SOFTMAX_GRID=1|4), else the built-in choice.
 // Tests and sweeps override it per call with algorithm "auto:key=value,...".
 struct SoftmaxTuning {
   int rows = 0;      // long rows, forward: 1 old (cluster in registers), 2 new (staged, persistent),
@@ -29,9 +29,11 @@ struct SoftmaxTuning {
   int cluster = 0;   // new rows kernel: preferred cluster size, 4 (smem/bulk only), 8 or 16; smem/bulk:
                      // the cluster size of a 512 KB row (the slice is 512 KB / cluster)
   int stages = 0;    // new kernels: copies in flight per block, 2 or 3; columns: 1 = one tile at a
-                     // time, a cluster per tile (not persistent)
+                     // time (smaller blocks, several per SM)
   int cols = 0;      // non-last dim: 1 old, 2 new (staged column tiles, forward and backward)
   int col_rows_fwd = 0, col_rows_bwd = 0;  // new column kernel: rows per thread, 4, 8 or 16
+  int grid = 0;      // one-stage staged kernels and smem/bulk rows: clusters launched per resident
+                     // cluster, 1 (every cluster resident, looping) or 4 (blocks come and go)
 };
 
 struct SoftmaxArgs {

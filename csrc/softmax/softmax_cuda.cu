@@ -948,7 +948,7 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
       }
     s = warp_sum(s);
     if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
-    block_sync_unaligned();  // see staged_cols_kernel
+    __syncthreads();
     // This thread's slots of stage `st` are in registers and used: refill them
     // with the row `stages` steps on.
     issue(row + int64_t(stages) * step, st);
@@ -1031,7 +1031,7 @@ smem_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows,
   const int64_t cnt = max(int64_t(0), min(SV, N / V - v0));  // vectors of this block's slice
   const int64_t step = gridDim.x / CS, first = blockIdx.x / CS;
   if (BULK && tid == 0) mbar_init(&bar);
-  block_sync_unaligned();  // unaligned barriers here: see staged_cols_kernel
+  __syncthreads();
   unsigned phase = 0;
   int parity = 0;
   for (int64_t row = first; row < rows; row += step, parity ^= 1) {  // cluster-uniform
@@ -1071,7 +1071,7 @@ smem_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows,
     }
     s = warp_sum(s);
     if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
-    block_sync_unaligned();
+    __syncthreads();
     if (w == 0) {
       A bm = lane < kSmThreads / 32 ? wred[lane][0] : A(0), bs = lane < kSmThreads / 32 ? wred[lane][1] : A(0);
 #pragma unroll
@@ -1103,7 +1103,7 @@ smem_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows,
       __stcs(reinterpret_cast<uint4*>(dst + j * V), y.q[0]);
     }
     // The next row's copy overwrites the slice (BULK: every thread's part of it).
-    if (BULK) block_sync_unaligned();
+    if (BULK) __syncthreads();
   }
   cluster.sync();  // no block exits while another may still read its `part`
 #endif
@@ -1222,9 +1222,7 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
 #pragma unroll
       for (int k = 0; k < V; ++k) { red[w][tx * V + k][0] = sh[k]; red[w][tx * V + k][1] = s[k]; }
     }
-    // Unaligned barriers: warps leave the lane-divergent loops above split, and
-    // synccheck flagged the aligned __syncthreads here (non-persistent launches).
-    block_sync_unaligned();
+    __syncthreads();
     if (tid < TW) {
       A bm = A(0), bs = A(0);
       for (int ww = 0; ww < kScThreads / 32; ++ww) {
@@ -1245,7 +1243,7 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
       fin[tid][0] = M;
       fin[tid][1] = S;
     }
-    block_sync_unaligned();
+    __syncthreads();
     A M[V], mul[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -1438,9 +1436,10 @@ struct Plan {
   bool cache = false;
   int64_t smem = 0;  // dynamic shared memory bytes (Inner, StagedRows, StagedCols)
   int stages = 2;    // StagedRows, StagedCols: copies in flight per thread, in rows / tiles;
-                     // 1: one at a time, a grid of every cluster (not persistent), several blocks per SM
+                     // 1: one at a time, several blocks per SM (grid: see `grid`)
   int64_t sv = 0;    // SmemRows: 16-byte vectors of a block's slice of the row
   bool bulk = false; // SmemRows: the slice arrives by one bulk copy (TMA), not per-thread cp.async
+  int grid = 1;      // StagedCols with 1 stage, SmemRows: clusters launched per resident cluster
   // InnerCluster keeps threads / cache / smem of the Inner plan: its fallback
   // when the cluster launch is refused.
 };
@@ -1574,10 +1573,10 @@ cudaError_t launch_staged(Kern kernel, const Plan& p, int64_t items, cudaStream_
   const int n = resident_clusters(kernel, p.threads, int(p.S), p.smem);
   if (n <= 0) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t cfg{};
-  // stages > 1: persistent (the resident clusters loop over the items); 1: four
-  // times the resident clusters, each looping over a quarter of its share: blocks
-  // come and go at different phases, several per SM, and the loop is exercised.
-  const int64_t clusters = std::min<int64_t>(items, p.stages > 1 ? n : 4 * int64_t(n));
+  // stages > 1: persistent (the resident clusters loop over the items); 1: p.grid
+  // times the resident clusters (4: blocks come and go at different phases,
+  // several per SM; 1: all resident at once, each looping over its share).
+  const int64_t clusters = std::min<int64_t>(items, p.stages > 1 ? n : int64_t(p.grid) * n);
   cfg.gridDim = dim3(unsigned(clusters * p.S));
   cfg.blockDim = dim3(unsigned(p.threads));
   cfg.dynamicSmemBytes = size_t(p.smem);
@@ -1636,6 +1635,7 @@ bool plan_smem_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, Plan& p) {
   p.threads = kSmThreads;
   p.stages = 1;
   p.bulk = tu.rows == 4;
+  p.grid = tu.grid;
   if (p.smem > kStagedSmemMax) return false;
   return dispatch_dtype(a.dtype, [&](auto tag) -> bool {
     using T = decltype(tag);
@@ -1663,6 +1663,7 @@ bool plan_staged_cols(const SoftmaxArgs& a, const SoftmaxTuning& tu, bool bwd, P
   p.ch = int(cdiv(cdiv(a.N, cs), kScTy));  // R, rows per thread
   p.threads = kScThreads;
   p.stages = stages;
+  p.grid = tu.grid;
   p.smem = bytes(cs, stages);
   return dispatch_dtype(a.dtype, [&](auto tag) -> bool {
     using T = decltype(tag);
@@ -2049,8 +2050,13 @@ SoftmaxTuning softmax_resolve_tuning(SoftmaxTuning t) {
     // register kernel 2.15); bf16 (64, 4096, 256) dim=1, staged column tiles one at
     // a time (stages 1, several blocks per SM) forward 2.25 at 16 rows per thread,
     // backward 2.64 at 8 (register cluster kernel 1.79, persistent 3 stages 2.42).
-    // These kernels use unaligned block barriers (block_sync_unaligned): synccheck
-    // flagged their aligned __syncthreads in these non-persistent launches.
+    // Launched 4 clusters per resident one (grid=4, blocks coming and going),
+    // synccheck reports "Divergent thread(s) in warp" at the first block barrier
+    // of the column kernel (H100 and H200, flaky, backward mostly), with aligned and
+    // unaligned barriers alike, though the SASS has the warp reconverged (BSYNC)
+    // right before BAR.SYNC (an unaligned barrier.sync compiled to the same
+    // instruction and was flagged too); with every cluster resident (grid=1) no
+    // report, so 1 is the default for both one-stage kernels.
     e.rows = env_variant("GPU_PUZZLES_SOFTMAX_ROWS_VARIANT", 3);
     e.cluster = env_int("GPU_PUZZLES_SOFTMAX_CLUSTER", {4, 8, 16}, 8);
     // Column tiles: 1 stage (non-persistent). The staged rows kernel (rows=new)
@@ -2061,6 +2067,7 @@ SoftmaxTuning softmax_resolve_tuning(SoftmaxTuning t) {
     e.cols = env_old_new("GPU_PUZZLES_SOFTMAX_COL_VARIANT", 2);
     e.col_rows_fwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD", {4, 8, 16}, 16);
     e.col_rows_bwd = env_int("GPU_PUZZLES_SOFTMAX_COL_ROWS_BWD", {4, 8, 16}, 8);
+    e.grid = env_int("GPU_PUZZLES_SOFTMAX_GRID", {1, 4}, 1);
     return e;
   }();
   if (t.rows == 0) t.rows = env.rows;
@@ -2069,6 +2076,7 @@ SoftmaxTuning softmax_resolve_tuning(SoftmaxTuning t) {
   if (t.cols == 0) t.cols = env.cols;
   if (t.col_rows_fwd == 0) t.col_rows_fwd = env.col_rows_fwd;
   if (t.col_rows_bwd == 0) t.col_rows_bwd = env.col_rows_bwd;
+  if (t.grid == 0) t.grid = env.grid;
   return t;
 }
 
