@@ -464,8 +464,10 @@ def test_variant_strings_cpu():
     ref = torch.ops.gpu_puzzles.softmax(x, -1, "auto")
     for v in ROW_VARIANTS + COL_VARIANTS:
         assert torch.equal(torch.ops.gpu_puzzles.softmax(x, -1, v), ref)
+    for v in ("auto:grid=1", "auto:grid=4,stages=1"):
+        assert torch.equal(torch.ops.gpu_puzzles.softmax(x, -1, v), ref)
     for bad, word in (("auto:rows=bogus", "rows"), ("auto:cluster=3", "cluster"), ("auto:nope=1", "nope"),
-                      ("auto:rows", "key=value")):
+                      ("auto:rows", "key=value"), ("auto:grid=2", "grid")):
         with pytest.raises(RuntimeError, match=word):
             torch.ops.gpu_puzzles.softmax(x, -1, bad)
 
