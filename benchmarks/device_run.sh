@@ -6,6 +6,8 @@
 # Results are packed into $OUT/results.tar.gz after every step (so a run cut
 # short still returns what it did) plus $OUT/bench.json.
 # The device copy has no .git: pass the commit in, e.g. GPU_PUZZLES_COMMIT=$(git rev-parse --short HEAD).
+# The build step uses a carried .prebuilt/ (benchmarks/prebuild.sh) when its stamp (python,
+# torch, source hash) matches, else pip-installs; `device_run.sh --stamp PY` prints the stamp.
 # Knobs: TESTS (test files), TESTS_TIMEOUT, PYTEST_ARGS, OPS (bench), NOTEBOOKS; for the sanitizer
 # steps (benchmarks/sanitize_queue.py, results in $OUT/r/sanitizer/<tool>/): SANITIZE_FILES (default
 # every tests/test_*.py), SANITIZE_K (pytest -k, default below), SANITIZE_KERNELS, SANITIZE_UNFILTERED,
@@ -13,6 +15,14 @@
 # per GPU, default 4, split between steps run as a+b) (12 per H200 ran out of GPU memory), SANITIZE_COSTS (costs.json of an earlier run).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# What a prebuilt .so (benchmarks/prebuild.sh) must match: python, torch, the sources.
+stamp() {
+  "$1" -c "import sys, torch; print(f'py={sys.version_info[0]}.{sys.version_info[1]} torch={torch.__version__}', end=' ')"
+  echo "src=$(find csrc setup.py -type f | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-16)"
+}
+if [ "${1:-}" = "--stamp" ]; then stamp "$2"; exit 0; fi
+# The repo root on the path: a prebuilt .so is used in place, without pip.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/r"
 STEPS=${STEPS:-"build tests selfcheck memcheck racecheck synccheck tour bench notebooks"}
 log() { echo "== $* ($(date +%T))"; }
@@ -54,7 +64,12 @@ run_step() {
   case $1 in
     build)
       t0=$(date +%s)
-      python3 -m pip install --no-build-isolation -e . > "$OUT/r/build.log" 2>&1 || { tail -50 "$OUT/r/build.log"; pack; exit 1; }
+      if [ -f .prebuilt/stamp.txt ] && [ "$(cat .prebuilt/stamp.txt)" = "$(stamp python3)" ]; then
+        cp .prebuilt/*.so gpu_puzzles/ && echo "prebuilt .so used: $(cat .prebuilt/stamp.txt)" | tee "$OUT/r/build.log"
+      else
+        [ -f .prebuilt/stamp.txt ] && echo "prebuilt .so stale ($(cat .prebuilt/stamp.txt) vs $(stamp python3)): building"
+        python3 -m pip install --no-build-isolation -e . > "$OUT/r/build.log" 2>&1 || { tail -50 "$OUT/r/build.log"; pack; exit 1; }
+      fi
       echo "build seconds: $(( $(date +%s) - t0 ))" | tee -a "$OUT/r/build.log" ;;
     tests)
       timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 ${PYTEST_ARGS:-} ${TESTS:-tests} 2>&1 \
