@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from conftest import DEVICES, HAS_CUDA, poison_allocator, requires_cuda
+from conftest import DEVICES, HAS_CUDA, many, poison_allocator, requires_cuda
 from strategies import OFFSET, make_tensor
 
 OPS = torch.ops.gpu_puzzles
@@ -532,7 +532,7 @@ def test_cuda_online_softmax_rescaling(dtype):
     torch.manual_seed(12)
     for D in (64, 128):
         for causal in (False, True):
-            S = 1000
+            S = many(1000, 300)  # still several key tiles, each moving the row max
             q = torch.randn(2, 2, S, D, device="cuda", dtype=torch.float64)
             ramp = torch.linspace(0, 1, S, device="cuda", dtype=torch.float64)[:, None]
             k = torch.randn(2, 2, S, D, device="cuda", dtype=torch.float64) * 0.3 + ramp * q.mean(2, keepdim=True) * 8

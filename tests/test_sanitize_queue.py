@@ -1,4 +1,4 @@
-"""benchmarks/sanitize_queue.py on the CPU: a fake sanitizer (drops the tool's options, runs the
+"""benchmarks/sanitize_queue.py (and device_run.sh --stamp) on the CPU: a fake sanitizer (drops the tool's options, runs the
 test command, prints an ERROR SUMMARY) over a throwaway test file with a passing, a failing and a
 hanging test. Every test name says "cpu" so the sanitizer runs themselves (-k "not cpu") skip them."""
 import json
@@ -118,3 +118,34 @@ def test_cpu_visible_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert sanitize_queue.visible_gpus(None) == ["2", "3"]
     assert sanitize_queue.visible_gpus(1) == ["2"]
+
+
+def test_prebuilt_stamp_cpu(tmp_path):
+    # benchmarks/device_run.sh --stamp: what a carried .prebuilt/ must match (python, torch, sources);
+    # a changed source changes it, so a stale .so is rebuilt rather than run.
+    import torch
+
+    def stamp(root):
+        out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "device_run.sh"), "--stamp", sys.executable],
+                             cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        return out
+
+    here = stamp(ROOT)
+    py = "%d.%d" % sys.version_info[:2]
+    assert here.startswith(f"py={py} torch={torch.__version__} src="), here
+    src = here.rsplit("src=", 1)[1]
+    assert len(src) == 16 and all(c in "0123456789abcdef" for c in src), here
+    # A copy of the sources with one byte changed stamps differently; an exact copy the same.
+    (tmp_path / "csrc").mkdir()
+    for d, _, files in os.walk(os.path.join(ROOT, "csrc")):
+        rel = os.path.relpath(d, ROOT)
+        os.makedirs(tmp_path / rel, exist_ok=True)
+        for f in files:
+            with open(os.path.join(d, f), "rb") as a, open(tmp_path / rel / f, "wb") as b:
+                b.write(a.read())
+    with open(os.path.join(ROOT, "setup.py"), "rb") as a, open(tmp_path / "setup.py", "wb") as b:
+        b.write(a.read())
+    assert stamp(tmp_path) == here
+    with open(tmp_path / "setup.py", "ab") as b:
+        b.write(b"\n# changed\n")
+    assert stamp(tmp_path) != here
