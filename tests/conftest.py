@@ -66,10 +66,11 @@ POOLED = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1"
 
 def poison_allocator(nbytes):
     """Fill `nbytes` of freed allocator memory with NaN: the next allocations reuse these
-    blocks, so an output element (or workspace) a kernel fails to write shows up as NaN."""
+    blocks, so an output element (or workspace) a kernel fails to write shows up as NaN.
+    All-ones bytes are NaN in every float format (a float32 NaN would leave every other
+    fp16/bf16 element at 0)."""
     if POOLED:
-        t = torch.empty(nbytes // 4, device="cuda").fill_(float("nan"))
-        del t
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0xFF)  # freed at once
 
 
 # Under compute-sanitizer (benchmarks/sanitize_queue.py sets GPU_PUZZLES_SANITIZE=1) the

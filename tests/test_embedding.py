@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.bench.embedding import reference, reference_grad
 
-from conftest import DEVICES, assert_close_ref, device_dtypes, requires_cuda
+from conftest import DEVICES, assert_close_ref, device_dtypes, poison_allocator, requires_cuda
 
 FNS = {"coalesced": gp.embedding, "2d": gp.embedding_2d}
 OPS = {"coalesced": torch.ops.gpu_puzzles.embedding.default, "2d": torch.ops.gpu_puzzles.embedding_2d.default}
@@ -205,9 +205,8 @@ def test_mixed_devices(kernel):
 
 
 def _poison_allocator(numel, dtype):
-    """Fill a freed block with NaN so the next allocation of that size likely reuses it."""
-    t = torch.full((numel,), float("nan"), device="cuda", dtype=dtype)
-    del t
+    # A freed block of this many elements' bytes, NaN-filled: the next allocation of that size reuses it.
+    poison_allocator(numel * torch.empty((), dtype=dtype).element_size())
 
 
 CUDA_SHAPES = [(1, 1, 1), (5, 3, 7), (1000, 50, 8), (333, 1000, 130), (4096, 10000, 512), (64, 300, 4096),
