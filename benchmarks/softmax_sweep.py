@@ -11,13 +11,13 @@ forward x + y, backward y + dy + dx), then checks the variant against a float64
 reference on the case's shape and on odd shapes around its dispatch edges, so a
 broken variant shows up as FAIL next to its speed.
 
-Built-in defaults (used when a variable is unset): ROWS_VARIANT=new, CLUSTER=8,
-STAGES=3, COL_VARIANT unset (new for the backward, old for the forward), COL_ROWS_FWD=8,
-COL_ROWS_BWD=8 (all prefixed GPU_PUZZLES_SOFTMAX_). The fastest measured (H100, 4512142),
-opt-in until a synccheck report on them is settled: ROWS_VARIANT=smem, and COL_VARIANT=new
-STAGES=1 COL_ROWS_FWD=16 COL_ROWS_BWD=8. ROWS_VARIANT=smem|bulk: the row slices in shared memory (CLUSTER = 4|8|16
-blocks for a 512 KB row); STAGES=1: column tiles one at a time, not persistent. Per call, tests
-use algorithm "auto:rows=smem,cluster=16,...".
+Built-in defaults (used when a variable is unset): ROWS_VARIANT=smem, CLUSTER=8, STAGES=1,
+COL_VARIANT=new, COL_ROWS_FWD=16, COL_ROWS_BWD=8, GRID=1 (all prefixed GPU_PUZZLES_SOFTMAX_).
+ROWS_VARIANT=smem|bulk: the row slices in shared memory (CLUSTER = 4|8|16 blocks for a 512 KB
+row); new: the persistent staged register kernel (at least 2 stages). STAGES=1: column tiles
+one at a time; GRID=1|4: clusters launched per resident cluster for the one-stage kernels
+(4 is opt-in: synccheck flags it, results/sanitizer_h100.txt). Per call, tests use algorithm
+"auto:rows=smem,cluster=16,...".
 """
 from __future__ import annotations
 
@@ -29,18 +29,18 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> environment. The first of each group is the old kernel.
+
 def _env(rows=None, cluster=None, stages=None, cols=None, fwd=None, bwd=None):
     keys = {"ROWS_VARIANT": rows, "CLUSTER": cluster, "STAGES": stages, "COL_VARIANT": cols,
             "COL_ROWS_FWD": fwd, "COL_ROWS_BWD": bwd}
     return {f"GPU_PUZZLES_SOFTMAX_{k}": str(v) for k, v in keys.items() if v is not None}
 
 
-# name -> environment. The first of each group is the current default. Earlier rounds
+# name -> environment: rows from the previous default on, cols from the current one. Earlier rounds
 # (results/softmax_sweep_h100.txt) dropped rows=old, the 2-stage rows and cluster 16 (slower).
 VARIANTS = {
     "rows": {
-        "rows=new cs8 st3": _env("new", 8, 3),  # the default
+        "rows=new cs8 st3": _env("new", 8, 3),  # the default before 8227b70
         **{f"rows={kind} cluster={cs}": _env(kind, cs) for kind in ("smem", "bulk") for cs in (8, 16, 4)},
     },
     "cols": {
