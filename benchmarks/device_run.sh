@@ -12,7 +12,8 @@
 # steps (benchmarks/sanitize_queue.py, results in $OUT/r/sanitizer/<tool>/): SANITIZE_FILES (default
 # every tests/test_*.py), SANITIZE_K (pytest -k, default below), SANITIZE_KERNELS, SANITIZE_UNFILTERED,
 # SANITIZE_TIMEOUT (deadline of each sanitizer step, s, default 480), SANITIZE_WORKERS (processes
-# per GPU, default 4, split between steps run as a+b) (12 per H200 ran out of GPU memory), SANITIZE_COSTS (costs.json of an earlier run).
+# per GPU, default 4, split between steps run as a+b) (12 per H200 ran out of GPU memory), SANITIZE_COSTS (costs.json of an earlier run),
+# SANITIZE_SKIP (summary.json files of earlier calls, "{tool}" replaced by the tool: their clean tests are not rerun).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # What a prebuilt .so (benchmarks/prebuild.sh) must match: python, torch, the sources.
@@ -54,10 +55,14 @@ sanitize() {  # $1 = memcheck | racecheck | synccheck; $2 = sanitizer steps runn
   # per-test seconds of an earlier run (its $OUT/r/sanitizer/<tool>/costs.json) order the queue
   local c=${SANITIZE_COSTS:-benchmarks/results/sanitizer_costs_$1.json}
   [ -f "$c" ] && costs=(--costs "$c")
+  # summary.json files of earlier calls on the same sources (carried): their clean tests are skipped
+  local skip=()
+  # shellcheck disable=SC2206
+  [ -n "${SANITIZE_SKIP:-}" ] && skip=(--skip ${SANITIZE_SKIP//\{tool\}/$1})
   # shellcheck disable=SC2086  # file lists split on spaces on purpose
   python3 benchmarks/sanitize_queue.py --tool "$1" --files ${SANITIZE_FILES:-tests/test_*.py} \
     -k "${SANITIZE_K:-$SANITIZE_K_DEFAULT}" --kernels "$SANITIZE_KERNELS" --unfiltered-files $SANITIZE_UNFILTERED \
-    --workers-per-gpu "$w" --deadline "${SANITIZE_TIMEOUT:-480}" "${costs[@]}" --out "$OUT/r/sanitizer" 2>&1 | tail -80
+    --workers-per-gpu "$w" --deadline "${SANITIZE_TIMEOUT:-480}" "${costs[@]}" "${skip[@]}" --out "$OUT/r/sanitizer" 2>&1 | tail -80
 }
 
 run_step() {

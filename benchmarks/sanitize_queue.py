@@ -112,6 +112,10 @@ def parse_args(argv=None):
                    help="aim for about this much estimated test time per process (a process start "
                         "under the sanitizer costs 10-20 s, so cheap tests share one)")
     p.add_argument("--costs", help="JSON {test_id: seconds} from a previous run (its costs.json)")
+    p.add_argument("--skip", nargs="*", default=[],
+                   help="summary.json files of earlier runs of the same tool on the same sources: their "
+                        "clean tests (see clean_ids) are not run again, so a file too big for one call "
+                        "is finished over several")
     p.add_argument("--deadline", type=float, default=None, help="wall budget for the whole run, seconds")
     p.add_argument("--margin", type=float, default=None,
                    help="start no chunk when less than this is left before the deadline "
@@ -294,6 +298,8 @@ class Runner:
         if rc == 99 and errors == 0:  # the tool said error but its summary was lost
             errors = 1
         faults = text.count("Internal Sanitizer Error")
+        # the tool's closing summary line: without it (a killed chunk) its reports may be lost
+        summarized = bool(race or ERR_RE.search(text))
         missing = [t for t in ids if t not in done]
         crashed = bool(missing) and not killed
         requeue = []
@@ -317,7 +323,7 @@ class Runner:
             self.jobs.append({"file": f, "log": os.path.relpath(log, self.dir), "gpu": gpu, "ids": len(ids),
                               "finished": len(done), "rc": rc, "wall_s": round(wall, 1), "killed": killed,
                               "crashed": crashed, "sanitizer_errors": errors, "sanitizer_warnings": warnings,
-                              "tool_faults": faults})
+                              "tool_faults": faults, "summarized": summarized})
             if requeue:
                 self.push(f, requeue)
             self.write_summary()
@@ -355,9 +361,17 @@ class Runner:
             t.start()
         for t in ts:
             t.join()
+        done = set()
+        for path in a.skip:
+            if os.path.exists(path):
+                done |= clean_ids(path, a.tool)
+            else:  # e.g. an unmatched glob: nothing to skip from it
+                print("--skip %s: no such file, ignored" % path, flush=True)
         for f in a.files:
             ids, err = coll[f]
-            self.files[f] = {"ids": ids, "collect_error": err}
+            before = [t for t in ids if match_id(t, done) in done]  # same id, however the rootdir spells it
+            self.files[f] = {"ids": ids, "collect_error": err, "done_before": before}
+            ids = [t for t in ids if t not in done]
             self.est.update(estimates(ids, self.costs))
             for _, chunk in make_chunks(ids, self.est, a.chunk, a.chunk_seconds) if ids else []:
                 self.push(f, chunk)
@@ -380,8 +394,9 @@ class Runner:
     def write_summary(self):
         files, ok = {}, True
         for f, info in self.files.items():
-            ids = info["ids"]
-            c = {"selected": len(ids), "passed": 0, "failed": 0, "error": 0, "skipped": 0}
+            ids = [t for t in info["ids"] if t not in set(info["done_before"])]
+            c = {"selected": len(ids), "done_before": len(info["done_before"]), "passed": 0, "failed": 0,
+                 "error": 0, "skipped": 0}
             for t in ids:
                 if t in self.results:
                     c[BUCKET.get(self.results[t]["outcome"], "error")] += 1
@@ -406,6 +421,34 @@ class Runner:
         costs = dict(self.costs, **self.new_costs)
         atomic_json(os.path.join(self.dir, "costs.json"), dict(sorted(costs.items())))
         return s
+
+
+def clean_ids(summary_path, tool):
+    """Test ids an earlier run (its summary.json, with the chunks' .jsonl records beside it) ran
+    cleanly: passed or skipped, in a chunk of the same tool that ended with the tool's own summary
+    line (not killed before it), reported no sanitizer error and no tool fault. Anything else runs
+    again."""
+    with open(summary_path) as f:
+        s = json.load(f)
+    if s.get("tool") != tool:
+        raise SystemExit("--skip %s: a %s run, not %s" % (summary_path, s.get("tool"), tool))
+    d = os.path.dirname(os.path.abspath(summary_path))
+    out = set()
+    for j in s["jobs"]:
+        if j["sanitizer_errors"] or j["tool_faults"] or j["crashed"] or not j.get("summarized", not j["killed"]):
+            continue
+        rec = os.path.join(d, os.path.splitext(j["log"])[0] + ".jsonl")
+        if not os.path.exists(rec):
+            continue
+        with open(rec) as fh:
+            for line in fh:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if r.get("event") == "finish" and BUCKET.get(r.get("outcome")) in ("passed", "skipped"):
+                    out.add(r["id"])
+    return out
 
 
 def match_id(rid, ids):
@@ -453,6 +496,8 @@ def human(s):
                                                           or not s["kernels"] else " (unfilt.)")
         lines.append(hdr % (name, c["selected"], c["passed"], c["failed"], c["error"], c["skipped"],
                             c["unfinished"], c["sanitizer_errors"]))
+        if c["done_before"]:
+            lines.append("    clean in the --skip runs, not run again: %d" % c["done_before"])
         if c["collect_error"]:
             lines.append("    collection failed: " + c["collect_error"].strip().splitlines()[-1])
         for key, label in (("sanitizer_warnings", "racecheck warnings"), ("tool_faults", "internal sanitizer errors"),

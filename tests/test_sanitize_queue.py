@@ -97,6 +97,24 @@ def test_cpu_deadline_stops_and_still_writes_summary(tmp_path):
     assert c["unfinished_ids"]["test_tiny.py::test_ok"].startswith("not run")
 
 
+@pytest.mark.parametrize("errors", [0, 1])
+def test_cpu_skip_reruns_only_what_was_not_clean(tmp_path, errors):
+    # A first run: test_ok passes, test_bad fails; the second run, given the first's summary,
+    # runs again everything but the clean pass (and, if the tool reported errors, that too).
+    run_queue(tmp_path, "-k", "ok or bad", "--kernels", "", errors=errors)
+    first = tmp_path / "first"
+    (tmp_path / "out").rename(first)
+    assert sanitize_queue.clean_ids(str(first / "racecheck" / "summary.json"), "racecheck") == (
+        set() if errors else {"test_tiny.py::test_ok"})
+    with pytest.raises(SystemExit, match="not memcheck"):
+        sanitize_queue.clean_ids(str(first / "racecheck" / "summary.json"), "memcheck")
+    p, s, c = run_queue(tmp_path, "-k", "ok or bad", "--kernels", "", "--skip",
+                        str(first / "racecheck" / "summary.json"))
+    assert (c["done_before"], c["selected"], c["failed"]) == ((0, 2, 1) if errors else (1, 1, 1))
+    assert c["passed"] == (1 if errors else 0)
+    assert ("clean in the --skip runs, not run again: 1" in p.stdout) == (not errors)
+
+
 def test_cpu_chunks_spread_heavy_ids():
     sq = sanitize_queue
     ids = ["f.py::test_many_shapes[%d]" % i for i in range(4)] + ["f.py::test_small[%d]" % i for i in range(8)]
