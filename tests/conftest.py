@@ -1,5 +1,7 @@
 """Shared test fixtures: the devices under test, dtype tolerances, hypothesis profiles."""
+import contextlib
 import os
+import time
 
 # cuBLAS is only deterministic with a fixed workspace; PyTorch refuses matmuls under
 # torch.use_deterministic_algorithms(True) without it (tests/test_reliability.py). Set
@@ -83,3 +85,24 @@ SANITIZE = os.environ.get("GPU_PUZZLES_SANITIZE") == "1"
 def many(full, sanitized):
     """A repeat count: `full` normally, `sanitized` under the sanitizer."""
     return sanitized if SANITIZE else full
+
+
+# Where the instrumented time goes: with GPU_PUZZLES_SANITIZE_TIMING=<file> each timed case
+# appends "<test id>\t<case>\t<seconds>" to it (one line per write, appended, so the
+# sanitizer's parallel processes can share the file).
+_TIMING = os.environ.get("GPU_PUZZLES_SANITIZE_TIMING")
+
+
+@contextlib.contextmanager
+def sanitize_timing(case):
+    if not _TIMING:
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+        with open(_TIMING, "a") as f:
+            f.write("%s\t%s\t%.2f\n" % (test, case, time.perf_counter() - t0))

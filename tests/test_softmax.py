@@ -6,7 +6,8 @@ import torch
 
 import gpu_puzzles as gp
 
-from conftest import DEVICES, HAS_CUDA, SANITIZE, assert_close_ref, device_dtypes, many, poison_allocator, requires_cuda
+from conftest import (DEVICES, HAS_CUDA, SANITIZE, assert_close_ref, device_dtypes, many, poison_allocator, requires_cuda,
+                      sanitize_timing)
 from strategies import OFFSET, make_tensor
 
 ALGORITHMS = ["auto", "tree", "shuffle", "online"]
@@ -201,6 +202,11 @@ def _poison_cache():
 
 
 def _cuda_check(x, dim, kind, algorithm, dtype, what):
+    with sanitize_timing(what):
+        _cuda_check_(x, dim, kind, algorithm, dtype, what)
+
+
+def _cuda_check_(x, dim, kind, algorithm, dtype, what):
     _poison_cache()
     y = FUNCS[kind][0](x, dim, algorithm=algorithm)
     ref = _ref64(x, dim, kind)
@@ -543,7 +549,9 @@ def test_cuda_variants_extremes(variant, dtype):
             op = torch.ops.gpu_puzzles.softmax if kind == "softmax" else torch.ops.gpu_puzzles.log_softmax
             for xx, dim in lines:
                 _poison_cache()
-                y, r = op(xx, dim, variant).cpu().double(), ref(xx.cpu().double(), dim)
+                with sanitize_timing(f"extremes {kind} n={n}"):
+                    y = op(xx, dim, variant).cpu().double()
+                r = ref(xx.cpu().double(), dim)
                 assert torch.equal(torch.isnan(y), torch.isnan(r)), (variant, n, dim, dtype, kind)
                 tol = 1e-5 if dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(y, r, rtol=tol, atol=tol, equal_nan=True)
@@ -555,13 +563,14 @@ def test_cuda_variants_deterministic(variant):
     # Fixed merge orders: the same input gives the same bits, forward and backward.
     torch.manual_seed(34)
     for shape, dim in (((many(40, 12), 100000), -1), ((many(16, 4), 4096, 256), 1)):
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn_like(x)
-        y = torch.ops.gpu_puzzles.softmax(x, dim, variant)
-        dx = torch.ops.gpu_puzzles.softmax_backward(g, y, dim, variant)
-        for _ in range(2):
-            assert torch.equal(y, torch.ops.gpu_puzzles.softmax(x, dim, variant))
-            assert torch.equal(dx, torch.ops.gpu_puzzles.softmax_backward(g, y, dim, variant))
+        with sanitize_timing(f"deterministic {shape}"):
+            x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+            g = torch.randn_like(x)
+            y = torch.ops.gpu_puzzles.softmax(x, dim, variant)
+            dx = torch.ops.gpu_puzzles.softmax_backward(g, y, dim, variant)
+            for _ in range(2):
+                assert torch.equal(y, torch.ops.gpu_puzzles.softmax(x, dim, variant))
+                assert torch.equal(dx, torch.ops.gpu_puzzles.softmax_backward(g, y, dim, variant))
 
 
 @requires_cuda
