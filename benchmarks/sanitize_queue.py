@@ -251,6 +251,7 @@ class Runner:
         env["CUDA_VISIBLE_DEVICES"] = gpu  # this worker's GPU only
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"  # no pool: memcheck sees every tensor's bounds
         env["GPU_PUZZLES_SANITIZE"] = "1"  # the tests' smaller repeat counts (tests/conftest.py, many)
+        env["GPU_PUZZLES_SANITIZE_TOOL"] = a.tool  # racecheck's lighter profile (tests/conftest.py)
         env["PYTHONPATH"] = os.pathsep.join([HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         # end before the deadline, leaving time for the kill and the summary
         limit = min(a.job_timeout, self.remaining() - min(10.0, a.margin / 2))

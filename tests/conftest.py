@@ -87,6 +87,21 @@ def many(full, sanitized):
     return sanitized if SANITIZE else full
 
 
+# racecheck costs seconds per launch of a kernel with a large shared-memory footprint, whatever
+# the length (H200, 8 processes: 15-50 s per fwd+bwd case of the staged/shared-memory softmax
+# variants). Its hazards come from a kernel's barrier and slot-reuse protocol, which depends on
+# the path and launch shape, not on the values. So under racecheck the variant tests drop
+# the repeats that only change values (softmax and log_softmax alternate over the lengths
+# instead of both at each; misaligned views, which take the older kernels that the all-paths
+# tests cover, are left out). memcheck, synccheck and the plain runs keep every case.
+RACECHECK = SANITIZE and os.environ.get("GPU_PUZZLES_SANITIZE_TOOL") == "racecheck"
+
+
+def kinds_for(i, kinds=("softmax", "log_softmax")):
+    """Both kinds normally; under racecheck one, alternating with the case index i."""
+    return [kinds[i % len(kinds)]] if RACECHECK else list(kinds)
+
+
 # Where the instrumented time goes: with GPU_PUZZLES_SANITIZE_TIMING=<file> each timed case
 # appends "<test id>\t<case>\t<seconds>" to it (one line per write, appended, so the
 # sanitizer's parallel processes can share the file).
