@@ -13,7 +13,8 @@
 # every tests/test_*.py), SANITIZE_K (pytest -k, default below), SANITIZE_KERNELS, SANITIZE_UNFILTERED,
 # SANITIZE_TIMEOUT (deadline of each sanitizer step, s, default 480), SANITIZE_WORKERS (processes
 # per GPU, default 4, split between steps run as a+b) (12 per H200 ran out of GPU memory), SANITIZE_COSTS (costs.json of an earlier run),
-# SANITIZE_SKIP (summary.json files of earlier calls, "{tool}" replaced by the tool: their clean tests are not rerun).
+# SANITIZE_SKIP (summary.json files of earlier calls, "{tool}" replaced by the tool: their clean tests are not rerun);
+# SANITIZE_FILES_<tool> and SANITIZE_WORKERS_<tool> override the two for one tool.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # What a prebuilt .so (benchmarks/prebuild.sh) must match: python, torch, the sources.
@@ -50,7 +51,12 @@ sanitize() {  # $1 = memcheck | racecheck | synccheck; $2 = sanitizer steps runn
   # deadline so the summary is written; a killed chunk still records which tests finished.
   # No caching allocator: every tensor is its own allocation, so memcheck sees out-of-bounds
   # accesses that the pool would otherwise hide. Steps run at once (a+b) share the workers.
+  # SANITIZE_FILES_<tool> / SANITIZE_WORKERS_<tool> set one tool's files / processes per GPU apart
+  # from the others (e.g. STEPS=memcheck+racecheck over different files in one call)
+  local fv="SANITIZE_FILES_$1" wv="SANITIZE_WORKERS_$1"
+  local files=${!fv:-${SANITIZE_FILES:-tests/test_*.py}}
   local w=$(( ${SANITIZE_WORKERS:-4} / ${2:-1} )) costs=()
+  [ -n "${!wv:-}" ] && w=${!wv}
   [ "$w" -ge 1 ] || w=1
   # per-test seconds of an earlier run (its $OUT/r/sanitizer/<tool>/costs.json) order the queue
   local c=${SANITIZE_COSTS:-benchmarks/results/sanitizer_costs_$1.json}
@@ -60,7 +66,7 @@ sanitize() {  # $1 = memcheck | racecheck | synccheck; $2 = sanitizer steps runn
   # shellcheck disable=SC2206
   [ -n "${SANITIZE_SKIP:-}" ] && skip=(--skip ${SANITIZE_SKIP//\{tool\}/$1})
   # shellcheck disable=SC2086  # file lists split on spaces on purpose
-  python3 benchmarks/sanitize_queue.py --tool "$1" --files ${SANITIZE_FILES:-tests/test_*.py} \
+  python3 benchmarks/sanitize_queue.py --tool "$1" --files $files \
     -k "${SANITIZE_K:-$SANITIZE_K_DEFAULT}" --kernels "$SANITIZE_KERNELS" --unfiltered-files $SANITIZE_UNFILTERED \
     --workers-per-gpu "$w" --deadline "${SANITIZE_TIMEOUT:-480}" "${costs[@]}" "${skip[@]}" --out "$OUT/r/sanitizer" 2>&1 | tail -80
 }

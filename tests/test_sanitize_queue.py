@@ -115,6 +115,34 @@ def test_cpu_skip_reruns_only_what_was_not_clean(tmp_path, errors):
     assert ("clean in the --skip runs, not run again: 1" in p.stdout) == (not errors)
 
 
+def test_cpu_device_run_per_tool_files(tmp_path):
+    # device_run.sh STEPS=memcheck+racecheck with SANITIZE_FILES_<tool> / SANITIZE_WORKERS_<tool>:
+    # each tool runs its own files with its own process count, in one call (fake sanitizer).
+    import shutil
+    (tmp_path / "benchmarks").mkdir()
+    for f in ("device_run.sh", "sanitize_queue.py"):
+        shutil.copy(os.path.join(ROOT, "benchmarks", f), tmp_path / "benchmarks" / f)
+    (tmp_path / "fake_sanitizer.py").write_text(textwrap.dedent(FAKE))
+    (tmp_path / "test_one.py").write_text("def test_a():\n    pass\n")
+    (tmp_path / "test_two.py").write_text("def test_b():\n    pass\ndef test_c():\n    pass\n")
+    bindir = os.path.dirname(sys.executable)
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], OUT=str(tmp_path / "out"),
+               STEPS="memcheck+racecheck", SANITIZE_FILES_memcheck="test_one.py", SANITIZE_FILES_racecheck="test_two.py",
+               SANITIZE_WORKERS="4", SANITIZE_WORKERS_racecheck="3", SANITIZE_TIMEOUT="60", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+               SANITIZE_QUEUE_LAUNCHER="%s %s" % (sys.executable, tmp_path / "fake_sanitizer.py"))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if not shutil.which("python3", path=env["PATH"]):
+        pytest.skip("no python3 on PATH")
+    p = subprocess.run(["bash", "benchmarks/device_run.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    out = tmp_path / "out" / "r" / "sanitizer"
+    mem = json.loads((out / "memcheck" / "summary.json").read_text())
+    race = json.loads((out / "racecheck" / "summary.json").read_text())
+    assert list(mem["files"]) == ["test_one.py"] and list(race["files"]) == ["test_two.py"], p.stdout + p.stderr
+    assert mem["files"]["test_one.py"]["passed"] == 1 and race["files"]["test_two.py"]["passed"] == 2
+    assert mem["workers_per_gpu"] == 2 and race["workers_per_gpu"] == 3  # 4 split over two steps; set apart
+
+
 def test_cpu_chunks_spread_heavy_ids():
     sq = sanitize_queue
     ids = ["f.py::test_many_shapes[%d]" % i for i in range(4)] + ["f.py::test_small[%d]" % i for i in range(8)]
