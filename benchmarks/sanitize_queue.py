@@ -370,9 +370,9 @@ class Runner:
                 print("--skip %s: no such file, ignored" % path, flush=True)
         for f in a.files:
             ids, err = coll[f]
-            before = [t for t in ids if match_id(t, done) in done]  # same id, however the rootdir spells it
-            self.files[f] = {"ids": ids, "collect_error": err, "done_before": before}
-            ids = [t for t in ids if t not in done]
+            before = {t for t in ids if match_id(t, done) in done}  # same id, however the rootdir spells it
+            ids = [t for t in ids if t not in before]  # what this run selects
+            self.files[f] = {"ids": ids, "collect_error": err, "done_before": len(before)}
             self.est.update(estimates(ids, self.costs))
             for _, chunk in make_chunks(ids, self.est, a.chunk, a.chunk_seconds) if ids else []:
                 self.push(f, chunk)
@@ -395,8 +395,8 @@ class Runner:
     def write_summary(self):
         files, ok = {}, True
         for f, info in self.files.items():
-            ids = [t for t in info["ids"] if t not in set(info["done_before"])]
-            c = {"selected": len(ids), "done_before": len(info["done_before"]), "passed": 0, "failed": 0,
+            ids = info["ids"]
+            c = {"selected": len(ids), "done_before": info["done_before"], "passed": 0, "failed": 0,
                  "error": 0, "skipped": 0}
             for t in ids:
                 if t in self.results:

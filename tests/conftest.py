@@ -55,11 +55,6 @@ def assert_close_ref(actual, ref, dtype, what=""):
     assert err <= TOL[dtype] * scale * 4, f"{what}: max error {err:.3e} > {TOL[dtype] * scale * 4:.3e} ({dtype})"
 
 
-def poison(t):
-    """Fill with NaN so any element a kernel fails to write shows up."""
-    return t.fill_(float("nan"))
-
-
 # Without the caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1, as in the sanitizer
 # runs) freed blocks go back to the driver: nothing to poison, and the fill would only
 # cost instrumented time.

@@ -582,7 +582,7 @@ def test_cuda_variant_environment(tmp_path):
     import sys
     script = tmp_path / "child.py"
     # Under the sanitizer each child is instrumented too: fewer rows, same paths.
-    rows, outer = (4, 2) if SANITIZE else (64, 8)
+    rows, outer = many(64, 4), many(8, 2)
     script.write_text(
         "import sys, torch, gpu_puzzles\n"
         "torch.manual_seed(0)\n"
