@@ -79,6 +79,15 @@ def test_cpu_timeout_requeues_rest_and_failure_fails(tmp_path):
     assert "unfinished: test_tiny.py::test_long_sleep (timeout" in p.stdout
 
 
+def test_cpu_exclude_kernels_reaches_the_sanitizer(tmp_path):
+    # unfiltered (no --kernel-name) yet cuBLAS's kernels left out: both show in the command and summary
+    p, s, c = run_queue(tmp_path, "-k", "ok", "--kernels", "", "--exclude-kernels", "kns=nvjet")
+    assert p.returncode == 0, p.stdout + p.stderr
+    log = (tmp_path / "out" / "racecheck" / s["jobs"][0]["log"]).read_text()
+    assert "--kernel-name-exclude kns=nvjet" in log and "--kernel-name " not in log
+    assert s["exclude_kernels"] == "kns=nvjet" and "excluded: kns=nvjet" in p.stdout
+
+
 @pytest.mark.parametrize("errors,race", [(0, False), (1, False), (25, False), (1, True)])
 def test_cpu_sanitizer_errors_set_exit_code(tmp_path, errors, race):
     p, s, c = run_queue(tmp_path, "-k", "ok", "--kernels", "", errors=errors, race=race)
