@@ -14,6 +14,8 @@
 # SANITIZE_TIMEOUT (deadline of each sanitizer step, s, default 480), SANITIZE_WORKERS (processes
 # per GPU, default 4, split between steps run as a+b) (12 per H200 ran out of GPU memory), SANITIZE_COSTS (costs.json of an earlier run),
 # SANITIZE_KERNELS_EXCLUDE (--kernel-name-exclude for racecheck/synccheck, every file, e.g. kns=nvjet),
+# SANITIZE_FOREIGN (racecheck: kernel-name substrings whose own reports are counted apart, default nvjet:
+# cuBLAS, see benchmarks/cublas_racecheck_repro.py), SANITIZE_CHUNK (most tests per process, default 25),
 # SANITIZE_SKIP (summary.json files of earlier calls, "{tool}" replaced by the tool: their clean tests are not rerun);
 # SANITIZE_FILES_<tool> and SANITIZE_WORKERS_<tool> override the two for one tool.
 set -uo pipefail
@@ -68,7 +70,7 @@ sanitize() {  # $1 = memcheck | racecheck | synccheck; $2 = sanitizer steps runn
   [ -n "${SANITIZE_SKIP:-}" ] && skip=(--skip ${SANITIZE_SKIP//\{tool\}/$1})
   # shellcheck disable=SC2086  # file lists split on spaces on purpose
   python3 benchmarks/sanitize_queue.py --tool "$1" --files $files \
-    -k "${SANITIZE_K:-$SANITIZE_K_DEFAULT}" --kernels "$SANITIZE_KERNELS" --exclude-kernels "${SANITIZE_KERNELS_EXCLUDE:-}" --unfiltered-files $SANITIZE_UNFILTERED \
+    -k "${SANITIZE_K:-$SANITIZE_K_DEFAULT}" --kernels "$SANITIZE_KERNELS" --exclude-kernels "${SANITIZE_KERNELS_EXCLUDE:-}" --foreign-kernels "${SANITIZE_FOREIGN-nvjet}" --chunk "${SANITIZE_CHUNK:-25}" --unfiltered-files $SANITIZE_UNFILTERED \
     --workers-per-gpu "$w" --deadline "${SANITIZE_TIMEOUT:-480}" "${costs[@]}" "${skip[@]}" --out "$OUT/r/sanitizer" 2>&1 | tail -80
 }
 

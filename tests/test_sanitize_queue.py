@@ -22,8 +22,14 @@ while args and args[0].startswith("--"):  # compute-sanitizer's options, each wi
 print("fake sanitizer on GPU", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
 rc = subprocess.call(args)
 n = int(os.environ.get("FAKE_ERRORS", "0"))
-if os.environ.get("FAKE_RACE"):  # racecheck's own summary line, with warnings
-    print("========= RACECHECK SUMMARY: %d hazards displayed (%d errors, 2 warnings)" % (n + 2, n), flush=True)
+if os.environ.get("FAKE_RACE"):  # racecheck's reports and its own summary line, with warnings
+    f = int(os.environ.get("FAKE_FOREIGN", "0"))  # reports inside cuBLAS-like kernels
+    for i, k in enumerate(["nvjet_sm90_tst_splitK_NTN"] * f + ["void gpu_puzzles::k<float>(int)"] * n):
+        print("========= Error: Race reported between Read access at %s+0xaf0" % k)
+        print("=========     and Write access at %s+0x2f10 [20 hazards]" % k)
+        print("========= ")
+    print("========= RACECHECK SUMMARY: %d hazards displayed (%d errors, 2 warnings)" % (n + f + 2, n + f), flush=True)
+    n += f
 else:
     if n > 1:  # past --print-limit the tool prints this line first (once the limit was 1)
         print("========= ERROR SUMMARY: %d errors were not printed. Use --print-limit" % (n - 1), flush=True)
@@ -44,7 +50,7 @@ def test_cpu_only():  # deselected by the default -k
 """
 
 
-def run_queue(tmp_path, *args, errors=0, race=False):
+def run_queue(tmp_path, *args, errors=0, race=False, foreign=0):
     (tmp_path / "fake_sanitizer.py").write_text(textwrap.dedent(FAKE))
     (tmp_path / "test_tiny.py").write_text(textwrap.dedent(TESTS))
     env = dict(os.environ, FAKE_ERRORS=str(errors), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
@@ -52,6 +58,7 @@ def run_queue(tmp_path, *args, errors=0, race=False):
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if race:
         env["FAKE_RACE"] = "1"
+    env["FAKE_FOREIGN"] = str(foreign)
     p = subprocess.run([sys.executable, SCRIPT, "--tool", "racecheck", "--files", "test_tiny.py",
                         "--out", "out", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=60)
@@ -77,6 +84,21 @@ def test_cpu_timeout_requeues_rest_and_failure_fails(tmp_path):
     assert set(costs) == {"test_tiny.py::test_ok", "test_tiny.py::test_bad", "test_tiny.py::test_long_sleep"}
     assert costs["test_tiny.py::test_long_sleep"] >= 2
     assert "unfinished: test_tiny.py::test_long_sleep (timeout" in p.stdout
+
+
+@pytest.mark.parametrize("ours", [0, 1])
+def test_cpu_foreign_kernel_reports_counted_apart(tmp_path, ours):
+    # three reports inside nvjet kernels: not errors; one in our kernel beside them still is
+    p, s, c = run_queue(tmp_path, "-k", "ok", "--kernels", "", "--foreign-kernels", "nvjet,cutlass",
+                        errors=ours, race=True, foreign=3)
+    assert p.returncode == ours, p.stdout + p.stderr
+    assert (c["sanitizer_errors"], c["foreign_errors"]) == (ours, 3)
+    assert c["foreign_kernels"] == ["nvjet_sm90_tst_splitK_NTN"] and s["ok"] == (not ours)
+    log = (tmp_path / "out" / "racecheck" / s["jobs"][0]["log"]).read_text()
+    assert "--print-limit 0" in log  # none hidden past a limit
+    assert "reports inside foreign kernels only (not counted): 3" in p.stdout
+    clean = sanitize_queue.clean_ids(str(tmp_path / "out" / "racecheck" / "summary.json"), "racecheck")
+    assert clean == (set() if ours else {"test_tiny.py::test_ok"})
 
 
 def test_cpu_exclude_kernels_reaches_the_sanitizer(tmp_path):
