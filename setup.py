@@ -3,7 +3,9 @@
 CUDA kernels are compiled whenever a CUDA toolkit is found (a GPU is not needed:
 CI has none).  With no GPU visible and TORCH_CUDA_ARCH_LIST unset we build for
 sm_80 and sm_90 only, which keeps the 2-core build short; TORCH_CUDA_ARCH_LIST
-always wins.
+always wins, except that with the CUTLASS headers present (CUTLASS_PATH, or the
+nvidia-cutlass wheel) 9.0 is built as 9.0a for the LayerNorm+Linear EVT GEMM.
+GPU_PUZZLES_NO_CUTLASS=1 builds without it.
 """
 import glob
 import os
@@ -84,6 +86,52 @@ def _check_compiler():
                        "that links it dynamically was found; set CXX/CC to one that does")
 
 
+def _cutlass_include_dirs():
+    """CUTLASS 3/4 header dirs (include/, tools/util/include/), or None.
+
+    From CUTLASS_PATH (a CUTLASS checkout), else from an installed nvidia-cutlass
+    wheel's cutlass_library package (located, not imported: its __init__ does work).
+    """
+    roots = []
+    if os.environ.get("CUTLASS_PATH"):
+        roots.append(os.environ["CUTLASS_PATH"])
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("cutlass_library")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        roots += [os.path.join(p, "source") for p in spec.submodule_search_locations]
+    for root in roots:
+        dirs = [os.path.join(root, "include"), os.path.join(root, "tools", "util", "include")]
+        if (os.path.isfile(os.path.join(dirs[0], "cutlass", "epilogue", "fusion", "sm90_visitor_tma_warpspecialized.hpp"))
+                and os.path.isfile(os.path.join(dirs[1], "cutlass", "util", "packed_stride.hpp"))):
+            return dirs
+    return None
+
+
+def _arch_list_with_sm90a():
+    """TORCH_CUDA_ARCH_LIST with 9.0 -> 9.0a, or None if it targets no 9.0 GPU.
+
+    The CUTLASS kernels use wgmma/TMA (sm_90a only); a plain 9.0 image would hold
+    CUTLASS's do-nothing stubs. Unset list with a GPU visible: the visible GPUs'
+    capabilities, as torch would pick them.
+    """
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not arch or arch == "native":
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        if not caps:
+            return None
+        arch = ";".join(f"{a}.{b}" for a, b in caps) + "+PTX"
+    out = []
+    for a in arch.replace(" ", ";").split(";"):
+        if not a:
+            continue
+        base, ptx = (a[:-4], "+PTX") if a.endswith("+PTX") else (a, "")
+        out.append(("9.0a" if base == "9.0" else base) + ptx)
+    return ";".join(out) if any(a.startswith("9.0a") for a in out) else None
+
+
 def extensions():
     _check_compiler()
     with_cuda = _want_cuda()
@@ -96,9 +144,27 @@ def extensions():
     if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
     nvcc_flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    # The sm_90 LayerNorm+Linear forward (one CUTLASS GEMM with the statistics in its
+    # epilogue) needs the CUTLASS headers and an sm_90a image; without them the op
+    # uses cuBLAS + a separate epilogue pass everywhere.
+    if os.environ.get("GPU_PUZZLES_NO_CUTLASS", "0") != "1":
+        cutlass_dirs = _cutlass_include_dirs()
+        arch90a = _arch_list_with_sm90a() if cutlass_dirs else None
+        if cutlass_dirs and arch90a:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch90a
+            include_dirs += cutlass_dirs
+            cxx_flags = cxx_flags + ["-DGPU_PUZZLES_WITH_CUTLASS=1"]
+            nvcc_flags = nvcc_flags + ["-DGPU_PUZZLES_WITH_CUTLASS=1"]
+        elif not cutlass_dirs:
+            print("gpu_puzzles: CUTLASS headers not found (set CUTLASS_PATH or pip install nvidia-cutlass); "
+                  "building the LayerNorm+Linear forward without the sm_90 CUTLASS GEMM")
+        else:
+            print("gpu_puzzles: TORCH_CUDA_ARCH_LIST has no 9.0 target; building the LayerNorm+Linear "
+                  "forward without the sm_90 CUTLASS GEMM")
     return [CUDAExtension(
         "gpu_puzzles._C", cpp + cu,
-        include_dirs=[os.path.join(ROOT, "csrc")],
+        include_dirs=include_dirs,
         define_macros=[("WITH_CUDA", None)],
         extra_compile_args={"cxx": cxx_flags + ["-DWITH_CUDA"], "nvcc": nvcc_flags},
     )]

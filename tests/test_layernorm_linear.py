@@ -1,5 +1,8 @@
 """layer_norm, fused_layernorm_linear, unfused_layernorm_linear: seed config, float64
 references, large-mean inputs, gradients, opcheck, compile, bad input."""
+import functools
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -447,6 +450,189 @@ def test_cuda_backward_deterministic():
         again = torch.autograd.grad(gp.fused_layernorm_linear(x, lw, lb, W, b), (x, lw, lb), g)
         for a, c in zip(first, again):
             assert torch.equal(a, c)
+
+
+# ---- CUDA-only: the sm_90 one-GEMM forward (CUTLASS GEMM with the statistics in its epilogue) ----
+# Taken for bf16/fp16 on a compute capability 9.0 device when the build found CUTLASS, H and N
+# are multiples of 8 and x is 16-byte aligned (GPU_PUZZLES_LNLINEAR_EVT=0 turns it off);
+# everything else takes cuBLAS + the epilogue pass. The CUTLASS kernel is recognised by its
+# name in the profiler's kernel list.
+
+EVT_ENV = "GPU_PUZZLES_LNLINEAR_EVT"
+# Our CUTLASS kernel's demangled name (cuBLAS kernels are named differently; the epilogue
+# node's name comes late in a very long name, in case the profiler shortens it).
+EVT_KERNEL_MARKS = ("cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal", "Sm90ColBroadcast")
+
+
+@functools.lru_cache(maxsize=None)
+def _evt_built():
+    """Whether the built library holds the CUTLASS forward (a marker string the build embeds)."""
+    with open(gp._C.__file__, "rb") as f:
+        data = f.read()
+    assert b"gpu_puzzles_lnlinear_evt_built=" in data, "build marker missing from the library"
+    return b"gpu_puzzles_lnlinear_evt_built=1" in data
+
+
+def _evt_expected():
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _evt_built()
+            and os.environ.get(EVT_ENV) != "0")
+
+
+def _kernels(fn):
+    """Names of the CUDA kernels `fn` launches, and its result."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA], out
+
+
+def _ran_evt(names):
+    return any(m in n for n in names for m in EVT_KERNEL_MARKS)
+
+
+def _ref_and_eager_err(x, lw, lb, W, b):
+    y_ref = _ref(x, lw, lb, W, b)[0]
+    eager = F.linear(F.layer_norm(x, (x.shape[-1],), lw, lb), W, b)
+    return y_ref, (eager.double() - y_ref).abs().max().item()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,H,N", [
+    (300, 264, 520),    # M, N, H not multiples of the tile (128 x 128/256 x 64); K < 2048: ping-pong config
+    (1, 8, 8),          # smallest legal problem
+    (129, 136, 8),      # a single partial column tile
+    (1000, 1024, 256),  # K < 2048
+    (257, 2048, 136),   # K = 2048: cooperative 128x256 config, partial tiles both ways
+    (333, 4104, 520),   # K >= 2048, K not a multiple of 64
+])
+def test_cuda_evt_matches_reference(dtype, M, H, N):
+    torch.manual_seed(M + H + N)
+    x = (torch.randn(M, H, dtype=torch.float64) * 2 + torch.randn(M, 1, dtype=torch.float64)).to("cuda", dtype)
+    lw, lb, W, b = _params(H, N, "cuda", dtype, seed=H)
+    for bias in (b, None):
+        y_ref, err_eager = _ref_and_eager_err(x, lw, lb, W, bias)
+        _poison_allocator()
+        names, y = _kernels(lambda: gp.fused_layernorm_linear(x, lw, lb, W, bias))
+        assert y.shape == (M, N) and y.dtype == dtype
+        assert not torch.isnan(y).any(), "an output element was not written"
+        scale = max(1.0, y_ref.abs().max().item())
+        err = (y.double() - y_ref).abs().max().item()
+        assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"error {err:.3e} vs eager {err_eager:.3e}"
+        if _evt_expected():
+            assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,H,N", [(517, 1024, 264), (300, 2048, 520)])  # both configs
+def test_cuda_evt_large_mean_rows(dtype, M, H, N):
+    # Rows with mean 1e3 and a small spread (|mean| * rstd >> 16) beside ordinary rows: the
+    # GEMM writes every row, the fix-up recomputes the large-mean rows only and must leave
+    # the others as the GEMM wrote them. Checked row by row against float64.
+    g = torch.Generator().manual_seed(M)
+    big = torch.rand(M, generator=g) < 0.3
+    big[0] = big[-1] = True
+    big[1] = False
+    mean = torch.where(big, 1e3, 0.2).double()
+    std = torch.where(big, 0.5, 1.5).double()
+    x = (mean[:, None] + std[:, None] * torch.randn(M, H, generator=g, dtype=torch.float64)).to("cuda", dtype)
+    lw, lb, W, b = _params(H, N, "cuda", dtype, seed=N)
+    y_ref = _ref(x, lw, lb, W, b)[0]
+    eager = F.linear(F.layer_norm(x, (H,), lw, lb), W, b).double()
+    _poison_allocator()
+    names, y = _kernels(lambda: gp.fused_layernorm_linear(x, lw, lb, W, b))
+    assert not torch.isnan(y).any(), "an output element was not written"
+    err = (y.double() - y_ref).abs().amax(-1)
+    err_eager = (eager - y_ref).abs().amax(-1)
+    scale = y_ref.abs().amax(-1).clamp_min(1.0)
+    bad = (err > 2 * err_eager + 4 * TOL[dtype] * scale).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad[:10]} (large-mean: {big[bad[:10]].tolist()}) err {err[bad[:10]].tolist()}"
+    if _evt_expected():
+        assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["misaligned_x", "H_not_8", "N_not_8"])
+def test_cuda_evt_fallback_conditions(dtype, case):
+    # TMA needs 16-byte aligned bases and rows: these take cuBLAS + the epilogue pass,
+    # and stay correct.
+    torch.manual_seed(7)
+    M, H, N = {"misaligned_x": (200, 256, 136), "H_not_8": (200, 260, 136), "N_not_8": (200, 264, 516)}[case]
+    if case == "misaligned_x":
+        x = (torch.randn(M * H + 1, device="cuda", dtype=dtype) + 0.3)[1:].view(M, H)
+        assert x.data_ptr() % 16 != 0
+    else:
+        x = torch.randn(M, H, device="cuda", dtype=dtype) + 0.3
+    lw, lb, W, b = _params(H, N, "cuda", dtype, seed=H + N)
+    y_ref, err_eager = _ref_and_eager_err(x, lw, lb, W, b)
+    _poison_allocator()
+    names, y = _kernels(lambda: gp.fused_layernorm_linear(x, lw, lb, W, b))
+    assert not torch.isnan(y).any(), "an output element was not written"
+    scale = max(1.0, y_ref.abs().max().item())
+    err = (y.double() - y_ref).abs().max().item()
+    assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"error {err:.3e} vs eager {err_eager:.3e}"
+    assert not _ran_evt(names), f"{case} must not take the CUTLASS path, kernels: {names}"
+
+
+_EVT_OFF_CHILD = r"""
+import sys, torch
+import gpu_puzzles as gp
+from torch.profiler import ProfilerActivity, profile
+x, lw, lb, W, b = [t.cuda() for t in torch.load(sys.argv[1])]
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    y = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    torch.cuda.synchronize()
+names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+torch.save({"y": y.cpu(), "evt": any(m in n for n in names for m in %r)}, sys.argv[2])
+""" % (EVT_KERNEL_MARKS,)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_evt_env_off_agrees(dtype, tmp_path):
+    # GPU_PUZZLES_LNLINEAR_EVT=0 (read once per process: a child process) takes cuBLAS + the
+    # epilogue pass; both paths agree within the dtype's tolerance and match float64.
+    import subprocess
+    import sys
+    torch.manual_seed(3)
+    M, H, N = 1030, 2048, 776
+    x = _large_mean_x((M,), H, [0.0, 0.5, 1000.0, -3.0], "cuda", dtype, seed=9)
+    lw, lb, W, b = _params(H, N, "cuda", dtype, seed=4)
+    names, y = _kernels(lambda: gp.fused_layernorm_linear(x, lw, lb, W, b))
+    if _evt_expected():
+        assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
+    inp, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save([t.cpu() for t in (x, lw, lb, W, b)], inp)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(gp.__file__)))
+    env = dict(os.environ, **{EVT_ENV: "0"})
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    subprocess.run([sys.executable, "-c", _EVT_OFF_CHILD, str(inp), str(out)], check=True, env=env, timeout=300)
+    res = torch.load(out)
+    assert not res["evt"], "GPU_PUZZLES_LNLINEAR_EVT=0 still ran the CUTLASS GEMM"
+    y_off = res["y"].double()
+    y_ref, err_eager = _ref_and_eager_err(x, lw, lb, W, b)
+    y_ref = y_ref.cpu()
+    scale = max(1.0, y_ref.abs().max().item())
+    for name, yy in (("evt", y.double().cpu()), ("off", y_off)):
+        err = (yy - y_ref).abs().max().item()
+        assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"{name}: error {err:.3e} vs eager {err_eager:.3e}"
+    diff = (y.double().cpu() - y_off).abs().max().item()
+    assert diff <= 4 * TOL[dtype] * scale, f"EVT and EVT=0 differ by {diff:.3e}"
+
+
+@requires_cuda
+def test_cuda_evt_build_marker_present():
+    # The marker the EVT tests use to know whether CUTLASS was built in; on an sm_90 device
+    # a CUTLASS build must actually take the path (else the tests above silently test cuBLAS).
+    built = _evt_built()
+    if torch.cuda.get_device_capability() == (9, 0) and built and os.environ.get(EVT_ENV) != "0":
+        x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+        lw, lb, W, b = _params(512, 256, "cuda", torch.bfloat16)
+        names, _ = _kernels(lambda: gp.fused_layernorm_linear(x, lw, lb, W, b))
+        assert _ran_evt(names), f"CUTLASS build on sm_90 but the EVT GEMM did not run: {names}"
 
 
 @pytest.mark.parametrize("device,dtype", device_dtypes())

@@ -16,7 +16,10 @@
 // It moves more bytes than normalising first (2*N*H for the fold + 2*M*N for the
 // epilogue's pass over z, against 2*M*H for writing and re-reading xn): at N >= H
 // only a GEMM with the epilogue inside it can beat eager; the rule (never
-// write the normalised activation) keeps this form.
+// write the normalised activation) keeps this form. On sm_90 (bf16/fp16, built with
+// CUTLASS, see use_evt) that GEMM is a CUTLASS kernel whose epilogue applies the
+// statistics (lnlinear_evt_sm90.cu); a fix-up pass then recomputes the large-mean
+// rows only. Elsewhere: cuBLAS + the separate epilogue pass.
 // Backward: xn = gamma*xhat + beta is materialised (backward only) for
 // dW = dy^T xn; d(xn) = dy W; our LayerNorm backward gives dx, dgamma, dbeta.
 #include <ATen/ATen.h>
@@ -26,6 +29,9 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -284,6 +290,43 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
   return {dx, dg, db};
 }
 
+#ifdef WITH_CUDA
+// Marker for tests (they search the built library for it): whether this build
+// holds the CUTLASS EVT forward.
+#ifdef GPU_PUZZLES_WITH_CUTLASS
+[[gnu::used]] const char kEvtBuildMarker[] = "gpu_puzzles_lnlinear_evt_built=1";
+#else
+[[gnu::used]] const char kEvtBuildMarker[] = "gpu_puzzles_lnlinear_evt_built=0";
+#endif
+
+// GPU_PUZZLES_LNLINEAR_EVT=0 turns the EVT forward off (read once: tests and
+// benchmarks compare both paths in separate processes).
+bool evt_enabled_by_env() {
+  static const bool on = [] {
+    const char* v = std::getenv("GPU_PUZZLES_LNLINEAR_EVT");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// The one-GEMM forward (lnlinear_evt_sm90.cu) needs: a CUTLASS build, a compute
+// capability 9.0 device running the sm_90a kernels, bf16/fp16, TMA-legal rows
+// (H and N multiples of 8 elements, 16-byte aligned bases) and int-sized M, N, H.
+bool use_evt(const Tensor& x, const Tensor& wc, int64_t M, int64_t N, int64_t H, DType dt) {
+#ifdef GPU_PUZZLES_WITH_CUTLASS
+  const int64_t kIntMax = 2147483647LL;
+  return (dt == DType::BFloat16 || dt == DType::Float16) && M >= 1 && M <= kIntMax && N >= 1 && N <= kIntMax &&
+         H <= kIntMax && H % 8 == 0 && N % 8 == 0 && aligned16(x.data_ptr()) && aligned16(wc.data_ptr()) &&
+         evt_enabled_by_env() && lnlinear_evt_available(dt);
+#else
+  (void)x, (void)wc, (void)M, (void)N, (void)H, (void)dt;
+  return false;
+#endif
+}
+#endif
+
 Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const Tensor& W_,
                            const c10::optional<Tensor>& b_, double eps, bool cuda) {
   const char* op = "fused_layernorm_linear";
@@ -307,10 +350,31 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
     GP_CUDA_CHECK_STATUS(lnlinear_fold_weight_cuda(W.data_ptr(), g.data_ptr(), be.data_ptr(),
                                                    b ? b->data_ptr() : nullptr, wc.data_ptr(), r.data_ptr(),
                                                    bp.data_ptr(), N, H, dt, s));
-    z = at::mm(x.view({M, H}), wc.t()).contiguous();  // cuBLAS
-    GP_CUDA_CHECK_STATUS(lnlinear_epilogue_cuda(z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(),
-                                                b ? b->data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(),
-                                                r.data_ptr(), bp.data_ptr(), M, N, H, dt, current_stream()));
+    if (use_evt(x, wc, M, N, H, dt)) {
+      // sm_90a: one CUTLASS GEMM with the statistics applied in its epilogue, then
+      // only the large-mean rows are recomputed (see lnlinear_evt_sm90.cu).
+      z = at::empty({M, N}, x.options());
+      const size_t ws_bytes = lnlinear_evt_workspace_bytes(M, N, H, dt);
+      Tensor ws;
+      if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+      const LaunchStatus st =
+          lnlinear_evt_gemm_cuda(x.data_ptr(), wc.data_ptr(), mean.data_ptr(), rstd.data_ptr(), r.data_ptr(),
+                                 bp.data_ptr(), z.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H, dt, s);
+      if (st == cudaErrorNotSupported) {
+        z.reset();  // CUTLASS refused this problem (nothing was launched): the general path below
+      } else {
+        GP_CUDA_CHECK_STATUS(st);
+        GP_CUDA_CHECK_STATUS(lnlinear_large_mean_fixup_cuda(z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(),
+                                                            W.data_ptr(), b ? b->data_ptr() : nullptr,
+                                                            mean.data_ptr(), rstd.data_ptr(), M, N, H, dt, s));
+      }
+    }
+    if (!z.defined()) {
+      z = at::mm(x.view({M, H}), wc.t()).contiguous();  // cuBLAS
+      GP_CUDA_CHECK_STATUS(lnlinear_epilogue_cuda(z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(),
+                                                  W.data_ptr(), b ? b->data_ptr() : nullptr, mean.data_ptr(),
+                                                  rstd.data_ptr(), r.data_ptr(), bp.data_ptr(), M, N, H, dt, s));
+    }
 #endif
   } else {
     GP_DISPATCH(x, "fused_layernorm_linear_cpu", [&] {

@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/dtype.h"
@@ -49,6 +50,25 @@ LaunchStatus lnlinear_epilogue_cuda(void* z, const void* x, const void* gamma, c
                                     const void* W, const void* b, const void* mean,
                                     const void* rstd, const void* r, const void* bp, int64_t M,
                                     int64_t N, int64_t H, DType dtype, cudaStream_t stream);
+
+// After lnlinear_evt_gemm_cuda: recompute only the rows with |mean|*rstd >
+// kLnLinearMaxMeanRatio in y (M, N), as lnlinear_epilogue_cuda does; other rows
+// are left untouched (only their mean/rstd are read).
+LaunchStatus lnlinear_large_mean_fixup_cuda(void* y, const void* x, const void* gamma, const void* beta,
+                                            const void* W, const void* b, const void* mean, const void* rstd,
+                                            int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream);
+
+// sm_90a only (lnlinear_evt_sm90.cu, built with CUTLASS): one GEMM x @ wc^T (x (M, K),
+// wc (N, K), both row-major) whose epilogue writes y = rstd*(acc - mean*r) + bp
+// (fp32 statistics and vectors). bf16 / fp16.
+// Available: built with CUTLASS, the current device is compute capability 9.0 and
+// runs the real sm_90a kernels. The caller also needs N % 8 == 0, K % 8 == 0,
+// 16-byte aligned x, wc, y and M, N, K < 2^31; otherwise cudaErrorNotSupported.
+bool lnlinear_evt_available(DType dtype);
+size_t lnlinear_evt_workspace_bytes(int64_t M, int64_t N, int64_t K, DType dtype);
+LaunchStatus lnlinear_evt_gemm_cuda(const void* x, const void* wc, const void* mean, const void* rstd,
+                                    const void* r, const void* bp, void* y, void* workspace, int64_t M,
+                                    int64_t N, int64_t K, DType dtype, cudaStream_t stream);
 
 // The curriculum's fused kernel (puzzle 20): one thread per row computes the
 // statistics and then all N outputs. Kept for the notebook's comparison only.

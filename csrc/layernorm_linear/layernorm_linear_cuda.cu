@@ -9,7 +9,10 @@
 //              the per-block partials in a fixed order (deterministic).
 //   fused    : the GEMM x @ Wc^T runs in cuBLAS (host side); here we fold gamma
 //              and beta into W/b and apply the per-row statistics in an
-//              in-place epilogue, so the normalised x is never written.
+//              in-place epilogue, so the normalised x is never written. On
+//              sm_90a the GEMM and the statistics are one CUTLASS kernel
+//              (lnlinear_evt_sm90.cu); the epilogue here then only fixes the
+//              large-mean rows (FIXUP_ONLY).
 // Index arithmetic is 64-bit: M*H and M*N may exceed 2^31.
 #include <atomic>
 #include <cstring>
@@ -483,10 +486,13 @@ __global__ void fold_weight(const T* __restrict__ W, const T* __restrict__ gamma
 // Normal rows: y = rstd*(z - mean*r) + bp. Rows with a large mean (block-uniform
 // branch): each warp recomputes the tile's outputs n as dot(normalised x row, W[n])
 // + b[n] in the accumulate type.
+// FIXUP_ONLY (after the sm_90a EVT GEMM, which already wrote y for every row): normal
+// rows are skipped without touching z (only mean/rstd are read); large-mean rows are
+// recomputed as above.
 constexpr int kEpiVecs = 2;
 constexpr int kEpiMaxThreads = 256;
 
-template <typename T, int VEC>
+template <typename T, int VEC, bool FIXUP_ONLY>
 __global__ void __launch_bounds__(kEpiMaxThreads) lnlinear_epilogue(
     T* __restrict__ z, const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
     const T* __restrict__ W, const T* __restrict__ b, const acc_t<T>* __restrict__ mean,
@@ -500,7 +506,7 @@ __global__ void __launch_bounds__(kEpiMaxThreads) lnlinear_epilogue(
 #pragma unroll
   for (int k = 0; k < kEpiVecs; ++k) {
     const int64_t c = tile0 + threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) {
+    if (!FIXUP_ONLY && c < nvec) {
       load_pack<A, VEC>(rr[k], r + c * VEC);
       load_pack<A, VEC>(bb[k], bp + c * VEC);
     } else {
@@ -508,7 +514,27 @@ __global__ void __launch_bounds__(kEpiMaxThreads) lnlinear_epilogue(
       for (int i = 0; i < VEC; ++i) rr[k][i] = bb[k][i] = A(0);
     }
   }
-  for (int64_t row = blockIdx.y; row < M; row += gridDim.y) {
+  const int64_t step = gridDim.y;
+  for (int64_t row = blockIdx.y, k = 0; row < M; row += step, ++k) {
+    if constexpr (FIXUP_ONLY) {
+      // Mostly nothing to do: every blockDim.x rows of this block, one load per thread
+      // finds out whether any of the next blockDim.x rows has a large mean, and skips
+      // them all if none has (instead of one dependent mean/rstd load per row). The
+      // loop and the barrier are block-uniform (row, k depend on blockIdx only).
+      if (k % blockDim.x == 0) {
+        const int64_t rt = row + (int64_t)threadIdx.x * step;
+        bool big = false;
+        if (rt < M) {
+          const A m = mean[rt];
+          big = (m < A(0) ? -m : m) * rstd[rt] > A(kLnLinearMaxMeanRatio);
+        }
+        if (!__syncthreads_or(big)) {
+          row += (int64_t)(blockDim.x - 1) * step;
+          k += blockDim.x - 1;
+          continue;
+        }
+      }
+    }
     const A mu = mean[row], rs = rstd[row];
     T* zr = z + row * N;
     if ((mu < A(0) ? -mu : mu) * rs > A(kLnLinearMaxMeanRatio)) {
@@ -523,7 +549,7 @@ __global__ void __launch_bounds__(kEpiMaxThreads) lnlinear_epilogue(
         acc = warp_sum(acc);
         if (lane == 0) zr[n] = from_acc<T>(acc + (b != nullptr ? to_acc<A>(b[n]) : A(0)));
       }
-    } else {
+    } else if constexpr (!FIXUP_ONLY) {
       T v[kEpiVecs][VEC];
 #pragma unroll
       for (int k = 0; k < kEpiVecs; ++k) {
@@ -774,16 +800,21 @@ LaunchStatus lnlinear_fold_weight_cuda(const void* W, const void* gamma, const v
   return cudaGetLastError();
 }
 
-LaunchStatus lnlinear_epilogue_cuda(void* z, const void* x, const void* gamma, const void* beta, const void* W,
-                                    const void* b, const void* mean, const void* rstd, const void* r, const void* bp,
-                                    int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
+namespace {
+
+// Shared by the full epilogue and the large-mean fix-up (r, bp unused, may be null).
+template <bool FIXUP_ONLY>
+LaunchStatus epilogue_launch(void* z, const void* x, const void* gamma, const void* beta, const void* W,
+                             const void* b, const void* mean, const void* rstd, const void* r, const void* bp,
+                             int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
     constexpr int V = vec_of<T>();
     // r and bp are loaded VEC at a time too (VEC * sizeof(A) is a multiple of 16).
-    const bool vec = N % V == 0 && all_aligned({z, r, bp});
+    // The fix-up does no vector access; VEC only sets its column tile width there.
+    const bool vec = N % V == 0 && (FIXUP_ONLY || all_aligned({z, r, bp}));
     const int64_t nvec = vec ? N / V : N;
     // Threads: whole warps, kEpiVecs vectors each, at most kEpiMaxThreads; column tiles
     // across grid.x; rows across grid.y, about one wave of resident blocks in all (each
@@ -806,12 +837,26 @@ LaunchStatus lnlinear_epilogue_cuda(void* z, const void* x, const void* gamma, c
           static_cast<const A*>(rstd), static_cast<const A*>(r), static_cast<const A*>(bp), M, N, H);
     };
     if (vec)
-      args(lnlinear_epilogue<T, V>);
+      args(lnlinear_epilogue<T, V, FIXUP_ONLY>);
     else
-      args(lnlinear_epilogue<T, 1>);
+      args(lnlinear_epilogue<T, 1, FIXUP_ONLY>);
     return 0;
   });
   return cudaGetLastError();
+}
+
+}  // namespace
+
+LaunchStatus lnlinear_epilogue_cuda(void* z, const void* x, const void* gamma, const void* beta, const void* W,
+                                    const void* b, const void* mean, const void* rstd, const void* r, const void* bp,
+                                    int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
+  return epilogue_launch<false>(z, x, gamma, beta, W, b, mean, rstd, r, bp, M, N, H, dtype, stream);
+}
+
+LaunchStatus lnlinear_large_mean_fixup_cuda(void* y, const void* x, const void* gamma, const void* beta,
+                                            const void* W, const void* b, const void* mean, const void* rstd,
+                                            int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
+  return epilogue_launch<true>(y, x, gamma, beta, W, b, mean, rstd, nullptr, nullptr, M, N, H, dtype, stream);
 }
 
 LaunchStatus lnlinear_naive_cuda(const void* x, const void* gamma, const void* beta, const void* W, const void* b,
