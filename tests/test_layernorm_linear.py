@@ -624,6 +624,30 @@ def test_cuda_evt_env_off_agrees(dtype, tmp_path):
 
 
 @requires_cuda
+@pytest.mark.parametrize("K", [512, 2048])  # both configs
+def test_cuda_evt_graph_capture(K):
+    # The CUTLASS launch does host work per call (TMA descriptors, smem attribute, workspace
+    # query): it must be legal inside CUDA graph capture and replay to the same result.
+    torch.manual_seed(K)
+    M, N = 384, 264
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) + 0.3
+    lw, lb, W, b = _params(K, N, "cuda", torch.bfloat16)
+    want = gp.fused_layernorm_linear(x, lw, lb, W, b)  # also warms up (first-call queries)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gp.fused_layernorm_linear(x, lw, lb, W, b)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want)
+
+
+@requires_cuda
 def test_cuda_evt_build_marker_present():
     # The marker the EVT tests use to know whether CUTLASS was built in; on an sm_90 device
     # a CUTLASS build must actually take the path (else the tests above silently test cuBLAS).

@@ -299,6 +299,7 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
 [[gnu::used]] const char kEvtBuildMarker[] = "gpu_puzzles_lnlinear_evt_built=0";
 #endif
 
+#ifdef GPU_PUZZLES_WITH_CUTLASS
 // GPU_PUZZLES_LNLINEAR_EVT=0 turns the EVT forward off (read once: tests and
 // benchmarks compare both paths in separate processes).
 bool evt_enabled_by_env() {
@@ -315,16 +316,14 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 // capability 9.0 device running the sm_90a kernels, bf16/fp16, TMA-legal rows
 // (H and N multiples of 8 elements, 16-byte aligned bases) and int-sized M, N, H.
 bool use_evt(const Tensor& x, const Tensor& wc, int64_t M, int64_t N, int64_t H, DType dt) {
-#ifdef GPU_PUZZLES_WITH_CUTLASS
   const int64_t kIntMax = 2147483647LL;
   return (dt == DType::BFloat16 || dt == DType::Float16) && M >= 1 && M <= kIntMax && N >= 1 && N <= kIntMax &&
          H <= kIntMax && H % 8 == 0 && N % 8 == 0 && aligned16(x.data_ptr()) && aligned16(wc.data_ptr()) &&
          evt_enabled_by_env() && lnlinear_evt_available(dt);
-#else
-  (void)x, (void)wc, (void)M, (void)N, (void)H, (void)dt;
-  return false;
-#endif
 }
+#else
+bool use_evt(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, DType) { return false; }
+#endif
 #endif
 
 Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const Tensor& W_,
