@@ -84,6 +84,42 @@ def _check_compiler():
                        "that links it dynamically was found; set CXX/CC to one that does")
 
 
+# The Hopper attention forward (csrc/attention/attention_fwd_sm90.cu) needs the CUTLASS/CuTe
+# headers: $CUTLASS_PATH/include, or the source/include beside an installed cutlass_library
+# package (pip nvidia-cutlass). Without them it is left out (the other kernels do not need it).
+_SM90_ATTN = os.path.join("csrc", "attention", "attention_fwd_sm90.cu")
+
+
+def _cutlass_include():
+    cands = []
+    if os.environ.get("CUTLASS_PATH"):
+        cands.append(os.path.join(os.environ["CUTLASS_PATH"], "include"))
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is not None and spec.origin:
+            cands.append(os.path.join(os.path.dirname(spec.origin), "source", "include"))
+    except (ImportError, ValueError):
+        pass
+    for c in cands:
+        if os.path.isfile(os.path.join(c, "cute", "tensor.hpp")) and os.path.isfile(
+                os.path.join(c, "cutlass", "numeric_types.h")):
+            return c
+    return None
+
+
+def _map_sm90a():
+    # wgmma exists only in the arch-specific sm_90a target: build 9.0 as 9.0a (a superset for
+    # H100/H200). Unset list with a GPU visible: the visible devices' archs, as torch would.
+    lst = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not lst or lst == "native":
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        lst = ";".join(f"{a}.{b}" for a, b in caps)
+    items = [x for x in lst.replace(" ", ";").split(";") if x]
+    items = ["9.0a" + x[3:] if x.split("+")[0] == "9.0" else x for x in items]
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(items)
+
+
 def extensions():
     _check_compiler()
     with_cuda = _want_cuda()
@@ -96,9 +132,19 @@ def extensions():
     if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
     nvcc_flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    cutlass_inc = _cutlass_include()
+    if cutlass_inc is None:
+        cu = [f for f in cu if os.path.normpath(f) != _SM90_ATTN]
+        print("gpu_puzzles: CUTLASS headers not found (CUTLASS_PATH / cutlass_library); "
+              "building without the sm_90a wgmma attention forward")
+    else:
+        _map_sm90a()
+        include_dirs.append(cutlass_inc)
+        nvcc_flags.append("-DGPU_PUZZLES_WITH_SM90_ATTN")
     return [CUDAExtension(
         "gpu_puzzles._C", cpp + cu,
-        include_dirs=[os.path.join(ROOT, "csrc")],
+        include_dirs=include_dirs,
         define_macros=[("WITH_CUDA", None)],
         extra_compile_args={"cxx": cxx_flags + ["-DWITH_CUDA"], "nvcc": nvcc_flags},
     )]
