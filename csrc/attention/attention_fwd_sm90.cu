@@ -64,7 +64,6 @@ namespace {
 
 using namespace cute;
 
-constexpr float kLn2f = 0.6931471805599453f;
 constexpr float kLog2ef = 1.4426950408889634f;
 constexpr int64_t kMaxGridYsm90 = 65535;
 
@@ -108,6 +107,8 @@ template <class Elem, int D_, int BN_, int NWG_> struct Sm90FwdCfg {
 
 // Device code below is compiled for sm_90a only (the other targets get the trap stub).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr float kLn2f = 0.6931471805599453f;
+
 template <class Elem> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   uint32_t r;
   if constexpr (std::is_same<Elem, cutlass::bfloat16_t>::value) {
@@ -390,16 +391,21 @@ bool attention_forward_sm90_supported(const AttentionFwdArgs& a, int dev, cudaEr
     err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     if (err != cudaSuccess) return false;
     bool ok = false;
+    int ptx = -1, bin = -1;
     if (major == 9) {
       cudaFuncAttributes fa;
       const cudaError_t fe = cudaFuncGetAttributes(
           &fa, attn_fwd_sm90<FwdCfgSm90<cutlass::half_t, 64>, cutlass::half_t>);
       if (fe == cudaSuccess) {
-        ok = fa.ptxVersion >= 90 && fa.ptxVersion < 100 && fa.binaryVersion >= 90 && fa.binaryVersion < 100;
+        ptx = fa.ptxVersion, bin = fa.binaryVersion;
+        ok = ptx >= 90 && ptx < 100 && bin >= 90 && bin < 100;
       } else {
         (void)cudaGetLastError();  // no image for this device: not supported, not an error
       }
     }
+    if (!ok && trace_on())  // why the default kernels run instead (once per device)
+      std::fprintf(stderr, "gpu_puzzles: attention forward wgmma unavailable on device %d: cc major %d, "
+                   "kernel ptxVersion %d binaryVersion %d (needs 9.x and an sm_90a image)\n", dev, major, ptx, bin);
     s = ok ? 1 : 2;
     if (cache) state[dev].store(s, std::memory_order_relaxed);
   }
