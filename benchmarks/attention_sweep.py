@@ -10,7 +10,8 @@ gradients of the backward that consumes the lse), then times the forward with CU
 
 FLOPs: 4*B*H*Sq*Sk*D (half when causal), as in gpu_puzzles/bench/attention.py.
 
-"wgmma" is the sm_90a kernel (csrc/attention/attention_fwd_sm90.cu); where it cannot run (no
+"wgmma" / "wgmma3" are the sm_90a kernel (csrc/attention/attention_fwd_sm90.cu) with 2 / 3
+warpgroups per CTA; where it cannot run (no
 CUTLASS headers at build time, not a 9.x GPU) the default runs instead. The children run with
 GPU_PUZZLES_ATTN_TRACE=1 (stderr to a scratch file) and the table's "wgmma" column counts the
 forward calls that took the wgmma kernel, so a fallback shows.
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-CONFIGS = ["auto", "old", "r32_bn32_w4_s2", "wgmma"]
+CONFIGS = ["auto", "old", "r32_bn32_w4_s2", "wgmma", "wgmma3"]
 # (label, B, H, S, D, causal)
 SHAPES = [("4x32x4096x128", 4, 32, 4096, 128, False), ("4x32x4096x128 causal", 4, 32, 4096, 128, True),
           ("8x16x2048x64", 8, 16, 2048, 64, False), ("8x16x2048x64 causal", 8, 16, 2048, 64, True)]
@@ -130,8 +131,8 @@ def main() -> None:
         print(f"{r['cfg']:<16} {ok:<6} {r['max_err']:>8.2e} {r['wgmma_calls']:>6} "
               + " ".join(f"{r[s[0]]:>21.1f}" for s in SHAPES))
     for r in rows:
-        if r["cfg"] == "wgmma" and r.get("wgmma_calls") == 0:
-            print("  wgmma: no call took the wgmma kernel (built without CUTLASS, or not a 9.x GPU): "
+        if r["cfg"].startswith("wgmma") and r.get("wgmma_calls") == 0:
+            print(f"  {r['cfg']}: no call took the wgmma kernel (built without CUTLASS, or not a 9.x GPU): "
                   "its row measures the default kernel")
         for f in r.get("fail", [])[:10]:
             print(f"  {r['cfg']}: {f}")

@@ -550,9 +550,9 @@ def test_cuda_online_softmax_rescaling(dtype):
 
 # ---- forward tensor-core configurations (GPU_PUZZLES_ATTN_FWD_CFG, read once per process) -------
 # Each configuration runs the checks below in a child pytest process with the variable set.
-# "wgmma": the sm_90a kernel (attention_fwd_sm90.cu), opt-in; its child also sets
-# GPU_PUZZLES_ATTN_TRACE=1 and checks that every eligible forward call took that path.
-FWD_CFGS = ["old", "r32_bn32_w4_s2", "wgmma"]
+# "wgmma" / "wgmma3": the sm_90a kernel (attention_fwd_sm90.cu) with 2 / 3 warpgroups, opt-in; its
+# child also sets GPU_PUZZLES_ATTN_TRACE=1 and checks that every forward call took that kernel.
+FWD_CFGS = ["old", "r32_bn32_w4_s2", "wgmma", "wgmma3"]
 # (lead, Sq, Sk, D): S < BN (32/64), lengths not multiples of BM (64/128/256) or BN, exact
 # multiples, Sq != Sk both ways (causal stays top-left aligned), one query, one key.
 CFG_SHAPES = [((1,), 1, 1, 64), ((2,), 5, 17, 128), ((2, 3), 31, 33, 64), ((2,), 33, 129, 128),
@@ -571,7 +571,7 @@ def test_cuda_forward_configs(cfg, dtype):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, GPU_PUZZLES_ATTN_FWD_CFG=cfg, GP_TEST_ATTN_CFG_CHILD="1", GP_TEST_ATTN_CFG_DTYPE=dtype,
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    if cfg == "wgmma":
+    if cfg.startswith("wgmma"):
         env["GPU_PUZZLES_ATTN_TRACE"] = "1"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider",
                         f"{os.path.abspath(__file__)}::test_cuda_forward_config_child"],
@@ -587,9 +587,10 @@ def _built_with_sm90_attn():
         return b"attention_forward_sm90_supported" in f.read()
 
 
-# wgmma (BM = 128 query rows per CTA, 64 per warpgroup, BN = 128 keys per tile): lengths around
-# the warpgroup and tile edges, one row/key, several tiles; every pair, so Sq != Sk both ways.
-WGMMA_LENS = [1, 63, 65, 127, 129, 1000]
+# wgmma (64 query rows per warpgroup, BM = 128 or 192 per CTA, BN = 64 or 128 keys per tile):
+# lengths around the warpgroup, CTA and tile edges, one row/key, several tiles; every pair, so
+# Sq != Sk both ways.
+WGMMA_LENS = [1, 63, 65, 127, 129, 193, 257, 1000]
 
 
 @pytest.mark.skipif(not _CFG_CHILD, reason="runs inside test_cuda_forward_configs' child process")
@@ -597,7 +598,8 @@ WGMMA_LENS = [1, 63, 65, 127, 129, 1000]
 def test_cuda_forward_config_child(capfd):
     # Output, lse (directly and through the backward's gradients) vs float64, on poisoned memory.
     dtype = getattr(torch, os.environ["GP_TEST_ATTN_CFG_DTYPE"])
-    wgmma = os.environ.get("GPU_PUZZLES_ATTN_FWD_CFG") == "wgmma"
+    cfg = os.environ.get("GPU_PUZZLES_ATTN_FWD_CFG")
+    wgmma = cfg in ("wgmma", "wgmma3")
     if wgmma:
         if torch.cuda.get_device_capability()[0] != 9:
             pytest.skip("SKIP-WGMMA: the wgmma forward needs a compute capability 9.x device")
@@ -611,7 +613,7 @@ def test_cuda_forward_config_child(capfd):
         if wgmma:  # the one forward call of _cuda_check went through the wgmma kernel
             err = capfd.readouterr().err
             bh = math.prod(lead)
-            line = f"wgmma sm90 BH={bh} Sq={Sq} Sk={Sk} D={D} causal={int(causal)}"
+            line = f"wgmma sm90 BH={bh} Sq={Sq} Sk={Sk} D={D} causal={int(causal)} wg={3 if cfg == 'wgmma3' else 2}\n"
             assert err.count(line) == 1, f"{what}: wgmma path not taken (stderr: {err[-500:]!r})"
 
     for lead, Sq, Sk, D in CFG_SHAPES:

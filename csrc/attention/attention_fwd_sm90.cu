@@ -5,10 +5,10 @@
 // runs 64 x N x 16 per instruction per warpgroup, asynchronously.
 //
 // Design (first version, no warp specialisation):
-//  * CTA = NWG = 2 consumer warpgroups (256 threads); warpgroup w owns query rows
-//    [m0 + 64 w, m0 + 64 w + 64) (wgmma M = 64). BM = 128 query rows per CTA.
+//  * CTA = NWG = 2 (or 3) consumer warpgroups; warpgroup w owns query rows
+//    [m0 + 64 w, m0 + 64 w + 64) (wgmma M = 64). BM = 64 NWG query rows per CTA.
 //  * Q tile (BM x D) in shared memory, K-major, 128-byte swizzle (GMMA layout).
-//  * K and V tiles of BN = 128 keys stream through a 2-stage ring, loaded with
+//  * K and V tiles of BN = 128 (or 64) keys stream through a 2-stage ring, loaded with
 //    cp.async (16-byte chunks, rows past Sk zero-filled): tile j+1 is fetched while
 //    tile j is computed; one __syncthreads per tile. cp.async writes go through the
 //    generic proxy and wgmma reads through the async proxy, so every thread fences
@@ -338,9 +338,13 @@ attn_fwd_sm90(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
 #endif
 }
 
-// Tilings: BN = 128 keys, 2 warpgroups (BM = 128) for both head dims. Registers per
-// thread: O D/2 + S 64 + P 32 floats-equivalent; smem 160 KiB (D = 128) / 80 KiB (D = 64).
+// Tilings (registers per thread are fp32 O D/2 + S BN/2 + 16-bit P BN/4; nvcc 13.0, no spills):
+//  2 warpgroups ("wgmma"): BM = 128, BN = 128; 221 regs / 160 KiB smem (D = 128), 166 / 80 KiB (D = 64).
+//  3 warpgroups ("wgmma3"): BM = 192 (a third less K/V traffic from L2 per FLOP, 12 warps to hide
+//    latency), BN = 64 at D = 128 (141 regs, 112 KiB; BN = 128 would pass the 168-register cap of
+//    384 threads) and BN = 128 at D = 64 (160 regs, 88 KiB). Which is faster is for the GPU sweep.
 template <class Elem, int D> using FwdCfgSm90 = Sm90FwdCfg<Elem, D, 128, 2>;
+template <class Elem, int D> using FwdCfgSm90W3 = Sm90FwdCfg<Elem, D, D == 128 ? 64 : 128, 3>;
 
 template <class Cfg, class Elem> cudaError_t launch_sm90(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   constexpr auto kern = attn_fwd_sm90<Cfg, Elem>;
@@ -359,7 +363,11 @@ template <class Cfg, class Elem> cudaError_t launch_sm90(const AttentionFwdArgs&
   return cudaSuccess;
 }
 
-template <class Elem> cudaError_t launch_sm90_d(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+template <class Elem>
+cudaError_t launch_sm90_d(const AttentionFwdArgs& a, int warpgroups, int dev, cudaStream_t stream) {
+  if (warpgroups == 3)
+    return a.D == 64 ? launch_sm90<FwdCfgSm90W3<Elem, 64>, Elem>(a, dev, stream)
+                     : launch_sm90<FwdCfgSm90W3<Elem, 128>, Elem>(a, dev, stream);
   return a.D == 64 ? launch_sm90<FwdCfgSm90<Elem, 64>, Elem>(a, dev, stream)
                    : launch_sm90<FwdCfgSm90<Elem, 128>, Elem>(a, dev, stream);
 }
@@ -412,13 +420,14 @@ bool attention_forward_sm90_supported(const AttentionFwdArgs& a, int dev, cudaEr
   return s == 1;
 }
 
-cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, int dev, cudaStream_t stream) {
+  warpgroups = warpgroups == 3 ? 3 : 2;
   if (trace_on())
-    std::fprintf(stderr, "gpu_puzzles: attention forward wgmma sm90 BH=%lld Sq=%lld Sk=%lld D=%lld causal=%d\n",
+    std::fprintf(stderr, "gpu_puzzles: attention forward wgmma sm90 BH=%lld Sq=%lld Sk=%lld D=%lld causal=%d wg=%d\n",
                  static_cast<long long>(a.BH), static_cast<long long>(a.Sq), static_cast<long long>(a.Sk),
-                 static_cast<long long>(a.D), a.causal ? 1 : 0);
-  return a.dtype == DType::BFloat16 ? launch_sm90_d<cutlass::bfloat16_t>(a, dev, stream)
-                                    : launch_sm90_d<cutlass::half_t>(a, dev, stream);
+                 static_cast<long long>(a.D), a.causal ? 1 : 0, warpgroups);
+  return a.dtype == DType::BFloat16 ? launch_sm90_d<cutlass::bfloat16_t>(a, warpgroups, dev, stream)
+                                    : launch_sm90_d<cutlass::half_t>(a, warpgroups, dev, stream);
 }
 
 }  // namespace gpu_puzzles

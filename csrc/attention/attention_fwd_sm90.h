@@ -17,8 +17,9 @@ namespace gpu_puzzles {
 bool attention_forward_sm90_supported(const AttentionFwdArgs& a, int dev, cudaError_t& err);
 
 // Launches the wgmma forward (asynchronous); call only when supported() said true.
+// warpgroups: 2 (BM = 128 query rows per CTA) or 3 (BM = 192); see the .cu for the tilings.
 // GPU_PUZZLES_ATTN_TRACE=1 (read once) prints one line to stderr per launch, so tests
 // can check that this path ran.
-cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int dev, cudaStream_t stream);
+cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, int dev, cudaStream_t stream);
 
 }  // namespace gpu_puzzles
