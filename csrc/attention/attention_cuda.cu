@@ -1388,7 +1388,8 @@ FwdCfg fwd_cfg() {
 
 template <typename T, int D> cudaError_t launch_fwd_tc(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   FwdCfg cfg = fwd_cfg();
-  if (cfg == FwdCfg::Auto || cfg == FwdCfg::Wgmma || cfg == FwdCfg::Wgmma3) cfg = D == 128 ? FwdCfg::R32Bn32W4S2 : FwdCfg::Old;
+  if (cfg == FwdCfg::Auto || cfg == FwdCfg::Wgmma || cfg == FwdCfg::Wgmma3)  // wgmma: its fallback
+    cfg = D == 128 ? FwdCfg::R32Bn32W4S2 : FwdCfg::Old;
   if (cfg == FwdCfg::R32Bn32W4S2) return launch_fwd_tc2<T, D, 32, 32, 4, 2>(a, dev, stream);
   return fwd_tc_warps(D) == 4 ? launch_fwd_tc<T, D, 4>(a, dev, stream) : launch_fwd_tc<T, D, 8>(a, dev, stream);
 }
