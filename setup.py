@@ -131,6 +131,9 @@ def _arch_list_with_sm90a():
         out.append(("9.0a" if base == "9.0" else base) + ptx)
     return ";".join(out) if any(a.startswith("9.0a") for a in out) else None
 
+# The Hopper attention forward (wgmma) needs CuTe from the same headers; left out without them.
+_SM90_ATTN = os.path.join("csrc", "attention", "attention_fwd_sm90.cu")
+
 
 def extensions():
     _check_compiler()
@@ -146,22 +149,26 @@ def extensions():
     nvcc_flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     # The sm_90 LayerNorm+Linear forward (one CUTLASS GEMM with the statistics in its
-    # epilogue) needs the CUTLASS headers and an sm_90a image; without them the op
-    # uses cuBLAS + a separate epilogue pass everywhere.
+    # epilogue) and the wgmma attention forward need the CUTLASS/CuTe headers and an
+    # sm_90a image; without them the LayerNorm+Linear op uses cuBLAS + a separate
+    # epilogue pass everywhere and the attention file is left out.
+    cutlass_dirs = arch90a = None
     if os.environ.get("GPU_PUZZLES_NO_CUTLASS", "0") != "1":
         cutlass_dirs = _cutlass_include_dirs()
         arch90a = _arch_list_with_sm90a() if cutlass_dirs else None
-        if cutlass_dirs and arch90a:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = arch90a
-            include_dirs += cutlass_dirs
-            cxx_flags = cxx_flags + ["-DGPU_PUZZLES_WITH_CUTLASS=1"]
-            nvcc_flags = nvcc_flags + ["-DGPU_PUZZLES_WITH_CUTLASS=1"]
-        elif not cutlass_dirs:
+        if not cutlass_dirs:
             print("gpu_puzzles: CUTLASS headers not found (set CUTLASS_PATH or pip install nvidia-cutlass); "
-                  "building the LayerNorm+Linear forward without the sm_90 CUTLASS GEMM")
-        else:
-            print("gpu_puzzles: TORCH_CUDA_ARCH_LIST has no 9.0 target; building the LayerNorm+Linear "
-                  "forward without the sm_90 CUTLASS GEMM")
+                  "building without the sm_90 CUTLASS kernels (LayerNorm+Linear GEMM, wgmma attention)")
+        elif not arch90a:
+            print("gpu_puzzles: TORCH_CUDA_ARCH_LIST has no 9.0 target; building without the sm_90 CUTLASS "
+                  "kernels (LayerNorm+Linear GEMM, wgmma attention)")
+    if cutlass_dirs and arch90a:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch90a
+        include_dirs += cutlass_dirs
+        cxx_flags = cxx_flags + ["-DGPU_PUZZLES_WITH_CUTLASS=1"]
+        nvcc_flags = nvcc_flags + ["-DGPU_PUZZLES_WITH_CUTLASS=1", "-DGPU_PUZZLES_WITH_SM90_ATTN"]
+    else:
+        cu = [f for f in cu if os.path.normpath(f) != _SM90_ATTN]
     return [CUDAExtension(
         "gpu_puzzles._C", cpp + cu,
         include_dirs=include_dirs,

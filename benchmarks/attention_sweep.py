@@ -9,6 +9,12 @@ gradients of the backward that consumes the lse), then times the forward with CU
     PYTHONPATH=$PWD python benchmarks/attention_sweep.py --configs old r32_bn32_w4_s2 --reps 50
 
 FLOPs: 4*B*H*Sq*Sk*D (half when causal), as in gpu_puzzles/bench/attention.py.
+
+"wgmma" / "wgmma3" are the sm_90a kernel (csrc/attention/attention_fwd_sm90.cu) with 2 / 3
+warpgroups per CTA; where it cannot run (no
+CUTLASS headers at build time, not a 9.x GPU) the default runs instead. The children run with
+GPU_PUZZLES_ATTN_TRACE=1 (stderr to a scratch file) and the table's "wgmma" column counts the
+forward calls that took the wgmma kernel, so a fallback shows.
 """
 from __future__ import annotations
 
@@ -17,8 +23,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
-CONFIGS = ["auto", "old", "r32_bn32_w4_s2"]
+CONFIGS = ["auto", "old", "r32_bn32_w4_s2", "wgmma", "wgmma3"]
 # (label, B, H, S, D, causal)
 SHAPES = [("4x32x4096x128", 4, 32, 4096, 128, False), ("4x32x4096x128 causal", 4, 32, 4096, 128, True),
           ("8x16x2048x64", 8, 16, 2048, 64, False), ("8x16x2048x64 causal", 8, 16, 2048, 64, True)]
@@ -30,6 +37,20 @@ CHECK_SHAPES = [((2, 3), 1, 1, 64, False), ((2,), 17, 5, 128, True), ((2,), 31, 
 
 
 def child(reps: int) -> dict:
+    # The wgmma launcher's trace lines (one per call) go to a scratch file, counted at the end.
+    trace = tempfile.TemporaryFile()
+    saved = os.dup(2)
+    os.dup2(trace.fileno(), 2)
+    try:
+        res = _child(reps)
+    finally:
+        os.dup2(saved, 2)  # errors reach the parent's table
+    trace.seek(0)
+    res["wgmma_calls"] = trace.read().decode(errors="replace").count("attention forward wgmma sm90")
+    return res
+
+
+def _child(reps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -91,7 +112,7 @@ def main() -> None:
         return
     rows = []
     for cfg in args.configs:
-        env = dict(os.environ, GPU_PUZZLES_ATTN_FWD_CFG=cfg)
+        env = dict(os.environ, GPU_PUZZLES_ATTN_FWD_CFG=cfg, GPU_PUZZLES_ATTN_TRACE="1")
         r = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps)], env=env,
                            capture_output=True, text=True)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -99,7 +120,7 @@ def main() -> None:
             rows.append({"cfg": cfg, "error": (r.stderr or r.stdout).strip().splitlines()[-1:]})
         else:
             rows.append(json.loads(line[len("RESULT "):]))
-    head = f"{'config':<16} {'check':<6} {'max err':>8} " + " ".join(f"{s[0]:>21}" for s in SHAPES)
+    head = f"{'config':<16} {'check':<6} {'max err':>8} {'wgmma':>6} " + " ".join(f"{s[0]:>21}" for s in SHAPES)
     print("forward TFLOP/s (bf16, median of CUDA-event times)")
     print(head)
     for r in rows:
@@ -107,8 +128,12 @@ def main() -> None:
             print(f"{r['cfg']:<16} ERROR  {r['error']}")
             continue
         ok = "ok" if not r["fail"] else "FAIL"
-        print(f"{r['cfg']:<16} {ok:<6} {r['max_err']:>8.2e} " + " ".join(f"{r[s[0]]:>21.1f}" for s in SHAPES))
+        print(f"{r['cfg']:<16} {ok:<6} {r['max_err']:>8.2e} {r['wgmma_calls']:>6} "
+              + " ".join(f"{r[s[0]]:>21.1f}" for s in SHAPES))
     for r in rows:
+        if r["cfg"].startswith("wgmma") and r.get("wgmma_calls") == 0:
+            print(f"  {r['cfg']}: no call took the wgmma kernel (built without CUTLASS, or not a 9.x GPU): "
+                  "its row measures the default kernel")
         for f in r.get("fail", [])[:10]:
             print(f"  {r['cfg']}: {f}")
 

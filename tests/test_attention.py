@@ -550,7 +550,9 @@ def test_cuda_online_softmax_rescaling(dtype):
 
 # ---- forward tensor-core configurations (GPU_PUZZLES_ATTN_FWD_CFG, read once per process) -------
 # Each configuration runs the checks below in a child pytest process with the variable set.
-FWD_CFGS = ["old", "r32_bn32_w4_s2"]
+# "wgmma" / "wgmma3": the sm_90a kernel (attention_fwd_sm90.cu) with 2 / 3 warpgroups, opt-in; its
+# child also sets GPU_PUZZLES_ATTN_TRACE=1 and checks that every forward call took that kernel.
+FWD_CFGS = ["old", "r32_bn32_w4_s2", "wgmma", "wgmma3"]
 # (lead, Sq, Sk, D): S < BN (32/64), lengths not multiples of BM (64/128/256) or BN, exact
 # multiples, Sq != Sk both ways (causal stays top-left aligned), one query, one key.
 CFG_SHAPES = [((1,), 1, 1, 64), ((2,), 5, 17, 128), ((2, 3), 31, 33, 64), ((2,), 33, 129, 128),
@@ -569,20 +571,69 @@ def test_cuda_forward_configs(cfg, dtype):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, GPU_PUZZLES_ATTN_FWD_CFG=cfg, GP_TEST_ATTN_CFG_CHILD="1", GP_TEST_ATTN_CFG_DTYPE=dtype,
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+    if cfg.startswith("wgmma"):
+        env["GPU_PUZZLES_ATTN_TRACE"] = "1"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider",
                         f"{os.path.abspath(__file__)}::test_cuda_forward_config_child"],
                        env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    if r.returncode == 0 and "1 skipped" in r.stdout and "SKIP-WGMMA" in r.stdout:
+        pytest.skip(r.stdout.split("SKIP-WGMMA", 1)[1].splitlines()[0].strip(" :"))
     assert r.returncode == 0 and "1 passed" in r.stdout, f"{cfg} {dtype}:\n{r.stdout[-6000:]}\n{r.stderr[-2000:]}"
+
+
+def _built_with_sm90_attn():
+    """Whether the loaded extension contains the wgmma forward (its launcher's symbol)."""
+    with open(gp._C.__file__, "rb") as f:
+        return b"attention_forward_sm90_supported" in f.read()
+
+
+# wgmma (64 query rows per warpgroup, BM = 128 or 192 per CTA, BN = 64 or 128 keys per tile):
+# lengths around the warpgroup, CTA and tile edges, one row/key, several tiles; every pair, so
+# Sq != Sk both ways.
+WGMMA_LENS = [1, 63, 65, 127, 129, 193, 257, 1000]
 
 
 @pytest.mark.skipif(not _CFG_CHILD, reason="runs inside test_cuda_forward_configs' child process")
 @requires_cuda
-def test_cuda_forward_config_child():
+def test_cuda_forward_config_child(capfd):
     # Output, lse (directly and through the backward's gradients) vs float64, on poisoned memory.
     dtype = getattr(torch, os.environ["GP_TEST_ATTN_CFG_DTYPE"])
+    cfg = os.environ.get("GPU_PUZZLES_ATTN_FWD_CFG")
+    wgmma = cfg in ("wgmma", "wgmma3")
+    if wgmma:
+        if torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("SKIP-WGMMA: the wgmma forward needs a compute capability 9.x device")
+        if not _built_with_sm90_attn():
+            pytest.skip("SKIP-WGMMA: extension built without the CUTLASS headers (no wgmma forward)")
+        assert os.environ.get("GPU_PUZZLES_ATTN_TRACE") == "1"
+    capfd.readouterr()
+
+    def check(lead, Sq, Sk, D, causal, what, scale=None):
+        _cuda_check(lead, Sq, Sk, D, D, causal, dtype, what, scale=scale)
+        if wgmma:  # the one forward call of _cuda_check went through the wgmma kernel
+            err = capfd.readouterr().err
+            bh = math.prod(lead)
+            line = f"wgmma sm90 BH={bh} Sq={Sq} Sk={Sk} D={D} causal={int(causal)} wg={3 if cfg == 'wgmma3' else 2}\n"
+            assert err.count(line) == 1, f"{what}: wgmma path not taken (stderr: {err[-500:]!r})"
+
     for lead, Sq, Sk, D in CFG_SHAPES:
         for causal in (False, True):
-            _cuda_check(lead, Sq, Sk, D, D, causal, dtype, f"{lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
-    _cuda_check((2,), 70, 90, 128, 128, True, dtype, "scale=1.0", scale=1.0)
-    _cuda_check((1, 2), 4100, 4100, 128, 128, True, dtype, "S=4100 D=128 causal")
+            check(lead, Sq, Sk, D, causal, f"{lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
+    check((2,), 70, 90, 128, True, "scale=1.0", scale=1.0)
+    check((1, 2), 4100, 4100, 128, True, "S=4100 D=128 causal")
+    if wgmma:
+        for i, Sq in enumerate(WGMMA_LENS):
+            for j, Sk in enumerate(WGMMA_LENS):
+                lead = (2,) if (i + j) % 2 == 0 else (1, 3)
+                for D in (64, 128):
+                    for causal in (False, True):
+                        check(lead, Sq, Sk, D, causal, f"wgmma {lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
+        # Sk = 0 is answered on the host (o = 0, lse = -inf) without any kernel.
+        q, k, v = make_qkv((2,), 65, 0, 64, 64, "cuda", dtype)
+        _poison_cache()
+        out, lse = OPS.attention(q, k, v, None, False)
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+        capfd.readouterr()
     test_cuda_online_softmax_rescaling(dtype)
+    if wgmma:
+        assert "wgmma sm90" in capfd.readouterr().err

@@ -54,6 +54,9 @@
 #include "common/cp_async.cuh"
 #include "common/device.cuh"
 #include "common/func_attr.h"
+#if defined(GPU_PUZZLES_WITH_SM90_ATTN)
+#include "attention/attention_fwd_sm90.h"
+#endif
 
 namespace gpu_puzzles {
 namespace {
@@ -1350,14 +1353,17 @@ cudaError_t launch_fwd_tc2(const AttentionFwdArgs& a, int dev, cudaStream_t stre
 // Forward tensor-core configuration: GPU_PUZZLES_ATTN_FWD_CFG=<name> (read once; for
 // benchmark sweeps). "old" is attn_fwd_tc (warps from fwd_tc_warps); the others are
 // attn_fwd_tc2 r<rows per warp>_bn<keys per tile>_w<warps>_s<stages>. Unset/"auto": the
-// default below; an unknown name warns once on stderr and uses the default.
-enum class FwdCfg { Auto, Old, R32Bn32W4S2 };
+// default below; an unknown name warns once on stderr and uses the default. "wgmma" / "wgmma3"
+// (opt-in until verified on an H100): the sm_90a kernel of attention_fwd_sm90.cu with 2 / 3
+// warpgroups per CTA where the build has it and the device/shape allow, else the default.
+enum class FwdCfg { Auto, Old, R32Bn32W4S2, Wgmma, Wgmma3 };
 struct FwdCfgName {
   const char* name;
   FwdCfg cfg;
 };
 constexpr FwdCfgName kFwdCfgNames[] = {
-    {"auto", FwdCfg::Auto}, {"old", FwdCfg::Old}, {"r32_bn32_w4_s2", FwdCfg::R32Bn32W4S2}};
+    {"auto", FwdCfg::Auto}, {"old", FwdCfg::Old}, {"r32_bn32_w4_s2", FwdCfg::R32Bn32W4S2}, {"wgmma", FwdCfg::Wgmma},
+    {"wgmma3", FwdCfg::Wgmma3}};
 constexpr FwdCfg kFwdCfgDefault = FwdCfg::Auto;
 // Auto: D = 128 -> r32_bn32_w4_s2, D = 64 -> old (8 warps). Measured on an H200 (bf16
 // forward TFLOP/s, benchmarks/attention_sweep.py; (4,32,4096,128) / causal / (8,16,2048,64) /
@@ -1382,7 +1388,8 @@ FwdCfg fwd_cfg() {
 
 template <typename T, int D> cudaError_t launch_fwd_tc(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   FwdCfg cfg = fwd_cfg();
-  if (cfg == FwdCfg::Auto) cfg = D == 128 ? FwdCfg::R32Bn32W4S2 : FwdCfg::Old;
+  if (cfg == FwdCfg::Auto || cfg == FwdCfg::Wgmma || cfg == FwdCfg::Wgmma3)  // wgmma: its fallback
+    cfg = D == 128 ? FwdCfg::R32Bn32W4S2 : FwdCfg::Old;
   if (cfg == FwdCfg::R32Bn32W4S2) return launch_fwd_tc2<T, D, 32, 32, 4, 2>(a, dev, stream);
   return fwd_tc_warps(D) == 4 ? launch_fwd_tc<T, D, 4>(a, dev, stream) : launch_fwd_tc<T, D, 8>(a, dev, stream);
 }
@@ -1410,6 +1417,13 @@ template <typename T> cudaError_t forward_typed(const AttentionFwdArgs& a, int d
   if constexpr (is_half_type<T>()) {
     if (tc_ok_fwd<T>(a)) {
       cudaError_t e = cudaSuccess;
+#if defined(GPU_PUZZLES_WITH_SM90_ATTN)
+      if (fwd_cfg() == FwdCfg::Wgmma || fwd_cfg() == FwdCfg::Wgmma3) {
+        if (attention_forward_sm90_supported(a, dev, e))
+          return attention_forward_sm90(a, fwd_cfg() == FwdCfg::Wgmma3 ? 3 : 2, dev, stream);
+        if (e != cudaSuccess) return e;
+      }
+#endif
       if (device_has_sm80(dev, e))
         return a.D == 64 ? launch_fwd_tc<T, 64>(a, dev, stream) : launch_fwd_tc<T, 128>(a, dev, stream);
       if (e != cudaSuccess) return e;

@@ -1,0 +1,25 @@
+// Hopper (sm_90a) attention forward with warpgroup MMA (wgmma), attention_fwd_sm90.cu.
+// Built only when setup.py finds the CUTLASS/CuTe headers (it then defines
+// GPU_PUZZLES_WITH_SM90_ATTN and compiles the sm_90 target as sm_90a). Opt-in for
+// now: attention_cuda.cu calls it only under GPU_PUZZLES_ATTN_FWD_CFG=wgmma.
+// Same contract as attention_forward_cuda (attention.h): o in the input dtype,
+// lse float32 natural-log log-sum-exp; lse = -inf and o = 0 when Sk == 0.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include "attention/attention.h"
+
+namespace gpu_puzzles {
+
+// True when this build holds sm_90a code for the kernel, device dev is a 9.x GPU and
+// a fits the kernel: fp16/bf16, D == Dv in {64, 128}, q/k/v/o 16-byte aligned.
+// Errors from CUDA queries are returned in err (then false).
+bool attention_forward_sm90_supported(const AttentionFwdArgs& a, int dev, cudaError_t& err);
+
+// Launches the wgmma forward (asynchronous); call only when supported() said true.
+// warpgroups: 2 (BM = 128 query rows per CTA) or 3 (BM = 192); see the .cu for the tilings.
+// GPU_PUZZLES_ATTN_TRACE=1 (read once) prints one line to stderr per launch, so tests
+// can check that this path ran.
+cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, int dev, cudaStream_t stream);
+
+}  // namespace gpu_puzzles
