@@ -3,9 +3,10 @@
 CUDA kernels are compiled whenever a CUDA toolkit is found (a GPU is not needed:
 CI has none).  With no GPU visible and TORCH_CUDA_ARCH_LIST unset we build for
 sm_80 and sm_90 only, which keeps the 2-core build short; TORCH_CUDA_ARCH_LIST
-always wins, except that with the CUTLASS headers present (CUTLASS_PATH, or the
-nvidia-cutlass wheel) 9.0 is built as 9.0a for the LayerNorm+Linear EVT GEMM.
-GPU_PUZZLES_NO_CUTLASS=1 builds without it.
+always wins.  With the CUTLASS headers present (CUTLASS_PATH, or the nvidia-cutlass
+wheel) and a 9.0 target, the two Hopper-only files (LayerNorm+Linear EVT GEMM, wgmma
+attention forward) are compiled apart for sm_90a and linked in; GPU_PUZZLES_NO_CUTLASS=1
+builds without them.
 """
 import glob
 import os
@@ -131,8 +132,9 @@ def _arch_list_with_sm90a():
         out.append(("9.0a" if base == "9.0" else base) + ptx)
     return ";".join(out) if any(a.startswith("9.0a") for a in out) else None
 
-# The Hopper attention forward (wgmma) needs CuTe from the same headers; left out without them.
-_SM90_ATTN = os.path.join("csrc", "attention", "attention_fwd_sm90.cu")
+# Built for sm_90a alone (Sm90aBuildExtension), with the CUTLASS/CuTe headers; left out without them.
+_SM90A_SOURCES = (os.path.join("csrc", "layernorm_linear", "lnlinear_evt_sm90.cu"),
+                  os.path.join("csrc", "attention", "attention_fwd_sm90.cu"))
 
 
 def extensions():
@@ -150,31 +152,63 @@ def extensions():
     include_dirs = [os.path.join(ROOT, "csrc")]
     # The sm_90 LayerNorm+Linear forward (one CUTLASS GEMM with the statistics in its
     # epilogue) and the wgmma attention forward need the CUTLASS/CuTe headers and an
-    # sm_90a image; without them the LayerNorm+Linear op uses cuBLAS + a separate
-    # epilogue pass everywhere and the attention file is left out.
-    cutlass_dirs = arch90a = None
+    # sm_90a image. torch applies one arch list to every .cu file, so these two are not
+    # in the extension's sources: Sm90aBuildExtension compiles them alone for sm_90a and
+    # links the objects in, and every other kernel keeps its sm_80/sm_90 build (same
+    # binaries as before). Without them the LayerNorm+Linear op uses cuBLAS + a separate
+    # epilogue pass everywhere and attention its mma.sync kernels.
+    cu = [f for f in cu if os.path.normpath(f) not in _SM90A_SOURCES]
+    cutlass_dirs = None
     if os.environ.get("GPU_PUZZLES_NO_CUTLASS", "0") != "1":
         cutlass_dirs = _cutlass_include_dirs()
-        arch90a = _arch_list_with_sm90a() if cutlass_dirs else None
         if not cutlass_dirs:
             print("gpu_puzzles: CUTLASS headers not found (set CUTLASS_PATH or pip install nvidia-cutlass); "
-                  "building without the sm_90 CUTLASS kernels (LayerNorm+Linear GEMM, wgmma attention)")
-        elif not arch90a:
-            print("gpu_puzzles: TORCH_CUDA_ARCH_LIST has no 9.0 target; building without the sm_90 CUTLASS "
-                  "kernels (LayerNorm+Linear GEMM, wgmma attention)")
-    if cutlass_dirs and arch90a:
-        os.environ["TORCH_CUDA_ARCH_LIST"] = arch90a
-        include_dirs += cutlass_dirs
-        cxx_flags = cxx_flags + ["-DGPU_PUZZLES_WITH_CUTLASS=1"]
-        nvcc_flags = nvcc_flags + ["-DGPU_PUZZLES_WITH_CUTLASS=1", "-DGPU_PUZZLES_WITH_SM90_ATTN"]
-    else:
-        cu = [f for f in cu if os.path.normpath(f) != _SM90_ATTN]
-    return [CUDAExtension(
+                  "building without the sm_90a kernels (LayerNorm+Linear GEMM, wgmma attention)")
+        elif not _arch_list_with_sm90a():
+            print("gpu_puzzles: TORCH_CUDA_ARCH_LIST has no 9.0 target; building without the sm_90a kernels "
+                  "(LayerNorm+Linear GEMM, wgmma attention)")
+            cutlass_dirs = None
+    macros = ["-DGPU_PUZZLES_WITH_CUTLASS=1", "-DGPU_PUZZLES_WITH_SM90_ATTN"] if cutlass_dirs else []
+    ext = CUDAExtension(
         "gpu_puzzles._C", cpp + cu,
-        include_dirs=include_dirs,
+        include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=[("WITH_CUDA", None)],
-        extra_compile_args={"cxx": cxx_flags + ["-DWITH_CUDA"], "nvcc": nvcc_flags},
-    )]
+        extra_compile_args={"cxx": cxx_flags + ["-DWITH_CUDA"] + macros, "nvcc": nvcc_flags + macros},
+    )
+    if cutlass_dirs:
+        ext.sm90a_sources = list(_SM90A_SOURCES)
+        ext.sm90a_flags = nvcc_flags + macros + ["-I" + d for d in [os.path.join(ROOT, "csrc")] + cutlass_dirs]
+    return [ext]
+
+
+class Sm90aBuildExtension(BuildExtension):
+    """BuildExtension that first compiles an extension's ``sm90a_sources`` with nvcc for
+    sm_90a only (wgmma/TMA need the arch-specific target) and links the objects in."""
+
+    def build_extensions(self):
+        for ext in self.extensions:
+            srcs = getattr(ext, "sm90a_sources", None)
+            if not srcs:
+                continue
+            out_dir = os.path.join(os.path.abspath(self.build_temp), "sm90a")
+            os.makedirs(out_dir, exist_ok=True)
+            from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+            nvcc = [os.path.join(CUDA_HOME, "bin", "nvcc")]
+            if os.environ.get("CC"):  # the host compiler torch's own nvcc calls get
+                nvcc += ["-ccbin", os.environ["CC"]]
+            procs, objs = [], []
+            for src in srcs:
+                obj = os.path.join(out_dir, os.path.splitext(os.path.basename(src))[0] + ".o")
+                cmd = nvcc + ["-c", os.path.join(ROOT, src), "-o", obj, "-Xcompiler", "-fPIC",
+                              "-gencode=arch=compute_90a,code=sm_90a"] + COMMON_NVCC_FLAGS + ext.sm90a_flags
+                print("gpu_puzzles: sm_90a: " + " ".join(cmd))
+                procs.append(subprocess.Popen(cmd))  # the two files build side by side
+                objs.append(obj)
+            for p in procs:
+                if p.wait() != 0:
+                    raise RuntimeError("gpu_puzzles: nvcc failed on an sm_90a source (command above)")
+            ext.extra_objects = list(ext.extra_objects or []) + objs
+        super().build_extensions()
 
 
 # The extension is built against the torch present at build time; pin that exact
@@ -184,6 +218,6 @@ _torch_pin = "torch==" + torch.__version__.split("+")[0]
 setup(
     packages=find_packages(include=["gpu_puzzles", "gpu_puzzles.*"]),
     ext_modules=extensions(),
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": Sm90aBuildExtension.with_options(use_ninja=True)},
     install_requires=[_torch_pin, "numpy", "rich"],
 )
