@@ -1353,9 +1353,9 @@ cudaError_t launch_fwd_tc2(const AttentionFwdArgs& a, int dev, cudaStream_t stre
 // Forward tensor-core configuration: GPU_PUZZLES_ATTN_FWD_CFG=<name> (read once; for
 // benchmark sweeps). "old" is attn_fwd_tc (warps from fwd_tc_warps); the others are
 // attn_fwd_tc2 r<rows per warp>_bn<keys per tile>_w<warps>_s<stages>. Unset/"auto": the
-// default below; an unknown name warns once on stderr and uses the default. "wgmma" / "wgmma3"
-// (opt-in until verified on an H100): the sm_90a kernel of attention_fwd_sm90.cu with 2 / 3
-// warpgroups per CTA where the build has it and the device/shape allow, else the default.
+// default below; an unknown name warns once on stderr and uses the default. "wgmma" / "wgmma3":
+// the sm_90a kernel of attention_fwd_sm90.cu with 2 / 3 warpgroups per CTA where the build
+// has it and the device/shape allow, else the tc kernels (auto uses it too: sm90_warpgroups).
 enum class FwdCfg { Auto, Old, R32Bn32W4S2, Wgmma, Wgmma3 };
 struct FwdCfgName {
   const char* name;
@@ -1384,6 +1384,20 @@ FwdCfg fwd_cfg() {
     return kFwdCfgDefault;
   }();
   return cfg;
+}
+
+// The sm_90a wgmma forward's warpgroups per CTA for this call, 0 = not that kernel. Auto takes
+// wgmma3 except at D = 64 causal. H100 (bf16 forward TFLOP/s, attention_sweep.py, order as
+// above): auto before wgmma 256 / 236 / 229 / 178; wgmma 331 / 304 / 197 / 170; wgmma3
+// 356 / 329 / 233 / 171. Where supported() says no (not a 9.x GPU, D not 64/128, fp32,
+// unaligned) the tc kernels below run.
+int sm90_warpgroups(const AttentionFwdArgs& a) {
+  switch (fwd_cfg()) {
+    case FwdCfg::Wgmma: return 2;
+    case FwdCfg::Wgmma3: return 3;
+    case FwdCfg::Auto: return a.D == 64 && a.causal ? 0 : 3;
+    default: return 0;
+  }
 }
 
 template <typename T, int D> cudaError_t launch_fwd_tc(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
@@ -1418,9 +1432,9 @@ template <typename T> cudaError_t forward_typed(const AttentionFwdArgs& a, int d
     if (tc_ok_fwd<T>(a)) {
       cudaError_t e = cudaSuccess;
 #if defined(GPU_PUZZLES_WITH_SM90_ATTN)
-      if (fwd_cfg() == FwdCfg::Wgmma || fwd_cfg() == FwdCfg::Wgmma3) {
-        if (attention_forward_sm90_supported(a, dev, e))
-          return attention_forward_sm90(a, fwd_cfg() == FwdCfg::Wgmma3 ? 3 : 2, dev, stream);
+      const int wg = sm90_warpgroups(a);
+      if (wg > 0) {
+        if (attention_forward_sm90_supported(a, dev, e)) return attention_forward_sm90(a, wg, dev, stream);
         if (e != cudaSuccess) return e;
       }
 #endif
