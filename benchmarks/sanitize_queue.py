@@ -107,7 +107,8 @@ def parse_args(argv=None):
                         "(memcheck always instruments every kernel)")
     p.add_argument("--exclude-kernels", default="",
                    help="compute-sanitizer --kernel-name-exclude for racecheck/synccheck, in every file "
-                        "(e.g. kns=nvjet: cuBLAS's GEMMs, whose racecheck reports are not ours to fix)")
+                        "(kns=nvjet leaves cuBLAS's GEMMs out, but racecheck then faults at their launch "
+                        "like it does filtered; --foreign-kernels is the way to set their reports apart)")
     p.add_argument("--foreign-kernels", default="",
                    help="racecheck: comma-separated kernel-name substrings (e.g. nvjet) of code that is not "
                         "ours; an error report whose two accesses both lie in such kernels is counted apart "
@@ -295,18 +296,12 @@ class Runner:
 
     def account(self, f, ids, gpu, log, rec, rc, wall, killed):
         started, done = [], {}
-        if os.path.exists(rec):
-            with open(rec) as fh:
-                for line in fh:
-                    try:
-                        r = json.loads(line)
-                    except ValueError:  # a line cut by the kill
-                        continue
-                    tid = match_id(r["id"], ids)
-                    if r["event"] == "start":
-                        started.append(tid)
-                    else:
-                        done[tid] = r
+        for r in read_records(rec):
+            tid = match_id(r["id"], ids)
+            if r["event"] == "start":
+                started.append(tid)
+            else:
+                done[tid] = r
         with open(log, errors="replace") as fh:
             text = fh.read()
         race = RACE_RE.findall(text)
@@ -469,18 +464,23 @@ def clean_ids(summary_path, tool):
     for j in s["jobs"]:
         if j["sanitizer_errors"] or j["tool_faults"] or j["crashed"] or not j.get("summarized", not j["killed"]):
             continue
-        rec = os.path.join(d, os.path.splitext(j["log"])[0] + ".jsonl")
-        if not os.path.exists(rec):
-            continue
-        with open(rec) as fh:
-            for line in fh:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue
-                if r.get("event") == "finish" and BUCKET.get(r.get("outcome")) in ("passed", "skipped"):
-                    out.add(r["id"])
+        for r in read_records(os.path.join(d, os.path.splitext(j["log"])[0] + ".jsonl")):
+            if r.get("event") == "finish" and BUCKET.get(r.get("outcome")) in ("passed", "skipped"):
+                out.add(r["id"])
     return out
+
+
+def read_records(path):
+    """The plugin's per-test events of one chunk (none if the file is missing); a line cut by a
+    kill is skipped."""
+    if not os.path.exists(path):
+        return
+    with open(path) as fh:
+        for line in fh:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
 
 
 def match_id(rid, ids):

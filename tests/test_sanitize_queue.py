@@ -24,7 +24,7 @@ rc = subprocess.call(args)
 n = int(os.environ.get("FAKE_ERRORS", "0"))
 if os.environ.get("FAKE_RACE"):  # racecheck's reports and its own summary line, with warnings
     f = int(os.environ.get("FAKE_FOREIGN", "0"))  # reports inside cuBLAS-like kernels
-    for i, k in enumerate(["nvjet_sm90_tst_splitK_NTN"] * f + ["void gpu_puzzles::k<float>(int)"] * n):
+    for k in ["nvjet_sm90_tst_splitK_NTN"] * f + ["void gpu_puzzles::k<float>(int)"] * n:
         print("========= Error: Race reported between Read access at %s+0xaf0" % k)
         print("=========     and Write access at %s+0x2f10 [20 hazards]" % k)
         print("========= ")
