@@ -491,6 +491,15 @@ def _ran_evt(names):
     return any(m in n for n in names for m in EVT_KERNEL_MARKS)
 
 
+@functools.lru_cache(maxsize=None)
+def _profiler_sees_kernels():
+    """Whether torch.profiler records CUDA kernels in this process. Under compute-sanitizer it
+    does not (CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED): the kernel-path checks below are
+    then left out, the numerical checks still run. Plain runs check the paths."""
+    names, _ = _kernels(lambda: torch.ones(8, device="cuda") + 1)
+    return bool(names)
+
+
 def _ref_and_eager_err(x, lw, lb, W, b):
     y_ref = _ref(x, lw, lb, W, b)[0]
     eager = F.linear(F.layer_norm(x, (x.shape[-1],), lw, lb), W, b)
@@ -520,7 +529,7 @@ def test_cuda_evt_matches_reference(dtype, M, H, N):
         scale = max(1.0, y_ref.abs().max().item())
         err = (y.double() - y_ref).abs().max().item()
         assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"error {err:.3e} vs eager {err_eager:.3e}"
-        if _evt_expected():
+        if _evt_expected() and _profiler_sees_kernels():
             assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
 
 
@@ -549,7 +558,7 @@ def test_cuda_evt_large_mean_rows(dtype, M, H, N):
     scale = y_ref.abs().amax(-1).clamp_min(1.0)
     bad = (err > 2 * err_eager + 4 * TOL[dtype] * scale).nonzero().flatten().tolist()
     assert not bad, f"rows {bad[:10]} (large-mean: {big[bad[:10]].tolist()}) err {err[bad[:10]].tolist()}"
-    if _evt_expected():
+    if _evt_expected() and _profiler_sees_kernels():
         assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
 
 
@@ -601,7 +610,8 @@ def test_cuda_evt_fallback_conditions(dtype, case):
     scale = max(1.0, y_ref.abs().max().item())
     err = (y.double() - y_ref).abs().max().item()
     assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"error {err:.3e} vs eager {err_eager:.3e}"
-    assert not _ran_evt(names), f"{case} must not take the CUTLASS path, kernels: {names}"
+    if _profiler_sees_kernels():
+        assert not _ran_evt(names), f"{case} must not take the CUTLASS path, kernels: {names}"
 
 
 _EVT_OFF_CHILD = r"""
@@ -629,7 +639,7 @@ def test_cuda_evt_env_off_agrees(dtype, tmp_path):
     x = _large_mean_x((M,), H, [0.0, 0.5, 1000.0, -3.0], "cuda", dtype, seed=9)
     lw, lb, W, b = _params(H, N, "cuda", dtype, seed=4)
     names, y = _kernels(lambda: gp.fused_layernorm_linear(x, lw, lb, W, b))
-    if _evt_expected():
+    if _evt_expected() and _profiler_sees_kernels():
         assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
     inp, out = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save([t.cpu() for t in (x, lw, lb, W, b)], inp)
@@ -638,7 +648,8 @@ def test_cuda_evt_env_off_agrees(dtype, tmp_path):
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
     subprocess.run([sys.executable, "-c", _EVT_OFF_CHILD, str(inp), str(out)], check=True, env=env, timeout=300)
     res = torch.load(out)
-    assert not res["evt"], "GPU_PUZZLES_LNLINEAR_EVT=0 still ran the CUTLASS GEMM"
+    if _profiler_sees_kernels():
+        assert not res["evt"], "GPU_PUZZLES_LNLINEAR_EVT=0 still ran the CUTLASS GEMM"
     y_off = res["y"].double()
     y_ref, err_eager = _ref_and_eager_err(x, lw, lb, W, b)
     y_ref = y_ref.cpu()
@@ -683,6 +694,8 @@ def test_cuda_evt_build_marker_present():
     # The marker the EVT tests use to know whether CUTLASS was built in; on an sm_90 device
     # a CUTLASS build must actually take the path (else the tests above silently test cuBLAS).
     built = _evt_built()
+    if not _profiler_sees_kernels():
+        pytest.skip("torch.profiler records no kernels here (CUPTI held by compute-sanitizer)")
     if torch.cuda.get_device_capability() == (9, 0) and built and os.environ.get(EVT_ENV) != "0":
         x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
         lw, lb, W, b = _params(512, 256, "cuda", torch.bfloat16)
