@@ -3,6 +3,7 @@ test command, prints an ERROR SUMMARY) over a throwaway test file with a passing
 hanging test. Every test name says "cpu" so the sanitizer runs themselves (-k "not cpu") skip them."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -139,6 +140,11 @@ def test_cpu_skip_reruns_only_what_was_not_clean(tmp_path, errors):
         set() if errors else {"test_tiny.py::test_ok"})
     with pytest.raises(SystemExit, match="not memcheck"):
         sanitize_queue.clean_ids(str(first / "racecheck" / "summary.json"), "memcheck")
+    alone = tmp_path / "alone"  # summary.json copied without its records: refused, not "nothing clean"
+    alone.mkdir()
+    shutil.copy(first / "racecheck" / "summary.json", alone / "summary.json")
+    with pytest.raises(SystemExit, match="none of its .* chunk records"):
+        sanitize_queue.clean_ids(str(alone / "summary.json"), "racecheck")
     p, s, c = run_queue(tmp_path, "-k", "ok or bad", "--kernels", "", "--skip",
                         str(first / "racecheck" / "summary.json"))
     assert (c["done_before"], c["selected"], c["failed"]) == ((0, 2, 1) if errors else (1, 1, 1))
@@ -149,7 +155,6 @@ def test_cpu_skip_reruns_only_what_was_not_clean(tmp_path, errors):
 def test_cpu_device_run_per_tool_files(tmp_path):
     # device_run.sh STEPS=memcheck+racecheck with SANITIZE_FILES_<tool> / SANITIZE_WORKERS_<tool>:
     # each tool runs its own files with its own process count, in one call (fake sanitizer).
-    import shutil
     (tmp_path / "benchmarks").mkdir()
     for f in ("device_run.sh", "sanitize_queue.py"):
         shutil.copy(os.path.join(ROOT, "benchmarks", f), tmp_path / "benchmarks" / f)
