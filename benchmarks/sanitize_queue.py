@@ -463,15 +463,15 @@ def clean_ids(summary_path, tool):
     # Clean tests are read from the chunks' .jsonl records, not from summary.json: a summary
     # copied without them would silently skip nothing and the whole run would be repeated. (One
     # record may be missing where a process died before its first test: that chunk counts nothing.)
-    records = [os.path.splitext(j["log"])[0] + ".jsonl" for j in s["jobs"]]
-    if records and not any(os.path.exists(os.path.join(d, r)) for r in records):
+    records = [os.path.join(d, os.path.splitext(j["log"])[0] + ".jsonl") for j in s["jobs"]]
+    if records and not any(os.path.exists(r) for r in records):
         raise SystemExit("--skip %s: none of its %d chunk records (%s, ...) is beside it; copy the whole "
-                         "%s/ folder" % (summary_path, len(records), records[0], tool))
+                         "%s/ folder" % (summary_path, len(records), os.path.basename(records[0]), tool))
     out = set()
-    for j in s["jobs"]:
+    for j, rec in zip(s["jobs"], records):
         if j["sanitizer_errors"] or j["tool_faults"] or j["crashed"] or not j.get("summarized", not j["killed"]):
             continue
-        for r in read_records(os.path.join(d, os.path.splitext(j["log"])[0] + ".jsonl")):
+        for r in read_records(rec):
             if r.get("event") == "finish" and BUCKET.get(r.get("outcome")) in ("passed", "skipped"):
                 out.add(r["id"])
     return out
