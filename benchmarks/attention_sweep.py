@@ -3,10 +3,11 @@
 Each configuration runs in its own subprocess (the variable is read once per process):
 it first checks correctness against float64 SDPA at small odd shapes (output, lse, and the
 gradients of the backward that consumes the lse), then times the forward with CUDA events
-(warm-up, median of --reps) at the issue's shapes. One table at the end.
+(warm-up, median of --reps) at the issue's shapes or (--shapes small) at short sequences. One table at the end.
 
     PYTHONPATH=$PWD python benchmarks/attention_sweep.py            # every config
     PYTHONPATH=$PWD python benchmarks/attention_sweep.py --configs old r32_bn32_w4_s2 --reps 50
+    PYTHONPATH=$PWD python benchmarks/attention_sweep.py --shapes small --json /tmp/small.json
 
 FLOPs: 4*B*H*Sq*Sk*D (half when causal), as in gpu_puzzles/bench/attention.py.
 
@@ -29,6 +30,10 @@ CONFIGS = ["auto", "old", "r32_bn32_w4_s2", "wgmma", "wgmma3"]
 # (label, B, H, S, D, causal)
 SHAPES = [("4x32x4096x128", 4, 32, 4096, 128, False), ("4x32x4096x128 causal", 4, 32, 4096, 128, True),
           ("8x16x2048x64", 8, 16, 2048, 64, False), ("8x16x2048x64 causal", 8, 16, 2048, 64, True)]
+# --shapes small: few CTAs per wave (the notebook's B=2, H=16 sweep and around it), where a
+# 192-row CTA leaves SMs idle that a 128-row one would fill.
+SMALL_SHAPES = [(f"{B}x16x{S}x{D}" + (" causal" if c else ""), B, 16, S, D, c)
+                for D in (64, 128) for c in (False, True) for B in (1, 2, 4, 8) for S in (256, 512, 1024, 2048)]
 # (lead, Sq, Sk, D, causal): tails past every tile size, S < BN, Sq != Sk both ways under causal.
 CHECK_SHAPES = [((2, 3), 1, 1, 64, False), ((2,), 17, 5, 128, True), ((2,), 31, 33, 64, True),
                 ((1, 2), 129, 33, 128, True), ((1, 2), 33, 129, 64, True), ((2,), 255, 127, 128, False),
@@ -36,13 +41,13 @@ CHECK_SHAPES = [((2, 3), 1, 1, 64, False), ((2,), 17, 5, 128, True), ((2,), 31, 
                 ((1,), 1000, 1001, 64, True)]
 
 
-def child(reps: int) -> dict:
+def child(reps: int, shapes: list) -> dict:
     # The wgmma launcher's trace lines (one per call) go to a scratch file, counted at the end.
     trace = tempfile.TemporaryFile()
     saved = os.dup(2)
     os.dup2(trace.fileno(), 2)
     try:
-        res = _child(reps)
+        res = _child(reps, shapes)
     finally:
         os.dup2(saved, 2)  # errors reach the parent's table
     trace.seek(0)
@@ -50,7 +55,7 @@ def child(reps: int) -> dict:
     return res
 
 
-def _child(reps: int) -> dict:
+def _child(reps: int, shapes: list) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -80,20 +85,24 @@ def _child(reps: int) -> dict:
                 res["max_err"] = max(res["max_err"], e) if e == e else float("nan")
                 if not e <= tol:  # NaN fails too
                     res["fail"].append(f"{dtype} {lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {n} err={e:.3g}")
-    for label, B, H, S, D, causal in SHAPES:
+    for label, B, H, S, D, causal in shapes:
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         fn = lambda: ops.attention(q, k, v, None, causal)  # noqa: E731
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
+        # `inner` calls between the events: a call of a few microseconds would otherwise time the
+        # launch gap, not the kernel.
+        inner = 10
         times = []
         for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            for _ in range(inner):
+                fn()
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b))
+            times.append(a.elapsed_time(b) / inner)
         times.sort()
         ms = times[len(times) // 2]
         flops = 4 * B * H * S * S * D // (2 if causal else 1)
@@ -105,31 +114,40 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="*", default=CONFIGS)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--shapes", choices=("issue", "small"), default="issue",
+                    help="issue: the issue's four shapes; small: B=1..8, H=16, S=256..2048 (few CTAs)")
+    ap.add_argument("--json", help="write the rows here too")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    shapes = SHAPES if args.shapes == "issue" else SMALL_SHAPES
     if args.child:
-        print("RESULT " + json.dumps(child(args.reps)))
+        print("RESULT " + json.dumps(child(args.reps, shapes)))
         return
     rows = []
     for cfg in args.configs:
         env = dict(os.environ, GPU_PUZZLES_ATTN_FWD_CFG=cfg, GPU_PUZZLES_ATTN_TRACE="1")
-        r = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps)], env=env,
-                           capture_output=True, text=True)
+        cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--shapes", args.shapes]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if r.returncode != 0 or line is None:
             rows.append({"cfg": cfg, "error": (r.stderr or r.stdout).strip().splitlines()[-1:]})
         else:
             rows.append(json.loads(line[len("RESULT "):]))
-    head = f"{'config':<16} {'check':<6} {'max err':>8} {'wgmma':>6} " + " ".join(f"{s[0]:>21}" for s in SHAPES)
-    print("forward TFLOP/s (bf16, median of CUDA-event times)")
-    print(head)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shapes": [s[0] for s in shapes], "rows": rows}, f, indent=1)
+    # One row per shape, one column per config (errors and failed checks listed below).
+    good = [r for r in rows if "error" not in r]
+    print("forward TFLOP/s (bf16, median over reps of CUDA-event time / 10 calls)")
+    print(f"{'shape':<22} " + " ".join(f"{r['cfg']:>15}" for r in good))
+    print(f"{'check (max err)':<22} " + " ".join(
+        f"{('ok' if not r['fail'] else 'FAIL') + ' ' + format(r['max_err'], '.1e'):>15}" for r in good))
+    print(f"{'wgmma calls':<22} " + " ".join(f"{r['wgmma_calls']:>15}" for r in good))
+    for s in shapes:
+        print(f"{s[0]:<22} " + " ".join(f"{r[s[0]]:>15.1f}" for r in good))
     for r in rows:
         if "error" in r:
-            print(f"{r['cfg']:<16} ERROR  {r['error']}")
-            continue
-        ok = "ok" if not r["fail"] else "FAIL"
-        print(f"{r['cfg']:<16} {ok:<6} {r['max_err']:>8.2e} {r['wgmma_calls']:>6} "
-              + " ".join(f"{r[s[0]]:>21.1f}" for s in SHAPES))
+            print(f"{r['cfg']}: ERROR {r['error']}")
     for r in rows:
         if r["cfg"].startswith("wgmma") and r.get("wgmma_calls") == 0:
             print(f"  {r['cfg']}: no call took the wgmma kernel (built without CUTLASS, or not a 9.x GPU): "
