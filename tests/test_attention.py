@@ -551,7 +551,7 @@ def test_cuda_online_softmax_rescaling(dtype):
 # ---- forward tensor-core configurations (GPU_PUZZLES_ATTN_FWD_CFG, read once per process) -------
 # Each configuration runs the checks below in a child pytest process with the variable set.
 # "wgmma" / "wgmma3": the sm_90a kernel (attention_fwd_sm90.cu) with 2 / 3 warpgroups (auto takes
-# wgmma3 on a 9.x GPU except at D = 64 causal, test_cuda_auto_forward_kernel); its child also sets GPU_PUZZLES_ATTN_TRACE=1 and checks that every forward call took that kernel.
+# the wgmma kernel on a 9.x GPU at D = 128, test_cuda_auto_forward_kernel); its child also sets GPU_PUZZLES_ATTN_TRACE=1 and checks that every forward call took that kernel.
 FWD_CFGS = ["old", "r32_bn32_w4_s2", "wgmma", "wgmma3"]
 # (lead, Sq, Sk, D): S < BN (32/64), lengths not multiples of BM (64/128/256) or BN, exact
 # multiples, Sq != Sk both ways (causal stays top-left aligned), one query, one key.
@@ -587,32 +587,47 @@ def _built_with_sm90_attn():
         return b"attention_forward_sm90_supported" in f.read()
 
 
+# (BH, S, D, causal) for the default's kernel choice: D = 64 (mma.sync), D = 128 tiny, few CTAs
+# (2 warpgroups fill the waves better on a 132-SM H100/H200) and many (3 warpgroups).
+AUTO_CASES = [(2, 300, 64, False), (2, 300, 64, True), (2, 300, 128, False), (2, 300, 128, True),
+              (16, 1024, 128, False), (16, 1024, 128, True), (128, 2048, 128, False)]
 _AUTO_CHILD = """
-import torch, gpu_puzzles as gp
-for D in (64, 128):
-    for causal in (False, True):
-        q, k, v = (torch.randn(2, 300, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        gp.attention(q, k, v, causal=causal)
-        torch.cuda.synchronize()
-        print(f"called D={D} causal={int(causal)}", flush=True)
-"""
+import sys, torch, gpu_puzzles as gp
+for BH, S, D, causal in %r:
+    q, k, v = (torch.randn(BH, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    gp.attention(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    print(f"called BH={BH} S={S} D={D} causal={int(causal)}", flush=True)
+""" % (AUTO_CASES,)
+
+
+def _auto_warpgroups(BH, S, sms):
+    """The documented default (sm90_warpgroups, attention_cuda.cu): 3 warpgroups (192 rows per
+    CTA) unless 2 (128 rows) fill the waves of one-CTA-per-SM grids better by more than 1.075x."""
+    def fill(ctas):
+        return ctas / (-(-ctas // sms) * sms)
+    return 3 if 1.075 * fill(BH * -(-S // 192)) >= fill(BH * -(-S // 128)) else 2
 
 
 @requires_cuda
 def test_cuda_auto_forward_kernel():
-    # Which forward kernel the default (no GPU_PUZZLES_ATTN_FWD_CFG) takes: the wgmma one with 3
-    # warpgroups on a 9.x GPU in a CUTLASS build, except D = 64 causal (measured slower there).
+    # Which forward kernel the default (no GPU_PUZZLES_ATTN_FWD_CFG) takes: on a 9.x GPU in a
+    # CUTLASS build, the wgmma one at D = 128 with the warpgroups above, the mma.sync one at D = 64.
     if torch.cuda.get_device_capability()[0] != 9 or not _built_with_sm90_attn():
         pytest.skip("needs a 9.x GPU and an extension built with the wgmma forward")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "GPU_PUZZLES_ATTN_FWD_CFG"}
     env.update(GPU_PUZZLES_ATTN_TRACE="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", _AUTO_CHILD], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("called") == 4, r.stdout
+    assert r.stdout.count("called") == len(AUTO_CASES), r.stdout
     lines = [ln for ln in r.stderr.splitlines() if "wgmma sm90" in ln]
-    want = [f"wgmma sm90 BH=2 Sq=300 Sk=300 D={D} causal={c} wg=3" for D, c in ((64, 0), (128, 0), (128, 1))]
+    want = [f"wgmma sm90 BH={BH} Sq={S} Sk={S} D={D} causal={int(c)} wg={_auto_warpgroups(BH, S, sms)}"
+            for BH, S, D, c in AUTO_CASES if D == 128]
     assert [ln.split("forward ", 1)[1] for ln in lines] == want, r.stderr[-3000:]
+    if sms == 132:  # H100 SXM / H200: the cases take both variants
+        assert {_auto_warpgroups(BH, S, sms) for BH, S, D, _ in AUTO_CASES if D == 128} == {2, 3}
 
 
 # wgmma (64 query rows per warpgroup, BM = 128 or 192 per CTA, BN = 64 or 128 keys per tile):

@@ -1386,16 +1386,47 @@ FwdCfg fwd_cfg() {
   return cfg;
 }
 
-// The sm_90a wgmma forward's warpgroups per CTA for this call, 0 = not that kernel. Auto takes
-// wgmma3 except at D = 64 causal. H100 (bf16 forward TFLOP/s, attention_sweep.py, order as
-// above): auto before wgmma 256 / 236 / 229 / 178; wgmma 331 / 304 / 197 / 170; wgmma3
-// 356 / 329 / 233 / 171. Where supported() says no (not a 9.x GPU, D not 64/128, fp32,
-// unaligned) the tc kernels below run.
-int sm90_warpgroups(const AttentionFwdArgs& a) {
+// SMs of device dev, cached per device; 0 when the query fails (err says why).
+int device_sm_count(int dev, cudaError_t& err) {
+  static std::atomic<int> sms[kMaxCachedDevices];  // 0: not queried yet
+  err = cudaSuccess;
+  int n = cacheable_device(dev) ? sms[dev].load(std::memory_order_relaxed) : 0;
+  if (n == 0) {
+    err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    if (err != cudaSuccess) return 0;
+    if (cacheable_device(dev)) sms[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// Share of the SM slots a grid of `ctas` one-CTA-per-SM blocks keeps busy over its waves.
+double wave_fill(int64_t ctas, int sms) {
+  const int64_t waves = (ctas + sms - 1) / sms;
+  return static_cast<double>(ctas) / static_cast<double>(waves * sms);
+}
+
+// The sm_90a wgmma forward's warpgroups per CTA for this call, 0 = not that kernel.
+// Auto, D = 128: 3 warpgroups (BM = 192) unless 2 (BM = 128) fill the waves better by more
+// than 3's per-CTA speed-up (1.075x: 356 vs 331 TFLOP/s at (4,32,4096,128)). Both kernels hold
+// one CTA per SM at D = 128 (launch bounds; 221 / 141 registers). Example, H100 (132 SMs),
+// forward TFLOP/s wgmma3 -> wgmma (benchmarks/results/attention_small_sweep_h100.txt):
+// (1,16,2048) 176 CTAs = 1.33 waves vs 256 = 1.94, 224 -> 299; (2,16,1024) 205 -> 266;
+// (8,16,2048) stays with wgmma3, 338 vs 312.
+// Auto, D = 64: the mma.sync kernel ("old"): equal to wgmma3 at (8,16,2048,64) (229-237 vs
+// 233-234) and ahead at shorter or fewer sequences ((2,16,1024,64) 201 vs 140), causal too.
+// Where supported() says no (not a 9.x GPU, fp32, unaligned) the tc kernels below run.
+int sm90_warpgroups(const AttentionFwdArgs& a, int dev, cudaError_t& err) {
+  err = cudaSuccess;
   switch (fwd_cfg()) {
     case FwdCfg::Wgmma: return 2;
     case FwdCfg::Wgmma3: return 3;
-    case FwdCfg::Auto: return a.D == 64 && a.causal ? 0 : 3;
+    case FwdCfg::Auto: {
+      if (a.D != 128 || a.Dv != 128) return 0;
+      const int sms = device_sm_count(dev, err);
+      if (sms <= 0) return 0;
+      const int64_t ctas3 = a.BH * ((a.Sq + 191) / 192), ctas2 = a.BH * ((a.Sq + 127) / 128);
+      return 1.075 * wave_fill(ctas3, sms) >= wave_fill(ctas2, sms) ? 3 : 2;
+    }
     default: return 0;
   }
 }
@@ -1432,7 +1463,8 @@ template <typename T> cudaError_t forward_typed(const AttentionFwdArgs& a, int d
     if (tc_ok_fwd<T>(a)) {
       cudaError_t e = cudaSuccess;
 #if defined(GPU_PUZZLES_WITH_SM90_ATTN)
-      const int wg = sm90_warpgroups(a);
+      const int wg = sm90_warpgroups(a, dev, e);
+      if (e != cudaSuccess) return e;
       if (wg > 0) {
         if (attention_forward_sm90_supported(a, dev, e)) return attention_forward_sm90(a, wg, dev, stream);
         if (e != cudaSuccess) return e;
