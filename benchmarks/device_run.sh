@@ -12,7 +12,8 @@
 # steps (benchmarks/sanitize_queue.py, results in $OUT/r/sanitizer/<tool>/): SANITIZE_FILES (default
 # every tests/test_*.py), SANITIZE_K (pytest -k, default below), SANITIZE_KERNELS, SANITIZE_UNFILTERED,
 # SANITIZE_TIMEOUT (deadline of each sanitizer step, s, default 480), SANITIZE_WORKERS (processes
-# per GPU, default 4, split between steps run as a+b) (12 per H200 ran out of GPU memory), SANITIZE_COSTS (costs.json of an earlier run),
+# per GPU, default 4, split between steps run as a+b) (12 per H200 ran out of GPU memory; 8 per GPU made
+# a 150-s test run past 480 s: on 8 GPUs 1 per tool per GPU is faster overall), SANITIZE_COSTS (costs.json of an earlier run),
 # SANITIZE_KERNELS_EXCLUDE (--kernel-name-exclude for racecheck/synccheck, every file, e.g. kns=nvjet),
 # SANITIZE_FOREIGN (racecheck: kernel-name substrings whose own reports are counted apart, default nvjet:
 # cuBLAS, see benchmarks/cublas_racecheck_repro.py), SANITIZE_CHUNK (most tests per process, default 25),
