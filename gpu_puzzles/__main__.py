@@ -17,6 +17,30 @@ from .bench.__main__ import derive_backward
 from .bench.common import copy_bandwidth, device_name, run_case
 
 
+def speed_rows(rows):
+    """One table row per (op, case, direction) but fwd+bwd: ours against eager and compile.
+    "ours" is the op's main implementation: the impl named "ours", else "ours fused" (the
+    LayerNorm+Linear benchmarks name both of theirs, fused and unfused); the case then says fused."""
+    keyed = {}
+    for r in rows:
+        keyed.setdefault((r["op"], r["case"], r["direction"]), {})[r["impl"]] = r
+    out = []
+    for (op, case, d), impls in keyed.items():
+        if d == "fwd+bwd":
+            continue
+        main_impl = "ours" if "ours" in impls else "ours fused" if "ours fused" in impls else None
+        if main_impl == "ours fused":
+            case = f"{case} fused"
+        ms = {k: v.get("ms") for k, v in impls.items()}
+        ours = ms.get(main_impl)
+        f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        ratio = lambda a, b: "-" if not (a and b) else f"{b / a:.2f}x"  # noqa: E731
+        gbs = impls.get(main_impl, {}).get("GB/s")
+        out.append((op, case, d, f(ours), f(ms.get("eager")), f(ms.get("compile")),
+                    ratio(ours, ms.get("eager")), ratio(ours, ms.get("compile")), "-" if gbs is None else f"{gbs:.0f}"))
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m gpu_puzzles", description=__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -58,19 +82,8 @@ def main(argv=None):
     t = Table(title=f"time in ms (median), copy bandwidth {copy_gbs:.0f} GB/s")
     for c in ("op", "case", "dir", "ours", "eager", "compile", "ours vs eager", "ours vs compile", "ours GB/s"):
         t.add_column(c)
-    keyed = {}
-    for r in rows:
-        keyed.setdefault((r["op"], r["case"], r["direction"]), {})[r["impl"]] = r
-    for (op, case, d), impls in keyed.items():
-        if d == "fwd+bwd":
-            continue
-        ms = {k: v.get("ms") for k, v in impls.items()}
-        f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-        ratio = lambda a, b: "-" if not (a and b) else f"{b / a:.2f}x"  # noqa: E731
-        gbs = impls.get("ours", {}).get("GB/s")
-        t.add_row(op, case, d, f(ms.get("ours")), f(ms.get("eager")), f(ms.get("compile")),
-                  ratio(ms.get("ours"), ms.get("eager")), ratio(ms.get("ours"), ms.get("compile")),
-                  "-" if gbs is None else f"{gbs:.0f}")
+    for row in speed_rows(rows):
+        t.add_row(*row)
     console.print(t)
     return 0
 

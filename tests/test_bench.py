@@ -84,3 +84,20 @@ def test_time_ms_default_no_ring_on_cpu():
 def test_time_ms_fn_returning_none(monkeypatch):
     monkeypatch.setattr(common, "L2_BYTES", 4096)
     assert time_ms(lambda: None, [()], torch.device("cpu"), warmup=1, rep=2, keep_outputs=True) >= 0
+
+
+def test_tour_speed_rows_name_our_main_implementation():
+    # The tour's "ours" column: the impl "ours", else "ours fused" (LayerNorm+Linear), never blank
+    # when either ran; fwd+bwd rows are left to `python -m gpu_puzzles.bench`.
+    from gpu_puzzles.__main__ import speed_rows
+    rows = [{"op": "a", "case": "c", "direction": "fwd", "impl": "ours", "ms": 1.0, "GB/s": 10.0},
+            {"op": "a", "case": "c", "direction": "fwd", "impl": "eager", "ms": 2.0},
+            {"op": "a", "case": "c", "direction": "fwd+bwd", "impl": "ours", "ms": 3.0},
+            {"op": "b", "case": "c", "direction": "fwd", "impl": "ours fused", "ms": 0.5},
+            {"op": "b", "case": "c", "direction": "fwd", "impl": "ours unfused", "ms": 0.8},
+            {"op": "b", "case": "c", "direction": "fwd", "impl": "compile", "ms": 0.6},
+            {"op": "e", "case": "c", "direction": "fwd", "impl": "eager", "ms": 1.0}]
+    got = speed_rows(rows)
+    assert got == [("a", "c", "fwd", "1.0000", "2.0000", "-", "2.00x", "-", "10"),
+                   ("b", "c fused", "fwd", "0.5000", "-", "0.6000", "-", "1.20x", "-"),
+                   ("e", "c", "fwd", "-", "1.0000", "-", "-", "-", "-")]
