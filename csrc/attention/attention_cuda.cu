@@ -489,19 +489,7 @@ template <> struct MmaOp<__nv_bfloat16> {
 template <int ROWS, int D, int LDS, int NT, typename T>
 __device__ __forceinline__ void load_tile_async(T* __restrict__ dst, const T* __restrict__ src, int64_t row0,
                                                 int64_t S, int tid) {
-  constexpr int CPR = D / 8;  // 16-byte chunks per row
-  constexpr int TOTAL = ROWS * CPR;
-#pragma unroll
-  for (int it = 0; it < (TOTAL + NT - 1) / NT; ++it) {
-    const int idx = tid + it * NT;
-    if (TOTAL % NT == 0 || idx < TOTAL) {
-      const int r = idx / CPR, ch = idx - r * CPR;
-      const int64_t row = row0 + r;
-      const bool valid = row < S;
-      const T* g = valid ? src + row * D + ch * 8 : src;
-      cp_async16_zfill(smem_addr(dst + r * LDS + ch * 8), g, valid);
-    }
-  }
+  load_rows_async<ROWS, D, NT>([dst](int r, int c) { return dst + r * LDS + c; }, src, row0, S, tid);
 }
 
 // 2^x with one MUFU.EX2: flushes subnormal results to 0 (probabilities below 2^-126 of
@@ -510,16 +498,6 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-}
-
-// Quad (4 lanes sharing g) reductions: the lanes holding one accumulator row.
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(kFull, v, 1));
-  return fmaxf(v, __shfl_xor_sync(kFull, v, 2));
-}
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(kFull, v, 1);
-  return v + __shfl_xor_sync(kFull, v, 2);
 }
 
 constexpr int kTcWarps = 4;
@@ -1384,19 +1362,6 @@ FwdCfg fwd_cfg() {
     return kFwdCfgDefault;
   }();
   return cfg;
-}
-
-// SMs of device dev, cached per device; 0 when the query fails (err says why).
-int device_sm_count(int dev, cudaError_t& err) {
-  static std::atomic<int> sms[kMaxCachedDevices];  // 0: not queried yet
-  err = cudaSuccess;
-  int n = cacheable_device(dev) ? sms[dev].load(std::memory_order_relaxed) : 0;
-  if (n == 0) {
-    err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    if (err != cudaSuccess) return 0;
-    if (cacheable_device(dev)) sms[dev].store(n, std::memory_order_relaxed);
-  }
-  return n;
 }
 
 // Share of the SM slots a grid of `ctas` one-CTA-per-SM blocks keeps busy over its waves.

@@ -57,6 +57,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "common/cp_async.cuh"
+#include "common/device.cuh"
 #include "common/func_attr.h"
 
 namespace gpu_puzzles {
@@ -127,34 +128,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
-__device__ __forceinline__ float quad_max4(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum4(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-// Copy ROWS rows (row0.., D elements each, row stride D in global memory) into the
-// smem tile addressed through at(r, c) (c a multiple of 8); rows >= S are zero-filled.
-template <int ROWS, int D, int NT, class At, class Elem>
-__device__ __forceinline__ void load_rows(At&& at, const Elem* __restrict__ src, int64_t row0, int64_t S, int tid) {
-  constexpr int CPR = D / 8;  // 16-byte chunks per row
-  constexpr int TOTAL = ROWS * CPR;
-#pragma unroll
-  for (int it = 0; it < (TOTAL + NT - 1) / NT; ++it) {
-    const int idx = tid + it * NT;
-    if (TOTAL % NT == 0 || idx < TOTAL) {
-      const int r = idx / CPR, ch = idx - r * CPR;
-      const int64_t row = row0 + r;
-      const bool valid = row < S;
-      const Elem* g = valid ? src + row * D + ch * 8 : src;
-      cp_async16_zfill(smem_addr(at(r, ch * 8)), g, valid);
-    }
-  }
-}
-
 template <class Cfg, class Elem>
 __device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const Elem* __restrict__ k,
                                               const Elem* __restrict__ v, Elem* __restrict__ o,
@@ -185,12 +158,12 @@ __device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const 
   auto load_kv = [&](int stage, int64_t n0) {
     Tensor sK = make_tensor(make_smem_ptr(k_s + stage * Cfg::kTileElems), typename Cfg::LayoutK{});   // (BN, D)
     Tensor sVt = make_tensor(make_smem_ptr(v_s + stage * Cfg::kTileElems), typename Cfg::LayoutVt{});  // (D, BN)
-    load_rows<BN, D, NT>([&](int r, int c) { return &sK(r, c); }, kb, n0, Sk, tid);
+    load_rows_async<BN, D, NT>([&](int r, int c) { return &sK(r, c); }, kb, n0, Sk, tid);
     // The swizzles permute 16-byte units only: 8 consecutive d of one key stay contiguous.
-    load_rows<BN, D, NT>([&](int r, int c) { return &sVt(c, r); }, vb, n0, Sk, tid);
+    load_rows_async<BN, D, NT>([&](int r, int c) { return &sVt(c, r); }, vb, n0, Sk, tid);
   };
 
-  load_rows<BM, D, NT>([&](int r, int c) { return &sQ(r, c); }, qb, m0, Sq, tid);
+  load_rows_async<BM, D, NT>([&](int r, int c) { return &sQ(r, c); }, qb, m0, Sq, tid);
   if (n_tiles > 0) load_kv(0, 0);
   cp_async_commit();
 
@@ -267,7 +240,7 @@ __device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const 
       float mx = m_r[h];
 #pragma unroll
       for (int nb = 0; nb < BN / 8; ++nb) mx = fmaxf(mx, fmaxf(tSrS(4 * nb + 2 * h), tSrS(4 * nb + 2 * h + 1)));
-      mx = quad_max4(mx);
+      mx = quad_max(mx);
       const float base = mx == -INFINITY ? 0.f : mx;  // row still fully masked
       const float alpha = exp2_approx(m_r[h] - base);  // old max -inf -> 0
       m_r[h] = mx;
@@ -308,7 +281,7 @@ __device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const 
   // Epilogue: O / l, lse = (m + log2 l) * ln2 (natural log); l == 0 only when Sk == 0.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float l = quad_sum4(l_r[h]);
+    const float l = quad_sum(l_r[h]);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int64_t row = wrow0 + get<0>(tOcO(2 * h));
     if (row < Sq) {

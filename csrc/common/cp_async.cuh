@@ -5,6 +5,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace gpu_puzzles {
 
 // A generic pointer into shared memory as the 32-bit address PTX takes.
@@ -39,6 +41,27 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
+}
+
+// Copy rows [row0, row0 + ROWS) of a row-major (S, D) matrix (D a multiple of 8) into the
+// shared tile whose element (r, c) is at(r, c) (c a multiple of 8), 16 bytes per cp.async;
+// rows >= S are zero-filled. NT threads cooperate.
+template <int ROWS, int D, int NT, class At, class T>
+__device__ __forceinline__ void load_rows_async(At&& at, const T* __restrict__ src, int64_t row0, int64_t S,
+                                                int tid) {
+  constexpr int CPR = D / 8;  // 16-byte chunks per row
+  constexpr int TOTAL = ROWS * CPR;
+#pragma unroll
+  for (int it = 0; it < (TOTAL + NT - 1) / NT; ++it) {
+    const int idx = tid + it * NT;
+    if (TOTAL % NT == 0 || idx < TOTAL) {
+      const int r = idx / CPR, ch = idx - r * CPR;
+      const int64_t row = row0 + r;
+      const bool valid = row < S;
+      const T* g = valid ? src + row * D + ch * 8 : src;
+      cp_async16_zfill(smem_addr(at(r, ch * 8)), g, valid);
+    }
+  }
 }
 
 }  // namespace gpu_puzzles

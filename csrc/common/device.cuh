@@ -64,6 +64,17 @@ template <typename A> __device__ __forceinline__ A warp_max(A v) {
   return v;
 }
 
+// Quad (4 consecutive lanes) reductions: in an mma/wgmma accumulator fragment the 4 lanes
+// sharing one row.
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
 // Call a functor templated on the CUDA element type that matches `dt`.
 template <typename F> inline auto dispatch_dtype(DType dt, F&& f) {
   switch (dt) {

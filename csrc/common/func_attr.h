@@ -13,6 +13,19 @@ namespace gpu_puzzles {
 constexpr int kMaxCachedDevices = 64;
 inline bool cacheable_device(int dev) { return dev >= 0 && dev < kMaxCachedDevices; }
 
+// SMs of device dev, cached per device; 0 when the query fails (err says why).
+inline int device_sm_count(int dev, cudaError_t& err) {
+  static std::atomic<int> sms[kMaxCachedDevices];  // 0: not queried yet
+  err = cudaSuccess;
+  int n = cacheable_device(dev) ? sms[dev].load(std::memory_order_relaxed) : 0;
+  if (n == 0) {
+    err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    if (err != cudaSuccess) return 0;
+    if (cacheable_device(dev)) sms[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 // Opt kernel Kern in to `bytes` of dynamic shared memory on device dev (the current
 // one). Remembers per device the largest size set (a kernel's size may depend on
 // the shape), never lowering it under a larger launch.

@@ -14,11 +14,11 @@
 //              (lnlinear_evt_sm90.cu); the epilogue here then only fixes the
 //              large-mean rows (FIXUP_ONLY).
 // Index arithmetic is 64-bit: M*H and M*N may exceed 2^31.
-#include <atomic>
 #include <cstring>
 #include <initializer_list>
 
 #include "common/device.cuh"
+#include "common/func_attr.h"
 #include "layernorm_linear/layernorm_linear.h"
 
 namespace gpu_puzzles {
@@ -596,30 +596,17 @@ __global__ void lnlinear_naive(const T* __restrict__ x, const T* __restrict__ ga
 
 // ---- launch helpers --------------------------------------------------------------
 
-// SMs of the current device, queried once per device (the attribute query is a
-// driver call; launchers run it on every call). Racing first calls store the same
-// value, so relaxed atomics suffice. A failed query clears the (non-sticky) error so
-// the launcher's cudaGetLastError does not report it, and falls back to the H100's 132.
-constexpr int kMaxDevices = 64;
-std::atomic<int> g_sm_count[kMaxDevices];
-
+// SMs of the current device (device_sm_count caches it per device: launchers ask on every
+// call). A failed query clears the (non-sticky) error so the launcher's cudaGetLastError does
+// not report it, and falls back to the H100's 132.
 int sm_count() {
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
+  cudaError_t e = cudaGetDevice(&dev);
+  const int sms = e == cudaSuccess ? device_sm_count(dev, e) : 0;
+  if (sms <= 0) {
     (void)cudaGetLastError();
     return 132;
   }
-  const bool cached = dev >= 0 && dev < kMaxDevices;
-  if (cached) {
-    const int c = g_sm_count[dev].load(std::memory_order_relaxed);
-    if (c > 0) return c;
-  }
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
-    (void)cudaGetLastError();
-    return 132;
-  }
-  if (cached) g_sm_count[dev].store(sms, std::memory_order_relaxed);
   return sms;
 }
 
