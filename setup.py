@@ -171,13 +171,13 @@ def extensions():
     macros = ["-DGPU_PUZZLES_WITH_CUTLASS=1", "-DGPU_PUZZLES_WITH_SM90_ATTN"] if cutlass_dirs else []
     ext = CUDAExtension(
         "gpu_puzzles._C", cpp + cu,
-        include_dirs=[os.path.join(ROOT, "csrc")],
+        include_dirs=include_dirs,
         define_macros=[("WITH_CUDA", None)],
         extra_compile_args={"cxx": cxx_flags + ["-DWITH_CUDA"] + macros, "nvcc": nvcc_flags + macros},
     )
     if cutlass_dirs:
         ext.sm90a_sources = list(_SM90A_SOURCES)
-        ext.sm90a_flags = nvcc_flags + macros + ["-I" + d for d in [os.path.join(ROOT, "csrc")] + cutlass_dirs]
+        ext.sm90a_flags = nvcc_flags + macros + ["-I" + d for d in include_dirs + cutlass_dirs]
     return [ext]
 
 
