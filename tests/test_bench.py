@@ -101,3 +101,23 @@ def test_tour_speed_rows_name_our_main_implementation():
     assert got == [("a", "c", "fwd", "1.0000", "2.0000", "-", "2.00x", "-", "10"),
                    ("b", "c fused", "fwd", "0.5000", "-", "0.6000", "-", "1.20x", "-"),
                    ("e", "c", "fwd", "-", "1.0000", "-", "-", "-", "-")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_time_ms_backlog_times_device_work_only():
+    # A host-heavy call (2 ms of host sleep) around 0.5 ms of GPU work: with the backlog
+    # the event pair brackets the GPU work only; without it, a call that finds the GPU idle
+    # also times the host's 2 ms. The host's own time per call is reported apart.
+    import time
+    dev = torch.device("cuda")
+    cycles = int(0.5 * common._sleep_cycles_per_ms(dev))
+
+    def call():
+        time.sleep(0.002)
+        torch.cuda._sleep(cycles)
+
+    host = {}
+    ms = time_ms(call, [()], dev, warmup=2, rep=10, keep_outputs=False, host=host)
+    assert 0.35 < ms < 0.9, ms
+    assert host["ms_per_call"] >= 2.0
+    assert time_ms(call, [()], dev, warmup=2, rep=10, keep_outputs=False, backlog=False) > 1.5

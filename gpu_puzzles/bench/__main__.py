@@ -63,12 +63,19 @@ def main(argv=None):
     p.add_argument("--json", help="write every row and the run's metadata to this file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rep", type=int, default=40)
+    p.add_argument("--no-backlog", action="store_true",
+                   help="time each call without first queueing work ahead of it (host enqueue time counts too)")
     args = p.parse_args(argv)
     unknown = [o for o in args.ops if o not in OPS]
     if unknown:
         p.error(f"unknown op(s) {unknown}; choose from {OPS}")
     device = torch.device(args.device)
     copy_gbs = copy_bandwidth(device)
+    # Every case starts on fresh allocations: carved from the copy's two 1 GiB cached
+    # blocks instead, layer_norm 8192x4096 read 0.103 ms here against 0.057 ms in a fresh
+    # process (H100; benchmarks/results/layer_norm_h100.txt).
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     print(f"device: {device_name(device)}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)", flush=True)
     rows = []
     from rich.progress import Progress
@@ -80,7 +87,9 @@ def main(argv=None):
             cases = mod.bench_cases(device)
             task = prog.add_task(f"{op}", total=len(cases))
             for case in cases:
-                new = run_case(case, device, copy_gbs, rep=args.rep)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                new = run_case(case, device, copy_gbs, rep=args.rep, backlog=not args.no_backlog)
                 for r in new:
                     r["copy_GBps"] = copy_gbs
                     for k in ("bwd_bytes", "bwd_flops"):
@@ -110,7 +119,11 @@ def main(argv=None):
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "copy_GBps": copy_gbs,
             "timing": ("CUDA events, median of --rep calls after warm-up, inputs rotated past L2; outputs of the "
-                       "last calls kept alive (>= 3x L2) so every call writes fresh memory"),
+                       "last calls kept alive (>= 3x L2) so every call writes fresh memory; "
+                       + ("no backlog: a call that finds the GPU idle also times its host enqueue"
+                          if args.no_backlog else
+                          "the calls queued behind a GPU sleep, so each event pair brackets device work only "
+                          "(host_ms: the host's enqueue time per call)")),
             "rows": rows,
             "memory": memory,
         }
