@@ -137,18 +137,21 @@ struct EvtGemm {
   }
 };
 
-// Two configurations (timed on an H200 in the prototype, bf16, vs cuBLAS):
-//   Big:   128x256x64 tile, 2x1 cluster, cooperative: 0.352 ms at M=8192,N=4096,K=4096
-//          (cuBLAS 0.339-0.349) but 0.206 ms at M=16384,N=4096,K=1024;
-//   Small: 128x128x64 tile, 1x2 cluster, ping-pong:   0.183 ms at M=16384,N=4096,K=1024
-//          (cuBLAS 0.187). With short K the big tile's long epilogue is not hidden
-//          behind the mainloop; ping-pong overlaps one warp group's epilogue with the
-//          other's MMAs. Hence: Big for K >= 2048, Small below.
+// Two configurations. Prototype (H200, bf16, vs cuBLAS): the big tile is as fast
+// as cuBLAS at M=8192,N=4096,K=4096 but slow at M=16384,N=4096,K=1024, where the
+// short K leaves its long epilogue unhidden; ping-pong overlaps one warp group's
+// epilogue with the other's MMAs. Hence: Big for K >= 2048, Small below.
+// H100 sweep of ten configurations (benchmarks/evt_sweep, results in
+// benchmarks/results/lnlinear_evt_sweep_h100.txt), ms, cuBLAS plain GEMM in brackets:
+//   M=8192,N=4096,K=4096:  Big 0.355, the best (256x128 1x2 cooperative) 0.355 [0.340]
+//   M=16384,N=4096,K=1024: Small with a 2x1 cluster 0.181, with 1x2 (before) 0.210 [0.190]
+// With a 2x1 cluster the two CTAs of a pair (rows m, m+1, same columns) share each W
+// tile through one TMA multicast.
 template <class T>
 using Big = EvtGemm<T, Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                     cutlass::epilogue::TmaWarpSpecializedCooperative>;
 template <class T>
-using Small = EvtGemm<T, Shape<_128, _128, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+using Small = EvtGemm<T, Shape<_128, _128, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                       cutlass::epilogue::TmaWarpSpecialized>;
 constexpr int64_t kBigMinK = 2048;
 
