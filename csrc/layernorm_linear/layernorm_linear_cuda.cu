@@ -78,6 +78,42 @@ __device__ __forceinline__ void store_pack(T* __restrict__ p, const T (&d)[VEC])
   }
 }
 
+// Streaming forms for data touched once (the forward's x rows and y): the load skips L1
+// allocation, the store is marked evict-first (st.global.cs), so neither displaces
+// gamma/beta, which every row re-reads. H100, layer_norm 8192x4096 bf16: 0.0515 ->
+// 0.0503 ms (benchmarks/results/layer_norm_h100.txt).
+template <typename T, int VEC>
+__device__ __forceinline__ void load_pack_stream(T (&d)[VEC], const T* __restrict__ p) {
+  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < (int)(VEC * sizeof(T) / 16); ++i) {
+      uint4 q;
+      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
+                   : "l"(reinterpret_cast<const uint4*>(p) + i));
+      memcpy(reinterpret_cast<char*>(d) + 16 * i, &q, 16);
+    }
+  } else {
+    load_pack<T, VEC>(d, p);
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack_stream(T* __restrict__ p, const T (&d)[VEC]) {
+  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < (int)(VEC * sizeof(T) / 16); ++i) {
+      uint4 q;
+      memcpy(&q, reinterpret_cast<const char*>(d) + 16 * i, 16);
+      asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(reinterpret_cast<uint4*>(p) + i), "r"(q.x),
+                   "r"(q.y), "r"(q.z), "r"(q.w)
+                   : "memory");
+    }
+  } else {
+    store_pack<T, VEC>(p, d);
+  }
+}
+
 // Sum of a and b over the block (blockDim.x a multiple of 32, every thread calls).
 // Every warp reduces the same 32 partials in the same order, so all threads get
 // the same bits without a broadcast barrier. `sh` holds 64 elements; the leading
@@ -95,6 +131,22 @@ __device__ __forceinline__ void block_sum2(A& a, A& b, A* sh) {
   __syncthreads();
   a = warp_sum(lane < nw ? sh[lane] : A(0));
   b = warp_sum(lane < nw ? sh[32 + lane] : A(0));
+}
+
+// Sum of each of v[0..K) over the block, same scheme as block_sum2; `sh` holds 32*K.
+template <typename A, int K>
+__device__ __forceinline__ void block_sum_n(A (&v)[K], A* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int j = 0; j < K; ++j) v[j] = warp_sum(v[j]);
+  __syncthreads();
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) sh[32 * j + warp] = v[j];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < K; ++j) v[j] = warp_sum(lane < nw ? sh[32 * j + lane] : A(0));
 }
 
 // ---- forward -----------------------------------------------------------------
@@ -117,7 +169,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
     for (int k = 0; k < kCache; ++k) {
       const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
       if (c < nvec) {
-        load_pack<T, VEC>(v[k], xr + c * VEC);
+        load_pack_stream<T, VEC>(v[k], xr + c * VEC);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
       }
@@ -154,7 +206,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
 #pragma unroll
           for (int i = 0; i < VEC; ++i)
             o[i] = from_acc<T>((to_acc<A>(v[k][i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
-          store_pack<T, VEC>(y + row * H + c * VEC, o);
+          store_pack_stream<T, VEC>(y + row * H + c * VEC, o);
         }
       }
     }
@@ -285,66 +337,89 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma.
 // part: [2][gridDim.x][H] partial sums of dy*xhat (dgamma) and dy (dbeta).
-template <typename T, int VEC>
+// C vectors per thread; R rows per step: the loads of all R rows are issued before
+// the one block reduction (2R sums), so a block keeps R rows of traffic in flight
+// (H100, 8192x4096 bf16: one row per step 0.107 ms, two 0.095 ms). gamma is re-read
+// (L1-resident) rather than held, to leave the registers to the rows.
+template <typename T, int VEC, int C, int R>
 __global__ void __launch_bounds__(kBwdMaxThreads) ln_bwd_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
                               const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
                               T* __restrict__ dx, acc_t<T>* __restrict__ part, int64_t M, int64_t H) {
   using A = acc_t<T>;
-  __shared__ A sh[64];
+  __shared__ A sh[64 * R];
   const int64_t nvec = H / VEC;
-  A g[kCache][VEC], pg[kCache][VEC], pb[kCache][VEC];
+  A pg[C][VEC], pb[C][VEC];
 #pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    T t[VEC];
-    if (c < nvec) load_pack<T, VEC>(t, gamma + c * VEC);
+  for (int k = 0; k < C; ++k)
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      g[k][i] = c < nvec ? to_acc<A>(t[i]) : A(0);
       pg[k][i] = A(0);
       pb[k][i] = A(0);
     }
-  }
-  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
-    const A mu = mean[row], rs = rstd[row];
-    T xv[kCache][VEC], dv[kCache][VEC];
-    A s1 = 0, s2 = 0;
+  for (int64_t r0 = (int64_t)blockIdx.x * R; r0 < M; r0 += (int64_t)gridDim.x * R) {
+    T xv[R][C][VEC], dv[R][C][VEC];
+    A mu[R], rs[R], s[2 * R];
 #pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-      if (c < nvec) {
-        load_pack<T, VEC>(xv[k], x + row * H + c * VEC);
-        load_pack<T, VEC>(dv[k], dy + row * H + c * VEC);
+    for (int j = 0; j < R; ++j) {
+      const bool live = r0 + j < M;  // block-uniform
+      mu[j] = live ? mean[r0 + j] : A(0);
+      rs[j] = live ? rstd[r0 + j] : A(0);
+      s[2 * j] = A(0);
+      s[2 * j + 1] = A(0);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const A xh = (to_acc<A>(xv[k][i]) - mu) * rs, d = to_acc<A>(dv[k][i]);
-          s1 += d * g[k][i];
-          s2 += d * g[k][i] * xh;
-          pg[k][i] += d * xh;
-          pb[k][i] += d;
+      for (int k = 0; k < C; ++k) {
+        const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+        if (live && c < nvec) {
+          load_pack<T, VEC>(xv[j][k], x + (r0 + j) * H + c * VEC);
+          load_pack<T, VEC>(dv[j][k], dy + (r0 + j) * H + c * VEC);
         }
       }
     }
-    block_sum2(s1, s2, sh);
-    const A m1 = s1 / A(H), m2 = s2 / A(H);
 #pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-      if (c < nvec) {
-        T o[VEC];
+    for (int j = 0; j < R; ++j) {
+      if (r0 + j >= M) break;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const A xh = (to_acc<A>(xv[k][i]) - mu) * rs;
-          o[i] = from_acc<T>(rs * (to_acc<A>(dv[k][i]) * g[k][i] - m1 - xh * m2));
+      for (int k = 0; k < C; ++k) {
+        const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+        if (c < nvec) {
+          T gt[VEC];
+          load_pack<T, VEC>(gt, gamma + c * VEC);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const A xh = (to_acc<A>(xv[j][k][i]) - mu[j]) * rs[j], d = to_acc<A>(dv[j][k][i]), g = to_acc<A>(gt[i]);
+            s[2 * j] += d * g;
+            s[2 * j + 1] += d * g * xh;
+            pg[k][i] += d * xh;
+            pb[k][i] += d;
+          }
         }
-        store_pack<T, VEC>(dx + row * H + c * VEC, o);
+      }
+    }
+    block_sum_n<A, 2 * R>(s, sh);
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      if (r0 + j >= M) break;
+      const A m1 = s[2 * j] / A(H), m2 = s[2 * j + 1] / A(H);
+#pragma unroll
+      for (int k = 0; k < C; ++k) {
+        const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+        if (c < nvec) {
+          T gt[VEC], o[VEC];
+          load_pack<T, VEC>(gt, gamma + c * VEC);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const A xh = (to_acc<A>(xv[j][k][i]) - mu[j]) * rs[j];
+            o[i] = from_acc<T>(rs[j] * (to_acc<A>(dv[j][k][i]) * to_acc<A>(gt[i]) - m1 - xh * m2));
+          }
+          store_pack<T, VEC>(dx + (r0 + j) * H + c * VEC, o);
+        }
       }
     }
   }
   A* pgr = part + (int64_t)blockIdx.x * H;
   A* pbr = part + ((int64_t)gridDim.x + blockIdx.x) * H;
 #pragma unroll
-  for (int k = 0; k < kCache; ++k) {
+  for (int k = 0; k < C; ++k) {
     const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
     if (c < nvec) {
 #pragma unroll
@@ -674,22 +749,34 @@ namespace {
 struct BwdPlan {
   bool cached;
   bool vec;
+  bool narrow;  // cached with one vector per thread (short rows: >= 4x the threads per row)
   int threads;
   int64_t blocks;
 };
+
+constexpr int kBwdRows = 2;          // rows per step of ln_bwd_cached
+constexpr int64_t kBwdNarrowVecs = 128;  // rows of at most this many vectors: one per thread
+
+// The cached kernel for a plan (both have the same signature). Short rows take one
+// vector per thread: 4 per thread put a 1024-wide bf16 row on one warp, and each warp
+// then waited alone on its loads (H100, 16384x1024: 0.074 ms; 128 threads x 1: 0.051).
+template <typename T, int VEC>
+auto bwd_cached_kernel(bool narrow) {
+  return narrow ? &ln_bwd_cached<T, VEC, 1, kBwdRows> : &ln_bwd_cached<T, VEC, kCache, kBwdRows>;
+}
 
 template <typename T>
 BwdPlan bwd_plan(int64_t M, int64_t H, bool vec) {
   constexpr int V = vec_of<T>();
   vec = vec && H % V == 0;
   const int64_t nvec = vec ? H / V : H;
-  BwdPlan p{nvec <= (int64_t)kCache * kBwdMaxThreads, vec, 512, 0};
+  BwdPlan p{nvec <= (int64_t)kCache * kBwdMaxThreads, vec, nvec <= kBwdNarrowVecs, 512, 0};
   int per_sm = 0;
   cudaError_t e;
   if (p.cached) {
-    p.threads = cached_threads(nvec);
-    e = vec ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_bwd_cached<T, V>, p.threads, 0)
-            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_bwd_cached<T, 1>, p.threads, 0);
+    p.threads = p.narrow ? static_cast<int>(((nvec + 31) / 32) * 32) : cached_threads(nvec);
+    e = vec ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, bwd_cached_kernel<T, V>(p.narrow), p.threads, 0)
+            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, bwd_cached_kernel<T, 1>(p.narrow), p.threads, 0);
   } else {
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_bwd_loop<T>, p.threads, 0);
   }
@@ -701,7 +788,9 @@ BwdPlan bwd_plan(int64_t M, int64_t H, bool vec) {
   // At least ~16 rows per block, so the partial sums stay a small part of the traffic.
   const int64_t by_rows = (M + 15) / 16 > sm_count() ? (M + 15) / 16 : sm_count();
   g = g < by_rows ? g : by_rows;
-  p.blocks = M < g ? M : g;
+  // The cached kernel's blocks take kBwdRows rows per step: no block without a row.
+  const int64_t steps = p.cached ? (M + kBwdRows - 1) / kBwdRows : M;
+  p.blocks = steps < g ? steps : g;
   return p;
 }
 
@@ -732,9 +821,9 @@ LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void*
     const BwdPlan p = bwd_plan<T>(M, H, all_aligned({dy, x, gamma, dx}));
     const unsigned grid = static_cast<unsigned>(p.blocks);
     if (p.cached && p.vec)
-      ln_bwd_cached<T, V><<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
+      bwd_cached_kernel<T, V>(p.narrow)<<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
     else if (p.cached)
-      ln_bwd_cached<T, 1><<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
+      bwd_cached_kernel<T, 1>(p.narrow)<<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
     else
       ln_bwd_loop<T><<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
     ln_bwd_reduce<T><<<dim3(ceil_div_u(H, 32), 2), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(dgamma),
