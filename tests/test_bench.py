@@ -121,3 +121,19 @@ def test_cuda_time_ms_backlog_times_device_work_only():
     assert 0.35 < ms < 0.9, ms
     assert host["ms_per_call"] >= 2.0
     assert time_ms(call, [()], dev, warmup=2, rep=10, keep_outputs=False, backlog=False) > 1.5
+
+
+def test_layernorm_linear_cases_make_their_own_shapes():
+    # Each case's inputs have the shape its name and byte count describe (the layer_norm
+    # case once built its rows from the last shape of the list).
+    from gpu_puzzles.bench.layernorm_linear import cases
+    cs = cases(torch.device("cpu"), [(4, 8, 16), (6, 32, 8)], dtype=torch.float32, compile_=False,
+               ln_alone=(5, 16))
+    ln = [c for c in cs if c.op == "layer_norm"]
+    assert len(ln) == 1 and ln[0].make()[0].shape == (5, 16)
+    assert ln[0].bytes == 2 * 5 * 16 * 4
+    for c in cs:
+        if c.op == "layer_norm":
+            continue
+        x, W = c.make()[0], c.make()[3]
+        assert x.shape == (c.params["M"], c.params["H"]) and W.shape == (c.params["N"], c.params["H"])
