@@ -71,11 +71,6 @@ def main(argv=None):
         p.error(f"unknown op(s) {unknown}; choose from {OPS}")
     device = torch.device(args.device)
     copy_gbs = copy_bandwidth(device)
-    # Every case starts on fresh allocations: carved from the copy's two 1 GiB cached
-    # blocks instead, layer_norm 8192x4096 read 0.103 ms here against 0.057 ms in a fresh
-    # process (H100; benchmarks/results/layer_norm_h100.txt).
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     print(f"device: {device_name(device)}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)", flush=True)
     rows = []
     from rich.progress import Progress
@@ -87,8 +82,6 @@ def main(argv=None):
             cases = mod.bench_cases(device)
             task = prog.add_task(f"{op}", total=len(cases))
             for case in cases:
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
                 new = run_case(case, device, copy_gbs, rep=args.rep, backlog=not args.no_backlog)
                 for r in new:
                     r["copy_GBps"] = copy_gbs
