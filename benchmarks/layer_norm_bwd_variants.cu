@@ -1,31 +1,7 @@
 // LayerNorm backward (rows per step, threads per row, cache hints), statistics-only and
 // column-sum (db) variants, bf16, at the LayerNorm+Linear issue shapes. Build as
 // layer_norm_fwd_variants.cu; results in benchmarks/results/layer_norm_variants_h100.txt.
-#include <cuda_bf16.h>
-#include <cstdio>
-#include <vector>
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-typedef __nv_bfloat16 bf;
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s line %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
-__device__ __forceinline__ float wsum(float v) { for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o); return v; }
-template <int NW, int K>
-__device__ __forceinline__ void bsum(float (&a)[K], float* sh) {
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-#pragma unroll
-  for (int j = 0; j < K; ++j) a[j] = wsum(a[j]);
-  if (NW == 1) return;
-  __syncthreads();
-  if (lane == 0) for (int j = 0; j < K; ++j) sh[j * 32 + w] = a[j];
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < K; ++j) a[j] = wsum(lane < NW ? sh[j * 32 + lane] : 0.f);
-}
-__device__ __forceinline__ uint4 ldnc(const void* p) { uint4 r; asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p)); return r; }
-__device__ __forceinline__ void stcs(void* p, uint4 v) { asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory"); }
-__device__ __forceinline__ void unpack(uint4 q, float (&f)[8]) { const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q); for (int i = 0; i < 4; ++i) { float2 t = __bfloat1622float2(h[i]); f[2*i] = t.x; f[2*i+1] = t.y; } }
-__device__ __forceinline__ uint4 pack(const float (&f)[8]) { uint4 q; __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&q); for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2*i], f[2*i+1]); return q; }
+#include "layer_norm_variants.cuh"
 
 // LN backward: R rows per iteration (their loads all issued before any reduction).
 template <int T, int C, int R, int HINT>
@@ -46,8 +22,8 @@ __global__ void __launch_bounds__(T) lnb(const bf* __restrict__ dy, const bf* __
 #pragma unroll
       for (int k = 0; k < C; ++k) {
         const size_t off = (size_t)row * H + (threadIdx.x + k * T) * 8;
-        xq[j][k] = HINT ? ldnc(x + off) : __ldg(reinterpret_cast<const uint4*>(x + off));
-        dq[j][k] = HINT ? ldnc(dy + off) : __ldg(reinterpret_cast<const uint4*>(dy + off));
+        xq[j][k] = ld16<HINT>(x + off);
+        dq[j][k] = ld16<HINT>(dy + off);
       }
     }
     float s[2 * R];
@@ -80,7 +56,7 @@ __global__ void __launch_bounds__(T) lnb(const bf* __restrict__ dy, const bf* __
         unpack(__ldg(reinterpret_cast<const uint4*>(gamma) + threadIdx.x + k * T), gf);
         for (int i = 0; i < 8; ++i) { const float xh = (xf[i] - mu[j]) * rs[j]; o[i] = rs[j] * (df[i] * gf[i] - m1 - xh * m2); }
         const size_t off = (size_t)(r0 + j) * H + (threadIdx.x + k * T) * 8;
-        if (HINT) stcs(dx + off, pack(o)); else *reinterpret_cast<uint4*>(dx + off) = pack(o);
+        st16<HINT>(dx + off, pack(o));
       }
     }
   }
@@ -99,7 +75,7 @@ __global__ void __launch_bounds__(T) st(const bf* __restrict__ x, float* mean, f
   float v[C][8];
   const float pivot = __bfloat162float(xr[0]);
 #pragma unroll
-  for (int k = 0; k < C; ++k) unpack(HINT ? ldnc(xr + (threadIdx.x + k * T) * 8) : __ldg(reinterpret_cast<const uint4*>(xr) + threadIdx.x + k * T), v[k]);
+  for (int k = 0; k < C; ++k) unpack(ld16<HINT>(xr + (threadIdx.x + k * T) * 8), v[k]);
   float a[2] = {0, 0};
   float mu, var;
   if (MODE == 0) {
@@ -137,11 +113,11 @@ __global__ void __launch_bounds__(TX * TY) colsum(const bf* __restrict__ dy, flo
   for (; r + (U - 1) * TY < r1; r += U * TY) {
     uint4 q[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) q[u] = ldnc(dy + (size_t)(r + u * TY) * N + cv * 8);
+    for (int u = 0; u < U; ++u) q[u] = ld16<1>(dy + (size_t)(r + u * TY) * N + cv * 8);
 #pragma unroll
     for (int u = 0; u < U; ++u) { float f[8]; unpack(q[u], f); for (int i = 0; i < 8; ++i) acc[i] += f[i]; }
   }
-  for (; r < r1; r += TY) { float f[8]; unpack(ldnc(dy + (size_t)r * N + cv * 8), f); for (int i = 0; i < 8; ++i) acc[i] += f[i]; }
+  for (; r < r1; r += TY) { float f[8]; unpack(ld16<1>(dy + (size_t)r * N + cv * 8), f); for (int i = 0; i < 8; ++i) acc[i] += f[i]; }
   for (int i = 0; i < 8; ++i) sh[threadIdx.y][threadIdx.x * 8 + i] = acc[i];
   __syncthreads();
   for (int c = threadIdx.y * TX + threadIdx.x; c < TX * 8; c += TX * TY) {

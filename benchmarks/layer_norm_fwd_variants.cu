@@ -2,49 +2,7 @@
 // persistent grid) timed like the bench (inputs and outputs rotated past L2, per-call events,
 // median). nvcc -gencode=arch=compute_90,code=sm_90 -O3 -std=c++17; results in
 // benchmarks/results/layer_norm_variants_h100.txt.
-#include <cuda_bf16.h>
-#include <cstdio>
-#include <vector>
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-typedef __nv_bfloat16 bf;
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s line %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
-
-__device__ __forceinline__ float wsum(float v) {
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-template <int NW>
-__device__ __forceinline__ void bsum2(float& a, float& b, float* sh) {
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  a = wsum(a); b = wsum(b);
-  if (NW == 1) return;
-  __syncthreads();
-  if (lane == 0) { sh[w] = a; sh[32 + w] = b; }
-  __syncthreads();
-  a = wsum(lane < NW ? sh[lane] : 0.f);
-  b = wsum(lane < NW ? sh[32 + lane] : 0.f);
-}
-template <int HINT> __device__ __forceinline__ uint4 ld16(const void* p) {
-  uint4 r;
-  if (HINT) asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  else r = __ldg(reinterpret_cast<const uint4*>(p));
-  return r;
-}
-template <int HINT> __device__ __forceinline__ void st16(void* p, uint4 v) {
-  if (HINT) asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-  else *reinterpret_cast<uint4*>(p) = v;
-}
-__device__ __forceinline__ void unpack(uint4 q, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
-  for (int i = 0; i < 4; ++i) { float2 t = __bfloat1622float2(h[i]); f[2*i] = t.x; f[2*i+1] = t.y; }
-}
-__device__ __forceinline__ uint4 pack(const float (&f)[8]) {
-  uint4 q; __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&q);
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2*i], f[2*i+1]);
-  return q;
-}
+#include "layer_norm_variants.cuh"
 
 // MODE 0: two reductions (current). MODE 1: one reduction of (sum, sumsq) about the
 // pivot, exact second pass (from registers) only when the pivot is far from the mean.
