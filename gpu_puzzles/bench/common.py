@@ -116,9 +116,9 @@ def time_ms(fn: Callable, sets: list, device: torch.device, warmup: int = 5, rep
 
     ``backlog`` (CUDA): the GPU first sleeps for longer than the host needs to enqueue
     all the timed calls, so each call's event pair brackets only device work. Without it,
-    a call that finds the GPU idle also times the host's own enqueue: in the bench CLI,
-    layer_norm 8192x4096 read 0.10 ms against 0.051 ms of kernel (profiler). The host's
-    time per call is reported in ``host["ms_per_call"]`` (a dict passed in), so a
+    a call that finds the GPU idle also times the host's own enqueue (H100, LayerNorm+Linear
+    fwd+bwd 8192x4096x4096: eager read 1.372 ms that way, 1.294 ms of device work). The
+    host's time per call is reported in ``host["ms_per_call"]`` (a dict passed in), so a
     host-bound op still shows up."""
     if keep_outputs is None:
         keep_outputs = device.type == "cuda"
