@@ -27,6 +27,7 @@
 #include "layernorm_linear/layernorm_linear.h"
 
 #ifdef GPU_PUZZLES_WITH_CUTLASS
+#include "common/func_attr.h"  // device_sm_count
 #include "layernorm_linear/lnlinear_evt_sm90.cuh"  // EvtGemm
 
 // A plain sm_90 image of this file would hold stubs that print an error and write
@@ -61,22 +62,17 @@ using Small = EvtGemm<T, Shape<_128, _128, _64>, Shape<_2, _1, _1>, cutlass::gem
                       cutlass::epilogue::TmaWarpSpecialized>;
 constexpr int64_t kBigMinK = 2048;
 
-constexpr int kMaxDevices = 64;
-std::atomic<int> g_sms[kMaxDevices];    // SM count per device, 0 = not queried
-std::atomic<int> g_avail[kMaxDevices];  // 0 = not checked, 1 = yes, 2 = no
+std::atomic<int> g_avail[kMaxCachedDevices];  // 0 = not checked, 1 = yes, 2 = no
 
+// The current device and its SM count (device_sm_count caches it); false past the
+// availability table or when a query fails (the error cleared).
 bool current_device(int& dev, int& sms) {
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+  cudaError_t e = cudaGetDevice(&dev);
+  sms = e == cudaSuccess && cacheable_device(dev) ? device_sm_count(dev, e) : 0;
+  if (sms <= 0) {
     (void)cudaGetLastError();
     return false;
   }
-  sms = g_sms[dev].load(std::memory_order_relaxed);
-  if (sms > 0) return true;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  g_sms[dev].store(sms, std::memory_order_relaxed);
   return true;
 }
 
