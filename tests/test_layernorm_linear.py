@@ -426,6 +426,53 @@ def test_cuda_layer_norm_short_rows(dtype, H):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype,M,H,N", [(torch.bfloat16, 3001, 1024, 24), (torch.bfloat16, 301, 1032, 24),
+                                         (torch.float32, 77, 512, 1001), (torch.float16, 5, 8, 3),
+                                         (torch.float64, 1000, 256, 40), (torch.float32, 9, 7, 16)])
+def test_cuda_fused_prep_statistics_and_fold(dtype, M, H, N):
+    # The forward's statistics and fold share one warp-per-row launch for rows of at most
+    # 4 vectors per lane (bf16 H <= 1024, fp32 512, fp64 256, H a multiple of the vector),
+    # the x rows and W rows in one grid; other rows take two launches. Poisoned outputs;
+    # mean, rstd and the output (which needs the fold) vs float64.
+    torch.manual_seed(M + H + N)
+    x = (torch.randn(M, H, dtype=torch.float64) * 2 + torch.randn(M, 1, dtype=torch.float64)).to("cuda", dtype)
+    lw, lb, W, b = _params(H, N, "cuda", dtype, bias=N % 2 == 0)
+    _poison_allocator()
+    y, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, 1e-5)
+    assert not torch.isnan(y).any() and not torch.isnan(mean).any() and not torch.isnan(rstd).any()
+    assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"fused M={M} H={H} N={N}")
+    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4, atol=1e-5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype,M,H,N", [(torch.bfloat16, 1000, 1024, 1000), (torch.bfloat16, 3, 8, 520),
+                                         (torch.float32, 70, 64, 7), (torch.float16, 129, 40, 1032),
+                                         (torch.float64, 130, 16, 24), (torch.bfloat16, 5000, 16, 8)])
+def test_cuda_fused_backward_bias_grad(dtype, M, H, N):
+    # On CUDA the backward's db (column sums of dy) shares a launch with the apply pass:
+    # column tiles of 64 vectors (a partial last tile when N / VEC is not a multiple of 64;
+    # scalar columns when N is not a multiple of VEC), up to 64 row chunks (fewer when
+    # M < 64; chunks past M when M is not a multiple), then a fixed-order sum. Poisoned
+    # allocations; db and dW (which reads the applied rows) vs float64, and bitwise
+    # repeatable.
+    torch.manual_seed(M * 3 + N)
+    x = (torch.randn(M, H, dtype=torch.float64) + 0.3).to("cuda", dtype).requires_grad_()
+    lw, lb, W, b = _params(H, N, "cuda", dtype, grad=True)
+    g = torch.randn(M, N, device="cuda", dtype=dtype)
+    _poison_allocator()
+    dW, db = torch.autograd.grad(gp.fused_layernorm_linear(x, lw, lb, W, b), (W, b), g)
+    y_ref, leaves = _ref(x, lw, lb, W, b)
+    dW_ref, db_ref = torch.autograd.grad(y_ref, (leaves[3], leaves[4]), g.double())
+    k = M ** 0.5
+    assert_close_ref(db / k, db_ref / k, dtype, f"db M={M} N={N}")
+    assert_close_ref(dW / k, dW_ref / k, dtype, f"dW M={M} N={N}")
+    _poison_allocator()
+    again = torch.autograd.grad(gp.fused_layernorm_linear(x, lw, lb, W, b), b, g)[0]
+    assert torch.equal(db, again)
+
+
+@requires_cuda
 def test_cuda_layer_norm_grid_stride():
     # More rows than one grid covers (2^20 blocks of 8 warp rows): the grid-stride loop.
     M, H = 2**23 + 1001, 2
@@ -445,9 +492,9 @@ def test_cuda_backward_deterministic():
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     lw, lb, W, b = _params(1024, 256, "cuda", torch.bfloat16, grad=True)
     g = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
-    first = torch.autograd.grad(gp.fused_layernorm_linear(x, lw, lb, W, b), (x, lw, lb), g)
+    first = torch.autograd.grad(gp.fused_layernorm_linear(x, lw, lb, W, b), (x, lw, lb, b), g)
     for _ in range(3):
-        again = torch.autograd.grad(gp.fused_layernorm_linear(x, lw, lb, W, b), (x, lw, lb), g)
+        again = torch.autograd.grad(gp.fused_layernorm_linear(x, lw, lb, W, b), (x, lw, lb, b), g)
         for a, c in zip(first, again):
             assert torch.equal(a, c)
 

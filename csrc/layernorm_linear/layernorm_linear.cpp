@@ -20,8 +20,11 @@
 // CUTLASS, see use_evt) that GEMM is a CUTLASS kernel whose epilogue applies the
 // statistics (lnlinear_evt_sm90.cu); a fix-up pass then recomputes the large-mean
 // rows only. Elsewhere: cuBLAS + the separate epilogue pass.
+// Before the GEMM, the statistics and the fold share one launch on CUDA where a row fits
+// a warp's registers (lnlinear_prep_cuda).
 // Backward: xn = gamma*xhat + beta is materialised (backward only) for
-// dW = dy^T xn; d(xn) = dy W; our LayerNorm backward gives dx, dgamma, dbeta.
+// dW = dy^T xn; d(xn) = dy W; our LayerNorm backward gives dx, dgamma, dbeta. On CUDA,
+// xn and db (dy's column sums) come from one launch (lnlinear_bwd_prep_cuda).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -344,11 +347,10 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
 #ifdef WITH_CUDA
     const DType dt = to_dtype(x.scalar_type());
     const cudaStream_t s = current_stream();
-    GP_CUDA_CHECK_STATUS(layer_norm_forward_cuda(x.data_ptr(), g.data_ptr(), be.data_ptr(), nullptr, mean.data_ptr(),
-                                                 rstd.data_ptr(), M, H, eps, dt, s));
-    GP_CUDA_CHECK_STATUS(lnlinear_fold_weight_cuda(W.data_ptr(), g.data_ptr(), be.data_ptr(),
-                                                   b ? b->data_ptr() : nullptr, wc.data_ptr(), r.data_ptr(),
-                                                   bp.data_ptr(), N, H, dt, s));
+    // Statistics and fold: one launch (two when a row does not fit a warp's registers).
+    GP_CUDA_CHECK_STATUS(lnlinear_prep_cuda(x.data_ptr(), W.data_ptr(), g.data_ptr(), be.data_ptr(),
+                                            b ? b->data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(),
+                                            wc.data_ptr(), r.data_ptr(), bp.data_ptr(), M, N, H, eps, dt, s));
     if (use_evt(x, wc, M, N, H, dt)) {
       // sm_90a: one CUTLASS GEMM with the statistics applied in its epilogue, then
       // only the large-mean rows are recomputed (see lnlinear_evt_sm90.cu).
@@ -407,20 +409,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
   const Tensor dy = grad_.contiguous().view({M, N});
   // The normalised activation exists only here, for dW (the forward never writes it).
   Tensor xn = at::empty({M, H}, x.options());
+  Tensor db;  // (N,), accumulated in fp32 (fp64 for float64)
   if (cuda) {
 #ifdef WITH_CUDA
-    GP_CUDA_CHECK_STATUS(layer_norm_apply_cuda(x.data_ptr(), g.data_ptr(), be.data_ptr(), mean.data_ptr(),
-                                               rstd.data_ptr(), xn.data_ptr(), M, H, to_dtype(x.scalar_type()),
-                                               current_stream()));
+    // xn and db in one launch (both bandwidth-bound; db's column sums in a fixed order).
+    db = at::empty({N}, x.options());
+    Tensor ws = at::empty({lnlinear_bwd_prep_workspace(M, N)}, x.options().dtype(stat_type(x)));
+    GP_CUDA_CHECK_STATUS(lnlinear_bwd_prep_cuda(dy.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(),
+                                                mean.data_ptr(), rstd.data_ptr(), xn.data_ptr(), db.data_ptr(),
+                                                ws.data_ptr(), M, N, H, to_dtype(x.scalar_type()),
+                                                current_stream()));
 #endif
   } else {
     GP_DISPATCH(x, "fused_layernorm_linear_backward_cpu", [&] {
       apply_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), be.data_ptr<scalar_t>(),
                              mean.data_ptr<A>(), rstd.data_ptr<A>(), xn.data_ptr<scalar_t>(), M, H);
     });
+    db = dy.sum(0);
   }
   Tensor dW = at::mm(dy.t(), xn);                 // (N, H)
-  Tensor db = dy.sum(0);                          // (N,), accumulated in fp32 for half types
   Tensor dxn = at::mm(dy, W).view(x.sizes());     // (.., H)
   xn.reset();
   auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda);

@@ -44,6 +44,24 @@ LaunchStatus lnlinear_fold_weight_cuda(const void* W, const void* gamma, const v
                                        const void* b, void* wc, void* r, void* bp, int64_t N,
                                        int64_t H, DType dtype, cudaStream_t stream);
 
+// The statistics (as layer_norm_forward_cuda with y null) and the fold (as
+// lnlinear_fold_weight_cuda) in one launch when a row fits a warp's registers (16-byte
+// vectors, H*sizeof(T) <= 2 KiB); otherwise the two launches.
+LaunchStatus lnlinear_prep_cuda(const void* x, const void* W, const void* gamma, const void* beta,
+                                const void* b, void* mean, void* rstd, void* wc, void* r, void* bp,
+                                int64_t M, int64_t N, int64_t H, double eps, DType dtype,
+                                cudaStream_t stream);
+
+// The fused backward's passes before its GEMMs, one launch: xn as layer_norm_apply_cuda,
+// and db[n] = sum_m dy[m,n] (fp32 partials in the workspace, then summed in a fixed
+// order: deterministic). The workspace holds lnlinear_bwd_prep_workspace(M, N)
+// accumulate-type elements (possibly 0).
+int64_t lnlinear_bwd_prep_workspace(int64_t M, int64_t N);
+LaunchStatus lnlinear_bwd_prep_cuda(const void* dy, const void* x, const void* gamma, const void* beta,
+                                    const void* mean, const void* rstd, void* xn, void* db,
+                                    void* workspace, int64_t M, int64_t N, int64_t H, DType dtype,
+                                    cudaStream_t stream);
+
 // In place on z = x @ wc^T (M, N): y = rstd*(z - mean*r) + bp; then rows with
 // |mean|*rstd > kLnLinearMaxMeanRatio are recomputed as (normalised x) @ W^T + b.
 LaunchStatus lnlinear_epilogue_cuda(void* z, const void* x, const void* gamma, const void* beta,

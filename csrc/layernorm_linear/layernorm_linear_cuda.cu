@@ -465,7 +465,8 @@ __global__ void ln_bwd_loop(const T* __restrict__ dy, const T* __restrict__ x, c
   }
 }
 
-// out[j][c] = sum_b part[j][b][c], b in a fixed order. Block (32, 8), grid (ceil(H/32), 2).
+// out[j][c] = sum_b part[j][b][c], b in a fixed order. Block (32, 8), grid (ceil(H/32), J):
+// J = 2 for dgamma and dbeta; J = 1 (dbeta unused) for the fused backward's db.
 template <typename T>
 __global__ void ln_bwd_reduce(const acc_t<T>* __restrict__ part, T* __restrict__ dgamma, T* __restrict__ dbeta,
                               int64_t G, int64_t H) {
@@ -547,6 +548,183 @@ __global__ void fold_weight(const T* __restrict__ W, const T* __restrict__ gamma
     if (threadIdx.x == 0) {
       r[n] = rs;
       bp[n] = sb + (b != nullptr ? to_acc<A>(b[n]) : A(0));
+    }
+  }
+}
+
+// Statistics of x and the fold of W in ONE launch (the fused forward's two
+// bandwidth-bound passes before its GEMM). Warps walk "rows" 0 .. M+N-1: row i < M is
+// x's row i (mean, rstd: ln_fwd_warp's arithmetic), row M+n is W's row n (fold_weight's
+// arithmetic). One warp per row, the row in registers (NV 16-byte vectors per lane),
+// shuffles only: no barrier, so a warp never waits on another warp's loads. Apart,
+// each pass ran latency-bound with its own tail (H100, bf16, 16384x1024 rows: stats
+// alone 0.021 ms = 1.6 TB/s, fold 0.012 ms; see lnlinear_prep_variants.cu).
+// Rows are ordered x first, W last, so the folded W is the most recent write when the
+// GEMM starts reading it. Short rows only (<= 4 vectors per lane, H <= 1024 in bf16):
+// with 16 per lane (H = 4096 bf16) one launch was slower than the two block-per-row
+// passes (0.075 vs 0.062 ms at 8192x4096 + 4096x4096).
+constexpr int kPrepWarps = 8;
+constexpr int kPrepMaxVecs = 4;  // per lane: 64 bytes of row in registers
+
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(32 * kPrepWarps, 4)
+    lnlinear_prep(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ gamma,
+                  const T* __restrict__ beta, const T* __restrict__ b, acc_t<T>* __restrict__ mean,
+                  acc_t<T>* __restrict__ rstd, T* __restrict__ wc, acc_t<T>* __restrict__ r,
+                  acc_t<T>* __restrict__ bp, int64_t M, int64_t N, int64_t H, double eps) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x & 31;
+  const int64_t nvec = H / VEC;
+  // row is warp-uniform: every lane runs the same iterations (full-mask shuffles).
+  for (int64_t row = (int64_t)blockIdx.x * kPrepWarps + (threadIdx.x >> 5); row < M + N;
+       row += (int64_t)gridDim.x * kPrepWarps) {
+    T v[NV][VEC];
+    if (row < M) {
+      const T* xr = x + row * H;
+      const A pivot = to_acc<A>(xr[0]);  // see ln_fwd_cached
+      A s = 0;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t c = lane + (int64_t)k * 32;
+        if (c < nvec) {
+          load_pack_stream<T, VEC>(v[k], xr + c * VEC);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
+        }
+      }
+      s = warp_sum(s);
+      const A mu = pivot + s / A(H);
+      A q = 0;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t c = lane + (int64_t)k * 32;
+        if (c < nvec) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const A d = to_acc<A>(v[k][i]) - mu;
+            q += d * d;
+          }
+        }
+      }
+      q = warp_sum(q);
+      if (lane == 0) {
+        mean[row] = mu;
+        rstd[row] = rsqrt_acc<A>(q / A(H) + A(eps));
+      }
+    } else {
+      const int64_t n = row - M;
+      const T* wr = W + n * H;
+      A sg = 0, sb = 0;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t c = lane + (int64_t)k * 32;
+        if (c < nvec) {
+          T g[VEC], be[VEC];
+          load_pack_stream<T, VEC>(v[k], wr + c * VEC);
+          load_pack<T, VEC>(g, gamma + c * VEC);
+          load_pack<T, VEC>(be, beta + c * VEC);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            sg += to_acc<A>(v[k][i]) * to_acc<A>(g[i]);
+            sb += to_acc<A>(v[k][i]) * to_acc<A>(be[i]);
+          }
+        }
+      }
+      sg = warp_sum(sg);
+      sb = warp_sum(sb);
+      const A m = sg / A(H);
+      A rs = 0;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t c = lane + (int64_t)k * 32;
+        if (c < nvec) {
+          T g[VEC], o[VEC];
+          load_pack<T, VEC>(g, gamma + c * VEC);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            o[i] = from_acc<T>(to_acc<A>(v[k][i]) * to_acc<A>(g[i]) - m);
+            rs += to_acc<A>(o[i]);
+          }
+          store_pack<T, VEC>(wc + n * H + c * VEC, o);
+        }
+      }
+      rs = warp_sum(rs);
+      if (lane == 0) {
+        r[n] = rs;
+        bp[n] = sb + (b != nullptr ? to_acc<A>(b[n]) : A(0));
+      }
+    }
+  }
+}
+
+// The fused backward's two bandwidth-bound passes before its GEMMs, in ONE launch:
+// blocks [0, gd) sum dy's columns (db) into fp32 partials part[gy][N], blocks gd.. apply
+// the LayerNorm to x's rows (xn, for dW = dy^T xn; ln_apply's arithmetic). A colsum block
+// is kColTx x kColTy threads: column vector tile blockIdx % gx (one VEC-vector per
+// thread), rows chunk blockIdx / gx, kColUnroll rows' loads in flight per thread.
+// Partials are summed in a fixed order (ln_bwd_reduce): deterministic.
+constexpr int kColTx = 64, kColTy = 4, kColUnroll = 8, kColChunks = 64;
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kColTx * kColTy)
+    lnlinear_bwd_prep(const T* __restrict__ dy, acc_t<T>* __restrict__ part, int64_t gx, int64_t gd, int64_t rows_per,
+                      const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+                      const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ xn,
+                      int64_t M, int64_t N, int64_t H) {
+  using A = acc_t<T>;
+  if ((int64_t)blockIdx.x < gd) {
+    __shared__ A sh[kColTy][kColTx * VEC + 1];
+    const int tx = threadIdx.x % kColTx, ty = threadIdx.x / kColTx;
+    const int64_t cv = (int64_t)(blockIdx.x % gx) * kColTx + tx;  // column vector of this thread
+    const int64_t chunk = blockIdx.x / gx;
+    const int64_t r0 = chunk * rows_per, r1 = r0 + rows_per < M ? r0 + rows_per : M;
+    A acc[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = 0;
+    if (cv * VEC < N) {
+      int64_t rr = r0 + ty;
+      for (; rr + (kColUnroll - 1) * kColTy < r1; rr += kColUnroll * kColTy) {
+        T q[kColUnroll][VEC];
+#pragma unroll
+        for (int u = 0; u < kColUnroll; ++u) load_pack_stream<T, VEC>(q[u], dy + (rr + u * kColTy) * N + cv * VEC);
+#pragma unroll
+        for (int u = 0; u < kColUnroll; ++u)
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[i] += to_acc<A>(q[u][i]);
+      }
+      for (; rr < r1; rr += kColTy) {
+        T q[VEC];
+        load_pack_stream<T, VEC>(q, dy + rr * N + cv * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] += to_acc<A>(q[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sh[ty][tx * VEC + i] = acc[i];
+    __syncthreads();
+    for (int c = threadIdx.x; c < kColTx * VEC; c += kColTx * kColTy) {
+      const int64_t col = (int64_t)(blockIdx.x % gx) * kColTx * VEC + c;
+      if (col < N) {
+        A s = 0;
+#pragma unroll
+        for (int y = 0; y < kColTy; ++y) s += sh[y][c];
+        part[chunk * N + col] = s;
+      }
+    }
+    return;
+  }
+  const int64_t nvec = H / VEC;
+  for (int64_t row = (int64_t)blockIdx.x - gd; row < M; row += (int64_t)gridDim.x - gd) {
+    const A mu = mean[row], rs = rstd[row];
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      T v[VEC], g[VEC], be[VEC];
+      load_pack_stream<T, VEC>(v, x + row * H + c * VEC);
+      load_pack<T, VEC>(g, gamma + c * VEC);
+      load_pack<T, VEC>(be, beta + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i)
+        v[i] = from_acc<T>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(be[i]));
+      store_pack<T, VEC>(xn + row * H + c * VEC, v);
     }
   }
 }
@@ -871,6 +1049,74 @@ LaunchStatus lnlinear_fold_weight_cuda(const void* W, const void* gamma, const v
       launch(fold_weight<T, V>);
     else
       launch(fold_weight<T, 1>);
+    return 0;
+  });
+  return cudaGetLastError();
+}
+
+LaunchStatus lnlinear_prep_cuda(const void* x, const void* W, const void* gamma, const void* beta, const void* b,
+                                void* mean, void* rstd, void* wc, void* r, void* bp, int64_t M, int64_t N, int64_t H,
+                                double eps, DType dtype, cudaStream_t stream) {
+  if (M + N == 0) return cudaSuccess;
+  const int status = dispatch_dtype(dtype, [&](auto tag) -> int {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    constexpr int V = vec_of<T>();
+    const int64_t nvec = H / V;
+    // Rows that fit the registers, vector access: one launch; otherwise the two passes.
+    if (H == 0 || H % V != 0 || nvec > (int64_t)kPrepMaxVecs * 32 || !all_aligned({x, W, gamma, beta, wc})) return 1;
+    const unsigned grid = row_grid((M + N + kPrepWarps - 1) / kPrepWarps);
+    auto launch = [&](auto kernel) {
+      kernel<<<grid, 32 * kPrepWarps, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const T*>(W), static_cast<const T*>(gamma),
+          static_cast<const T*>(beta), static_cast<const T*>(b), static_cast<A*>(mean), static_cast<A*>(rstd),
+          static_cast<T*>(wc), static_cast<A*>(r), static_cast<A*>(bp), M, N, H, eps);
+    };
+    launch(lnlinear_prep<T, V, kPrepMaxVecs>);
+    return 0;
+  });
+  if (status != 0) {
+    const LaunchStatus e = M > 0 ? layer_norm_forward_cuda(x, gamma, beta, nullptr, mean, rstd, M, H, eps, dtype, stream)
+                                 : cudaSuccess;
+    if (e != cudaSuccess) return e;
+    return lnlinear_fold_weight_cuda(W, gamma, beta, b, wc, r, bp, N, H, dtype, stream);
+  }
+  return cudaGetLastError();
+}
+
+int64_t lnlinear_bwd_prep_workspace(int64_t M, int64_t N) { return (M < kColChunks ? M : kColChunks) * N; }
+
+LaunchStatus lnlinear_bwd_prep_cuda(const void* dy, const void* x, const void* gamma, const void* beta,
+                                    const void* mean, const void* rstd, void* xn, void* db, void* workspace, int64_t M,
+                                    int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
+  if (N == 0) return layer_norm_apply_cuda(x, gamma, beta, mean, rstd, xn, M, H, dtype, stream);
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = acc_t<T>;
+    constexpr int V = vec_of<T>();
+    A* part = static_cast<A*>(workspace);
+    const int64_t chunks = M < kColChunks ? M : kColChunks;
+    if (M > 0) {
+      auto launch = [&](auto kernel, int vec) {
+        const int64_t gx = (N / vec + kColTx - 1) / kColTx;  // column tiles of kColTx vectors
+        const int64_t rows_per = (M + chunks - 1) / chunks;
+        const int64_t gd = gx * chunks;
+        // Apply blocks: one row each, grid-striding past the cap (row_grid).
+        const int64_t ga = H > 0 ? static_cast<int64_t>(row_grid(M)) : 0;
+        kernel<<<static_cast<unsigned>(gd + ga), kColTx * kColTy, 0, stream>>>(
+            static_cast<const T*>(dy), part, gx, gd, rows_per, static_cast<const T*>(x),
+            static_cast<const T*>(gamma), static_cast<const T*>(beta), static_cast<const A*>(mean),
+            static_cast<const A*>(rstd), static_cast<T*>(xn), M, N, H);
+      };
+      if (N % V == 0 && H % V == 0 && all_aligned({dy, x, gamma, beta, xn}))
+        launch(lnlinear_bwd_prep<T, V>, V);
+      else
+        launch(lnlinear_bwd_prep<T, 1>, 1);
+    }
+    // The partials' fixed-order sum: the LayerNorm backward's reducer, one output row (db).
+    // (One thread per column, 64 serial loads each, took 0.009 ms at N = 4096.)
+    ln_bwd_reduce<T><<<dim3(ceil_div_u(N, 32), 1), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(db), nullptr,
+                                                                            chunks, N);
     return 0;
   });
   return cudaGetLastError();
