@@ -213,6 +213,46 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
   }
 }
 
+// Mean and rstd of one row held by one warp: lane l loads vectors l, l + 32, ... (NV
+// slots, those < nvec) into v, which the caller keeps. Same arithmetic as ln_fwd_cached
+// (pivot shift, exact two-pass from registers), warp shuffles only. STREAM: the loads
+// skip L1 (rows read once). Every lane gets mu and rs.
+template <bool STREAM, typename T, int VEC, int NV>
+__device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[NV][VEC], int lane, int64_t nvec,
+                                               int64_t H, double eps, acc_t<T>& mu, acc_t<T>& rs) {
+  using A = acc_t<T>;
+  const A pivot = to_acc<A>(xr[0]);
+  A s = 0;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t c = lane + (int64_t)k * 32;
+    if (c < nvec) {
+      if constexpr (STREAM)
+        load_pack_stream<T, VEC>(v[k], xr + c * VEC);
+      else
+        load_pack<T, VEC>(v[k], xr + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
+    }
+  }
+  s = warp_sum(s);
+  mu = pivot + s / A(H);
+  A q = 0;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t c = lane + (int64_t)k * 32;
+    if (c < nvec) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const A d = to_acc<A>(v[k][i]) - mu;
+        q += d * d;
+      }
+    }
+  }
+  q = warp_sum(q);
+  rs = rsqrt_acc<A>(q / A(H) + A(eps));
+}
+
 // Short rows (at most 32 * kCache vectors: H <= 1024 in bf16): one warp per row,
 // kWarpRows rows per block, the row in registers, warp shuffles only (no barrier,
 // no shared memory). The block-per-row kernel would run one-warp blocks here, and
@@ -230,35 +270,9 @@ __global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __rest
   // row is warp-uniform: every lane of a warp runs the same iterations (full-mask shuffles).
   for (int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < M;
        row += (int64_t)gridDim.x * (blockDim.x >> 5)) {
-    const T* xr = x + row * H;
     T v[kCache][VEC];
-    const A pivot = to_acc<A>(xr[0]);
-    A s = 0;
-#pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t c = lane + (int64_t)k * 32;
-      if (c < nvec) {
-        load_pack<T, VEC>(v[k], xr + c * VEC);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
-      }
-    }
-    s = warp_sum(s);
-    const A mu = pivot + s / A(H);
-    A q = 0;
-#pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t c = lane + (int64_t)k * 32;
-      if (c < nvec) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const A d = to_acc<A>(v[k][i]) - mu;
-          q += d * d;
-        }
-      }
-    }
-    q = warp_sum(q);
-    const A rs = rsqrt_acc<A>(q / A(H) + A(eps));
+    A mu, rs;
+    warp_row_stats<false>(x + row * H, v, lane, nvec, H, eps, mu, rs);
     if (lane == 0) {
       mean[row] = mu;
       rstd[row] = rs;
@@ -554,7 +568,7 @@ __global__ void fold_weight(const T* __restrict__ W, const T* __restrict__ gamma
 
 // Statistics of x and the fold of W in ONE launch (the fused forward's two
 // bandwidth-bound passes before its GEMM). Warps walk "rows" 0 .. M+N-1: row i < M is
-// x's row i (mean, rstd: ln_fwd_warp's arithmetic), row M+n is W's row n (fold_weight's
+// x's row i (mean, rstd: warp_row_stats, as ln_fwd_warp), row M+n is W's row n (fold_weight's
 // arithmetic). One warp per row, the row in registers (NV 16-byte vectors per lane),
 // shuffles only: no barrier, so a warp never waits on another warp's loads. Apart,
 // each pass ran latency-bound with its own tail (H100, bf16, 16384x1024 rows: stats
@@ -580,36 +594,11 @@ __global__ void __launch_bounds__(32 * kPrepWarps, 4)
        row += (int64_t)gridDim.x * kPrepWarps) {
     T v[NV][VEC];
     if (row < M) {
-      const T* xr = x + row * H;
-      const A pivot = to_acc<A>(xr[0]);  // see ln_fwd_cached
-      A s = 0;
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int64_t c = lane + (int64_t)k * 32;
-        if (c < nvec) {
-          load_pack_stream<T, VEC>(v[k], xr + c * VEC);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
-        }
-      }
-      s = warp_sum(s);
-      const A mu = pivot + s / A(H);
-      A q = 0;
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int64_t c = lane + (int64_t)k * 32;
-        if (c < nvec) {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            const A d = to_acc<A>(v[k][i]) - mu;
-            q += d * d;
-          }
-        }
-      }
-      q = warp_sum(q);
+      A mu, rs;
+      warp_row_stats<true>(x + row * H, v, lane, nvec, H, eps, mu, rs);
       if (lane == 0) {
         mean[row] = mu;
-        rstd[row] = rsqrt_acc<A>(q / A(H) + A(eps));
+        rstd[row] = rs;
       }
     } else {
       const int64_t n = row - M;
