@@ -1065,8 +1065,7 @@ LaunchStatus lnlinear_prep_cuda(const void* x, const void* W, const void* gamma,
     return 0;
   });
   if (status != 0) {
-    const LaunchStatus e = M > 0 ? layer_norm_forward_cuda(x, gamma, beta, nullptr, mean, rstd, M, H, eps, dtype, stream)
-                                 : cudaSuccess;
+    const LaunchStatus e = layer_norm_forward_cuda(x, gamma, beta, nullptr, mean, rstd, M, H, eps, dtype, stream);
     if (e != cudaSuccess) return e;
     return lnlinear_fold_weight_cuda(W, gamma, beta, b, wc, r, bp, N, H, dtype, stream);
   }
