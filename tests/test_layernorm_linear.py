@@ -270,6 +270,19 @@ def test_empty_rows(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_empty_outputs(device):
+    # N == 0: y is (M, 0); the backward still runs (on CUDA its apply pass without the db
+    # column sums), and every gradient is zero.
+    x = torch.randn(5, 8, device=device, requires_grad=True)
+    lw, lb, W, b = _params(8, 0, device, torch.float32, grad=True)
+    y = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    assert y.shape == (5, 0)
+    grads = torch.autograd.grad(y.sum(), (x, lw, lb, W, b), allow_unused=True)
+    for gr, t in zip(grads, (x, lw, lb, W, b)):
+        assert gr is not None and gr.shape == t.shape and (gr == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_non_contiguous_input(device):
     x = torch.randn(12, 5, device=device).t()  # (5, 12), strided
     lw, lb, W, b = _params(12, 6, device, torch.float32)

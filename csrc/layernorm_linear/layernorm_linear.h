@@ -31,11 +31,6 @@ LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void*
                                       void* dbeta, void* workspace, int64_t M, int64_t H,
                                       DType dtype, cudaStream_t stream);
 
-// xn = (x - mean) * rstd * gamma + beta (the backward materialises it for dW).
-LaunchStatus layer_norm_apply_cuda(const void* x, const void* gamma, const void* beta,
-                                   const void* mean, const void* rstd, void* xn, int64_t M,
-                                   int64_t H, DType dtype, cudaStream_t stream);
-
 // Fold the LayerNorm affine into the linear layer, per output row n:
 //   wc[n,:] = W[n,:]*gamma - mean_h(W[n,:]*gamma)   (stored in T: the GEMM operand)
 //   r[n]    = sum_h wc[n,h] as stored (the centring's rounding residual)
@@ -52,10 +47,10 @@ LaunchStatus lnlinear_prep_cuda(const void* x, const void* W, const void* gamma,
                                 int64_t M, int64_t N, int64_t H, double eps, DType dtype,
                                 cudaStream_t stream);
 
-// The fused backward's passes before its GEMMs, one launch: xn as layer_norm_apply_cuda,
-// and db[n] = sum_m dy[m,n] (fp32 partials in the workspace, then summed in a fixed
-// order: deterministic). The workspace holds lnlinear_bwd_prep_workspace(M, N)
-// accumulate-type elements (possibly 0).
+// The fused backward's passes before its GEMMs, one launch: xn = (x - mean) * rstd *
+// gamma + beta (materialised for dW, backward only), and db[n] = sum_m dy[m,n] (fp32
+// partials in the workspace, then summed in a fixed order: deterministic). The workspace
+// holds lnlinear_bwd_prep_workspace(M, N) accumulate-type elements (possibly 0).
 int64_t lnlinear_bwd_prep_workspace(int64_t M, int64_t N);
 LaunchStatus lnlinear_bwd_prep_cuda(const void* dy, const void* x, const void* gamma, const void* beta,
                                     const void* mean, const void* rstd, void* xn, void* db,

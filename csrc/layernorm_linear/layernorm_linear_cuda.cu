@@ -501,26 +501,6 @@ __global__ void ln_bwd_reduce(const acc_t<T>* __restrict__ part, T* __restrict__
   }
 }
 
-template <typename T, int VEC>
-__global__ void ln_apply(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
-                         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
-                         T* __restrict__ xn, int64_t M, int64_t H) {
-  using A = acc_t<T>;
-  const int64_t nvec = H / VEC;
-  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
-    const A mu = mean[row], rs = rstd[row];
-    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-      T v[VEC], g[VEC], b[VEC];
-      load_pack<T, VEC>(v, x + row * H + c * VEC);
-      load_pack<T, VEC>(g, gamma + c * VEC);
-      load_pack<T, VEC>(b, beta + c * VEC);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] = from_acc<T>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
-      store_pack<T, VEC>(xn + row * H + c * VEC, v);
-    }
-  }
-}
-
 // ---- fused LayerNorm + Linear: fold and epilogue --------------------------------
 
 template <typename T, int VEC>
@@ -648,7 +628,7 @@ __global__ void __launch_bounds__(32 * kPrepWarps, 4)
 
 // The fused backward's two bandwidth-bound passes before its GEMMs, in ONE launch:
 // blocks [0, gd) sum dy's columns (db) into fp32 partials part[gy][N], blocks gd.. apply
-// the LayerNorm to x's rows (xn, for dW = dy^T xn; ln_apply's arithmetic). A colsum block
+// the LayerNorm to x's rows (xn, for dW = dy^T xn). A colsum block
 // is kColTx x kColTy threads: column vector tile blockIdx % gx (one VEC-vector per
 // thread), rows chunk blockIdx / gx, kColUnroll rows' loads in flight per thread.
 // Partials are summed in a fixed order (ln_bwd_reduce): deterministic.
@@ -1000,28 +980,6 @@ LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void*
   return cudaGetLastError();
 }
 
-LaunchStatus layer_norm_apply_cuda(const void* x, const void* gamma, const void* beta, const void* mean,
-                                   const void* rstd, void* xn, int64_t M, int64_t H, DType dtype,
-                                   cudaStream_t stream) {
-  if (M == 0 || H == 0) return cudaSuccess;
-  dispatch_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    using A = acc_t<T>;
-    constexpr int V = vec_of<T>();
-    auto launch = [&](auto kernel) {
-      kernel<<<row_grid(M), 256, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(gamma),
-                                              static_cast<const T*>(beta), static_cast<const A*>(mean),
-                                              static_cast<const A*>(rstd), static_cast<T*>(xn), M, H);
-    };
-    if (H % V == 0 && all_aligned({x, gamma, beta, xn}))
-      launch(ln_apply<T, V>);
-    else
-      launch(ln_apply<T, 1>);
-    return 0;
-  });
-  return cudaGetLastError();
-}
-
 LaunchStatus lnlinear_fold_weight_cuda(const void* W, const void* gamma, const void* beta, const void* b, void* wc,
                                        void* r, void* bp, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
@@ -1077,33 +1035,33 @@ int64_t lnlinear_bwd_prep_workspace(int64_t M, int64_t N) { return (M < kColChun
 LaunchStatus lnlinear_bwd_prep_cuda(const void* dy, const void* x, const void* gamma, const void* beta,
                                     const void* mean, const void* rstd, void* xn, void* db, void* workspace, int64_t M,
                                     int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
-  if (N == 0) return layer_norm_apply_cuda(x, gamma, beta, mean, rstd, xn, M, H, dtype, stream);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
     constexpr int V = vec_of<T>();
     A* part = static_cast<A*>(workspace);
     const int64_t chunks = M < kColChunks ? M : kColChunks;
-    if (M > 0) {
-      auto launch = [&](auto kernel, int vec) {
-        const int64_t gx = (N / vec + kColTx - 1) / kColTx;  // column tiles of kColTx vectors
-        const int64_t rows_per = (M + chunks - 1) / chunks;
-        const int64_t gd = gx * chunks;
-        // Apply blocks: one row each, grid-striding past the cap (row_grid).
-        const int64_t ga = H > 0 ? static_cast<int64_t>(row_grid(M)) : 0;
+    auto launch = [&](auto kernel, int vec) {
+      const int64_t gx = (N / vec + kColTx - 1) / kColTx;  // column tiles of kColTx vectors (none if N == 0)
+      const int64_t rows_per = chunks > 0 ? (M + chunks - 1) / chunks : 0;  // chunks == 0 iff M == 0
+      const int64_t gd = gx * chunks;
+      // Apply blocks: one row each, grid-striding past the cap (row_grid).
+      const int64_t ga = H > 0 ? static_cast<int64_t>(row_grid(M)) : 0;
+      if (gd + ga > 0)
         kernel<<<static_cast<unsigned>(gd + ga), kColTx * kColTy, 0, stream>>>(
             static_cast<const T*>(dy), part, gx, gd, rows_per, static_cast<const T*>(x),
             static_cast<const T*>(gamma), static_cast<const T*>(beta), static_cast<const A*>(mean),
             static_cast<const A*>(rstd), static_cast<T*>(xn), M, N, H);
-      };
-      if (N % V == 0 && H % V == 0 && all_aligned({dy, x, gamma, beta, xn}))
-        launch(lnlinear_bwd_prep<T, V>, V);
-      else
-        launch(lnlinear_bwd_prep<T, 1>, 1);
-    }
-    // The partials' fixed-order sum: the LayerNorm backward's reducer, one output row (db).
-    // (One thread per column, 64 serial loads each, took 0.009 ms at N = 4096.)
-    ln_bwd_reduce<T><<<dim3(ceil_div_u(N, 32), 1), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(db), nullptr,
+    };
+    if (N % V == 0 && H % V == 0 && all_aligned({dy, x, gamma, beta, xn}))
+      launch(lnlinear_bwd_prep<T, V>, V);
+    else
+      launch(lnlinear_bwd_prep<T, 1>, 1);
+    // The partials' fixed-order sum: the LayerNorm backward's reducer, one output row (db);
+    // M == 0 sums nothing (db = 0). (One thread per column, 64 serial loads each, took
+    // 0.009 ms at N = 4096.)
+    if (N > 0)
+      ln_bwd_reduce<T><<<dim3(ceil_div_u(N, 32), 1), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(db), nullptr,
                                                                             chunks, N);
     return 0;
   });
