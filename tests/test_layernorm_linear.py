@@ -23,6 +23,12 @@ def _params(H, N, device, dtype, bias=True, grad=False, seed=0):
     return [p.requires_grad_(grad) if p is not None else None for p in ps]
 
 
+def _assert_stats(x, mean, rstd, eps=1e-5):
+    """The op's returned row statistics against float64 (biased variance)."""
+    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + eps).rsqrt(), rtol=1e-4, atol=1e-5)
+
+
 def _ref(x, lw, lb, W, b, eps=1e-5):
     """float64 F.linear(F.layer_norm(x)) and its inputs as float64 leaves."""
     leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, lw, lb, W, b)]
@@ -77,8 +83,7 @@ def test_layer_norm_forward(device, dtype, shape):
     assert_close_ref(y, y_ref, dtype, "layer_norm")
     y2, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
     assert mean.shape == x.shape[:-1] and mean.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4, atol=1e-5)
+    _assert_stats(x, mean, rstd)
 
 
 @pytest.mark.parametrize("device,dtype,shape", _cases())
@@ -104,9 +109,7 @@ def test_fused_forward_statistics(device, dtype, shape):
     assert y.shape == (*lead, N) and y.dtype == dtype
     assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, "fused forward")
     # the statistics the op returns are the backward's inputs
-    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(),
-                               rtol=1e-4, atol=1e-5)
+    _assert_stats(x, mean, rstd)
 
 
 # ---- backward against float64 -----------------------------------------------------
@@ -434,8 +437,7 @@ def test_cuda_layer_norm_short_rows(dtype, H):
     y, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
     assert not torch.isnan(y).any() and not torch.isnan(mean).any() and not torch.isnan(rstd).any()
     assert_close_ref(y, F.layer_norm(x.double(), (H,), lw.double(), lb.double(), 1e-5), dtype, f"ln H={H}")
-    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4, atol=1e-5)
+    _assert_stats(x, mean, rstd)
 
 
 @requires_cuda
@@ -454,8 +456,7 @@ def test_cuda_fused_prep_statistics_and_fold(dtype, M, H, N):
     y, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, 1e-5)
     assert not torch.isnan(y).any() and not torch.isnan(mean).any() and not torch.isnan(rstd).any()
     assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"fused M={M} H={H} N={N}")
-    torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4, atol=1e-5)
+    _assert_stats(x, mean, rstd)
 
 
 @requires_cuda
