@@ -623,6 +623,61 @@ def test_cuda_evt_large_mean_rows(dtype, M, H, N):
         assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
 
 
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("H", [1024, 4104, 40000])  # warp-per-row / block-per-row / looping kernels
+def test_statistics_far_first_element(device, dtype, H):
+    # The statistics shift by x[0] in their first pass; when x[0] is far from the rest of the
+    # row that pass alone leaves the mean off by ~eps_acc * |x[0] - mean| * (a few), so the
+    # second pass corrects it (corrected two-pass). Rows whose first 16 elements are 3e3,
+    # with the rest ~N(0, 1.5): layer_norm and the fused op's mean and rstd vs float64.
+    g = torch.Generator().manual_seed(H)
+    xd = torch.randn(6, H, generator=g, dtype=torch.float64) * 1.5
+    xd[:, :16] = 3e3
+    xd[1] += 1e3  # and a large mean on top
+    x = xd.to(device, dtype)
+    lw, lb, W, b = _params(H, 8, device, dtype, seed=H)
+    _, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
+    _assert_stats(x, mean, rstd)
+    _, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, 1e-5)
+    _assert_stats(x, mean, rstd)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,H,N", [
+    (5000, 1024, 1032),  # ping-pong config, several tiles per CTA for both warp groups
+    (8200, 2048, 1032),  # cooperative config, several tiles per CTA
+    (300, 264, 520),     # partial row, column and K tiles (264 = 4 x 64 + 8)
+    (129, 40, 8),        # one K tile, most lanes without a chunk
+    (1, 8, 16),          # one row, one chunk
+    (333, 4104, 264),    # K >= 2048 and not a multiple of 64
+])
+def test_cuda_evt_statistics(dtype, M, H, N):
+    # On the CUTLASS path the GEMM computes mean and rstd from the x tiles it streams (per
+    # thread: pivot = mean of its first tile's elements, shifted sums, exact merge of the
+    # quad's partials); the epilogue applies them and the column-0 tile writes them out.
+    # Rows with large means, with a huge first chunk (far from the rest: the pivot is
+    # bad for that lane), and ordinary rows. Poisoned outputs; stats and y vs float64.
+    g = torch.Generator().manual_seed(M + H)
+    xd = torch.randn(M, H, generator=g, dtype=torch.float64) * 1.5 + torch.randn(M, 1, generator=g, dtype=torch.float64)
+    xd[::7] += 1e3                # large mean, same spread
+    xd[3::7, :16] = 3e3           # the first 16 elements far from the rest of the row
+    xd[5::7, -8:] = -2e3          # the last chunk (the masked K tile's edge) far from the rest
+    x = xd.to("cuda", dtype)
+    lw, lb, W, b = _params(H, N, "cuda", dtype, seed=N)
+    _poison_allocator()
+    names, (y, mean, rstd) = _kernels(lambda: torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, 1e-5))
+    assert not torch.isnan(mean).any() and not torch.isnan(rstd).any(), "a row's statistics were not written"
+    assert not torch.isnan(y).any(), "an output element was not written"
+    _assert_stats(x, mean, rstd)
+    y_ref, err_eager = _ref_and_eager_err(x, lw, lb, W, b)
+    scale = max(1.0, y_ref.abs().max().item())
+    err = (y.double() - y_ref).abs().max().item()
+    assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"error {err:.3e} vs eager {err_eager:.3e}"
+    if _evt_expected() and _profiler_sees_kernels():
+        assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
+
+
 @requires_cuda
 @pytest.mark.parametrize("N", [8, 264])
 def test_cuda_evt_fixup_many_rows_per_block(N):

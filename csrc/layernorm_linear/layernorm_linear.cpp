@@ -118,14 +118,19 @@ void ln_forward_cpu(const T* x, const T* g, const T* b, T* y, A* mean, A* rstd, 
       const T* xr = x + m * H;
       // Sum x - x[0]: the shift keeps the partial sums small for large-mean rows.
       const A pivot = static_cast<A>(xr[0]);
-      A s = 0, q = 0;
+      A s = 0, q = 0, e = 0;
       for (int64_t h = 0; h < H; ++h) s += static_cast<A>(xr[h]) - pivot;
-      const A mu = pivot + s / A(H);
+      const A mu1 = pivot + s / A(H);
+      // Corrected two-pass: e = sum(x - mu1) fixes mu1, which is off by ~eps * |x[0] -
+      // mean| when x[0] is far out (the CUDA kernels do the same).
       for (int64_t h = 0; h < H; ++h) {
-        const A d = static_cast<A>(xr[h]) - mu;
+        const A d = static_cast<A>(xr[h]) - mu1;
+        e += d;
         q += d * d;
       }
-      const A rs = A(1) / std::sqrt(q / A(H) + A(eps));
+      const A de = e / A(H);
+      const A mu = mu1 + de;
+      const A rs = A(1) / std::sqrt(std::max(q / A(H) - de * de, A(0)) + A(eps));
       mean[m] = mu;
       rstd[m] = rs;
       if (y)

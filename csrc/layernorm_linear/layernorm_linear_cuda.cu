@@ -30,6 +30,9 @@ constexpr int kCache = 4;  // vectors per thread held in registers by the cached
 constexpr int kFwdMaxThreads = 512;
 constexpr int kBwdMaxThreads = 256;
 
+// The variance of the corrected two-pass, q/H - (e/H)^2, can round just below 0 on a
+// constant row; clamp it so eps = 0 gives inf (as torch), not NaN.
+template <typename A> __device__ __forceinline__ A nonneg(A v) { return v > A(0) ? v : A(0); }
 template <typename A> __device__ __forceinline__ A rsqrt_acc(A v) { return A(1) / sqrt(v); }
 template <> __device__ __forceinline__ float rsqrt_acc<float>(float v) { return rsqrtf(v); }
 
@@ -175,22 +178,26 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
       }
     }
     block_sum2(s, unused, sh);
-    const A mu = pivot + s / A(H);
-    A q = 0;
-    unused = 0;
+    const A mu1 = pivot + s / A(H);
+    // Second pass about mu1: q = sum d^2 and the correction e = sum d (corrected
+    // two-pass); mu1 alone is off by ~eps_acc * |x[0] - mean| when x[0] is far out.
+    A q = 0, e = 0;
 #pragma unroll
     for (int k = 0; k < kCache; ++k) {
       const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
       if (c < nvec) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const A d = to_acc<A>(v[k][i]) - mu;
+          const A d = to_acc<A>(v[k][i]) - mu1;
+          e += d;
           q += d * d;
         }
       }
     }
-    block_sum2(q, unused, sh);
-    const A rs = rsqrt_acc<A>(q / A(H) + A(eps));
+    block_sum2(q, e, sh);
+    const A de = e / A(H);
+    const A mu = mu1 + de;
+    const A rs = rsqrt_acc<A>(nonneg(q / A(H) - de * de) + A(eps));
     if (threadIdx.x == 0) {
       mean[row] = mu;
       rstd[row] = rs;
@@ -236,21 +243,25 @@ __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[
     }
   }
   s = warp_sum(s);
-  mu = pivot + s / A(H);
-  A q = 0;
+  const A mu1 = pivot + s / A(H);
+  A q = 0, e = 0;  // corrected two-pass, as ln_fwd_cached
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int64_t c = lane + (int64_t)k * 32;
     if (c < nvec) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        const A d = to_acc<A>(v[k][i]) - mu;
+        const A d = to_acc<A>(v[k][i]) - mu1;
+        e += d;
         q += d * d;
       }
     }
   }
   q = warp_sum(q);
-  rs = rsqrt_acc<A>(q / A(H) + A(eps));
+  e = warp_sum(e);
+  const A de = e / A(H);
+  mu = mu1 + de;
+  rs = rsqrt_acc<A>(nonneg(q / A(H) - de * de) + A(eps));
 }
 
 // Short rows (at most 32 * kCache vectors: H <= 1024 in bf16): one warp per row,
@@ -314,20 +325,22 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
       for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[i]) - pivot;
     }
     block_sum2(s, unused, sh);
-    const A mu = pivot + s / A(H);
-    A q = 0;
-    unused = 0;
+    const A mu1 = pivot + s / A(H);
+    A q = 0, e = 0;  // corrected two-pass, as ln_fwd_cached
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
       T v[VEC];
       load_pack<T, VEC>(v, xr + c * VEC);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        const A d = to_acc<A>(v[i]) - mu;
+        const A d = to_acc<A>(v[i]) - mu1;
+        e += d;
         q += d * d;
       }
     }
-    block_sum2(q, unused, sh);
-    const A rs = rsqrt_acc<A>(q / A(H) + A(eps));
+    block_sum2(q, e, sh);
+    const A de = e / A(H);
+    const A mu = mu1 + de;
+    const A rs = rsqrt_acc<A>(nonneg(q / A(H) - de * de) + A(eps));
     if (threadIdx.x == 0) {
       mean[row] = mu;
       rstd[row] = rs;
