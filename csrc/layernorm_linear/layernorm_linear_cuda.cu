@@ -30,11 +30,21 @@ constexpr int kCache = 4;  // vectors per thread held in registers by the cached
 constexpr int kFwdMaxThreads = 512;
 constexpr int kBwdMaxThreads = 256;
 
-// The variance of the corrected two-pass, q/H - (e/H)^2, can round just below 0 on a
-// constant row; clamp it so eps = 0 gives inf (as torch), not NaN.
-template <typename A> __device__ __forceinline__ A nonneg(A v) { return v > A(0) ? v : A(0); }
 template <typename A> __device__ __forceinline__ A rsqrt_acc(A v) { return A(1) / sqrt(v); }
 template <> __device__ __forceinline__ float rsqrt_acc<float>(float v) { return rsqrtf(v); }
+
+// Row statistics, corrected two-pass: the first pass gives mu1 (shifted by x[0]); the
+// second sums e = sum(x - mu1) and q = sum((x - mu1)^2). mu1 alone is off by
+// ~eps_acc * |x[0] - mean| when x[0] is far out; e corrects it. The variance
+// q/H - (e/H)^2 can round just below 0 on a constant row: clamped, so eps = 0 gives
+// inf (as torch), not NaN.
+template <typename A>
+__device__ __forceinline__ void finish_stats(A mu1, A e, A q, int64_t H, double eps, A& mu, A& rs) {
+  const A de = e / A(H);
+  const A var = q / A(H) - de * de;
+  mu = mu1 + de;
+  rs = rsqrt_acc<A>((var > A(0) ? var : A(0)) + A(eps));
+}
 
 // VEC consecutive elements; 16-byte loads when VEC * sizeof(T) is a multiple of 16.
 template <typename T, int VEC>
@@ -179,9 +189,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
     }
     block_sum2(s, unused, sh);
     const A mu1 = pivot + s / A(H);
-    // Second pass about mu1: q = sum d^2 and the correction e = sum d (corrected
-    // two-pass); mu1 alone is off by ~eps_acc * |x[0] - mean| when x[0] is far out.
-    A q = 0, e = 0;
+    A q = 0, e = 0;  // second pass about mu1 (finish_stats)
 #pragma unroll
     for (int k = 0; k < kCache; ++k) {
       const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
@@ -195,9 +203,8 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
       }
     }
     block_sum2(q, e, sh);
-    const A de = e / A(H);
-    const A mu = mu1 + de;
-    const A rs = rsqrt_acc<A>(nonneg(q / A(H) - de * de) + A(eps));
+    A mu, rs;
+    finish_stats(mu1, e, q, H, eps, mu, rs);
     if (threadIdx.x == 0) {
       mean[row] = mu;
       rstd[row] = rs;
@@ -222,7 +229,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
 
 // Mean and rstd of one row held by one warp: lane l loads vectors l, l + 32, ... (NV
 // slots, those < nvec) into v, which the caller keeps. Same arithmetic as ln_fwd_cached
-// (pivot shift, exact two-pass from registers), warp shuffles only. STREAM: the loads
+// (pivot shift, corrected two-pass from registers), warp shuffles only. STREAM: the loads
 // skip L1 (rows read once). Every lane gets mu and rs.
 template <bool STREAM, typename T, int VEC, int NV>
 __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[NV][VEC], int lane, int64_t nvec,
@@ -244,7 +251,7 @@ __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[
   }
   s = warp_sum(s);
   const A mu1 = pivot + s / A(H);
-  A q = 0, e = 0;  // corrected two-pass, as ln_fwd_cached
+  A q = 0, e = 0;  // second pass about mu1 (finish_stats)
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int64_t c = lane + (int64_t)k * 32;
@@ -257,11 +264,7 @@ __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[
       }
     }
   }
-  q = warp_sum(q);
-  e = warp_sum(e);
-  const A de = e / A(H);
-  mu = mu1 + de;
-  rs = rsqrt_acc<A>(nonneg(q / A(H) - de * de) + A(eps));
+  finish_stats(mu1, warp_sum(e), warp_sum(q), H, eps, mu, rs);
 }
 
 // Short rows (at most 32 * kCache vectors: H <= 1024 in bf16): one warp per row,
@@ -326,7 +329,7 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
     }
     block_sum2(s, unused, sh);
     const A mu1 = pivot + s / A(H);
-    A q = 0, e = 0;  // corrected two-pass, as ln_fwd_cached
+    A q = 0, e = 0;  // second pass about mu1 (finish_stats)
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
       T v[VEC];
       load_pack<T, VEC>(v, xr + c * VEC);
@@ -338,9 +341,8 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
       }
     }
     block_sum2(q, e, sh);
-    const A de = e / A(H);
-    const A mu = mu1 + de;
-    const A rs = rsqrt_acc<A>(nonneg(q / A(H) - de * de) + A(eps));
+    A mu, rs;
+    finish_stats(mu1, e, q, H, eps, mu, rs);
     if (threadIdx.x == 0) {
       mean[row] = mu;
       rstd[row] = rs;
