@@ -130,7 +130,10 @@ int main() {
     old_fwd(0);
     new_fwd(0);
     CK(cudaDeviceSynchronize());
-    printf("fwd stats alone %.4f ms, fold alone %.4f ms\n", ts, tf);
+    // layer_norm itself (y written; outputs alternate between the two xn buffers, 2x past L2).
+    float tl = timeit([&](int i) { CK(layer_norm_forward_cuda(x[i % NS], g, be, xn[i % 2], mean[0], rstd[0], M, H, eps, dt, 0)); });
+    printf("fwd stats alone %.4f ms, fold alone %.4f ms; layer_norm %.4f ms (%4.0f GB/s)\n", ts, tf, tl,
+           4.0 * M * H / tl / 1e6);
     printf("fwd two launches %.4f ms (%4.0f GB/s) | one launch %.4f ms (%4.0f GB/s)\n", t0, fbytes / t0 / 1e6, t1,
            fbytes / t1 / 1e6);
     printf("    diff mean %.3g rstd %.3g r %.3g bp %.3g; wc elements differing %zu of %lld\n",

@@ -448,12 +448,17 @@ def test_cuda_layer_norm_short_rows(dtype, H):
 @requires_cuda
 @pytest.mark.parametrize("dtype,M,H,N", [(torch.bfloat16, 3001, 1024, 24), (torch.bfloat16, 301, 1032, 24),
                                          (torch.float32, 77, 512, 1001), (torch.float16, 5, 8, 3),
-                                         (torch.float64, 1000, 256, 40), (torch.float32, 9, 7, 16)])
+                                         (torch.float64, 1000, 256, 40), (torch.float32, 9, 7, 16),
+                                         (torch.bfloat16, 257, 4096, 136), (torch.float32, 65, 2052, 33),
+                                         (torch.bfloat16, 20, 16384, 40), (torch.bfloat16, 9, 16392, 24),
+                                         (torch.float64, 33, 4096, 17), (torch.float64, 17, 4098, 9)])
 def test_cuda_fused_prep_statistics_and_fold(dtype, M, H, N):
-    # The forward's statistics and fold share one warp-per-row launch for rows of at most
-    # 4 vectors per lane (bf16 H <= 1024, fp32 512, fp64 256, H a multiple of the vector),
-    # the x rows and W rows in one grid; other rows take two launches. Poisoned outputs;
-    # mean, rstd and the output (which needs the fold) vs float64.
+    # The forward's statistics and fold share one launch, the x rows and W rows in one
+    # grid, when H is a multiple of the vector: a warp per row for rows of at most 4
+    # vectors per lane (bf16 H <= 1024, fp32 512, fp64 256), a block per row up to 2048
+    # vectors (bf16 16384, fp32 8192, fp64 4096; 2052 fp32 leaves some threads' last
+    # slots empty); longer or unaligned rows take two launches. Poisoned outputs; mean,
+    # rstd and the output (which needs the fold) vs float64.
     torch.manual_seed(M + H + N)
     x = (torch.randn(M, H, dtype=torch.float64) * 2 + torch.randn(M, 1, dtype=torch.float64)).to("cuda", dtype)
     lw, lb, W, b = _params(H, N, "cuda", dtype, bias=N % 2 == 0)

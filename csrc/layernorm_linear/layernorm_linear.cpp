@@ -21,7 +21,7 @@
 // statistics (lnlinear_evt_sm90.cu); a fix-up pass then recomputes the large-mean
 // rows only. Elsewhere: cuBLAS + the separate epilogue pass.
 // Before the GEMM, the statistics and the fold share one launch on CUDA where a row fits
-// a warp's registers (lnlinear_prep_cuda).
+// in registers (lnlinear_prep_cuda).
 // Backward: xn = gamma*xhat + beta is materialised (backward only) for
 // dW = dy^T xn; d(xn) = dy W; our LayerNorm backward gives dx, dgamma, dbeta. On CUDA,
 // xn and db (dy's column sums) come from one launch (lnlinear_bwd_prep_cuda).

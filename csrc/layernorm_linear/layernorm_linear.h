@@ -40,8 +40,9 @@ LaunchStatus lnlinear_fold_weight_cuda(const void* W, const void* gamma, const v
                                        int64_t H, DType dtype, cudaStream_t stream);
 
 // The statistics (as layer_norm_forward_cuda with y null) and the fold (as
-// lnlinear_fold_weight_cuda) in one launch when a row fits a warp's registers (16-byte
-// vectors, H*sizeof(T) <= 2 KiB); otherwise the two launches.
+// lnlinear_fold_weight_cuda) in one launch when a row fits registers (16-byte vectors;
+// a warp per row up to H*sizeof(T) = 2 KiB, a block per row up to 32 KiB); otherwise
+// the two launches.
 LaunchStatus lnlinear_prep_cuda(const void* x, const void* W, const void* gamma, const void* beta,
                                 const void* b, void* mean, void* rstd, void* wc, void* r, void* bp,
                                 int64_t M, int64_t N, int64_t H, double eps, DType dtype,

@@ -1,6 +1,6 @@
 // LayerNorm and the fused LayerNorm+Linear pieces on CUDA.
 //   forward  : one block per row (one warp per row for short rows); the row is
-//              held in registers (16-byte loads),
+//              held in registers (16-byte loads, all issued before any sum),
 //              so mean and variance are an exact two-pass in fp32 (fp64 for
 //              float64) at one read of x. Rows too long for registers, or
 //              unaligned, use a looping kernel that re-reads x.
@@ -164,67 +164,83 @@ __device__ __forceinline__ void block_sum_n(A (&v)[K], A* sh) {
 
 // ---- forward -----------------------------------------------------------------
 
+// One row of LayerNorm held in registers by one block (blockDim.x threads, kCache
+// vectors each; the caller sizes the block so the row fits). y null: statistics only.
+template <typename T, int VEC>
+__device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__ x, const T* __restrict__ gamma,
+                                              const T* __restrict__ beta, T* __restrict__ y,
+                                              acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd, int64_t H,
+                                              double eps, acc_t<T>* sh) {
+  using A = acc_t<T>;
+  const int64_t nvec = H / VEC;
+  const T* xr = x + row * H;
+  T v[kCache][VEC];
+  // Sum x - x[0]: a shift close to the mean keeps the partial sums small, so
+  // a large mean costs no accuracy in the first pass.
+  const A pivot = to_acc<A>(xr[0]);
+  // Every load issued before any sum: summing inside the guarded load loop made
+  // each vector wait for its own load, one in flight per thread (H100, 8192x4096
+  // bf16, standalone: 0.0571 -> 0.0503 ms; statistics only 0.0345 -> 0.0271).
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {
+    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+    if (c < nvec) load_pack_stream<T, VEC>(v[k], xr + c * VEC);
+  }
+  A s = 0, unused = 0;
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {
+    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+    if (c < nvec) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
+    }
+  }
+  block_sum2(s, unused, sh);
+  const A mu1 = pivot + s / A(H);
+  A q = 0, e = 0;  // second pass about mu1 (finish_stats)
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {
+    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+    if (c < nvec) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const A d = to_acc<A>(v[k][i]) - mu1;
+        e += d;
+        q += d * d;
+      }
+    }
+  }
+  block_sum2(q, e, sh);
+  A mu, rs;
+  finish_stats(mu1, e, q, H, eps, mu, rs);
+  if (threadIdx.x == 0) {
+    mean[row] = mu;
+    rstd[row] = rs;
+  }
+  if (y != nullptr) {
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+      if (c < nvec) {
+        T g[VEC], b[VEC], o[VEC];
+        load_pack<T, VEC>(g, gamma + c * VEC);
+        load_pack<T, VEC>(b, beta + c * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i)
+          o[i] = from_acc<T>((to_acc<A>(v[k][i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+        store_pack_stream<T, VEC>(y + row * H + c * VEC, o);
+      }
+    }
+  }
+}
+
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restrict__ x, const T* __restrict__ gamma,
                               const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
                               acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
-  using A = acc_t<T>;
-  __shared__ A sh[64];
-  const int64_t nvec = H / VEC;
-  for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
-    const T* xr = x + row * H;
-    T v[kCache][VEC];
-    // Sum x - x[0]: a shift close to the mean keeps the partial sums small, so
-    // a large mean costs no accuracy in the first pass.
-    const A pivot = to_acc<A>(xr[0]);
-    A s = 0, unused = 0;
-#pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-      if (c < nvec) {
-        load_pack_stream<T, VEC>(v[k], xr + c * VEC);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
-      }
-    }
-    block_sum2(s, unused, sh);
-    const A mu1 = pivot + s / A(H);
-    A q = 0, e = 0;  // second pass about mu1 (finish_stats)
-#pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-      if (c < nvec) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const A d = to_acc<A>(v[k][i]) - mu1;
-          e += d;
-          q += d * d;
-        }
-      }
-    }
-    block_sum2(q, e, sh);
-    A mu, rs;
-    finish_stats(mu1, e, q, H, eps, mu, rs);
-    if (threadIdx.x == 0) {
-      mean[row] = mu;
-      rstd[row] = rs;
-    }
-    if (y != nullptr) {
-#pragma unroll
-      for (int k = 0; k < kCache; ++k) {
-        const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-        if (c < nvec) {
-          T g[VEC], b[VEC], o[VEC];
-          load_pack<T, VEC>(g, gamma + c * VEC);
-          load_pack<T, VEC>(b, beta + c * VEC);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i)
-            o[i] = from_acc<T>((to_acc<A>(v[k][i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
-          store_pack_stream<T, VEC>(y + row * H + c * VEC, o);
-        }
-      }
-    }
-  }
+  __shared__ acc_t<T> sh[64];
+  for (int64_t row = blockIdx.x; row < M; row += gridDim.x)
+    ln_row_cached<T, VEC>(row, x, gamma, beta, y, mean, rstd, H, eps, sh);
 }
 
 // Mean and rstd of one row held by one warp: lane l loads vectors l, l + 32, ... (NV
@@ -236,15 +252,21 @@ __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[
                                                int64_t H, double eps, acc_t<T>& mu, acc_t<T>& rs) {
   using A = acc_t<T>;
   const A pivot = to_acc<A>(xr[0]);
-  A s = 0;
 #pragma unroll
-  for (int k = 0; k < NV; ++k) {
+  for (int k = 0; k < NV; ++k) {  // all loads before any sum (see ln_fwd_cached)
     const int64_t c = lane + (int64_t)k * 32;
     if (c < nvec) {
       if constexpr (STREAM)
         load_pack_stream<T, VEC>(v[k], xr + c * VEC);
       else
         load_pack<T, VEC>(v[k], xr + c * VEC);
+    }
+  }
+  A s = 0;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t c = lane + (int64_t)k * 32;
+    if (c < nvec) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
     }
@@ -570,8 +592,9 @@ __global__ void fold_weight(const T* __restrict__ W, const T* __restrict__ gamma
 // alone 0.021 ms = 1.6 TB/s, fold 0.012 ms; see lnlinear_prep_variants.cu).
 // Rows are ordered x first, W last, so the folded W is the most recent write when the
 // GEMM starts reading it. Short rows only (<= 4 vectors per lane, H <= 1024 in bf16):
-// with 16 per lane (H = 4096 bf16) one launch was slower than the two block-per-row
-// passes (0.075 vs 0.062 ms at 8192x4096 + 4096x4096).
+// with 16 per lane (H = 4096 bf16) it was slower than the two block-per-row passes
+// (0.075 vs 0.062 ms at 8192x4096 + 4096x4096); longer rows take lnlinear_prep_rows.
+// H100, 16384x1024 + 4096x1024: 0.0256 ms, 0.0201 since the loads come first.
 constexpr int kPrepWarps = 8;
 constexpr int kPrepMaxVecs = 4;  // per lane: 64 bytes of row in registers
 
@@ -598,13 +621,17 @@ __global__ void __launch_bounds__(32 * kPrepWarps, 4)
     } else {
       const int64_t n = row - M;
       const T* wr = W + n * H;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {  // all of W's loads before any sum (see ln_fwd_cached)
+        const int64_t c = lane + (int64_t)k * 32;
+        if (c < nvec) load_pack_stream<T, VEC>(v[k], wr + c * VEC);
+      }
       A sg = 0, sb = 0;
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const int64_t c = lane + (int64_t)k * 32;
         if (c < nvec) {
           T g[VEC], be[VEC];
-          load_pack_stream<T, VEC>(v[k], wr + c * VEC);
           load_pack<T, VEC>(g, gamma + c * VEC);
           load_pack<T, VEC>(be, beta + c * VEC);
 #pragma unroll
@@ -638,6 +665,79 @@ __global__ void __launch_bounds__(32 * kPrepWarps, 4)
         bp[n] = sb + (b != nullptr ? to_acc<A>(b[n]) : A(0));
       }
     }
+  }
+}
+
+// Longer rows (up to kCache * kFwdMaxThreads vectors, bf16 H <= 16384): the same one
+// launch with a block per row, each row in registers. Blocks [0, M) take x's rows
+// (ln_row_cached, statistics only), blocks [M, M + N) W's rows (fold_row_cached:
+// fold_weight's arithmetic with W read once). H100, 8192x4096 + 4096x4096 bf16,
+// standalone: 0.0522 ms against 0.0560 for the two launches.
+template <typename T, int VEC>
+__device__ __forceinline__ void fold_row_cached(int64_t n, const T* __restrict__ W, const T* __restrict__ gamma,
+                                                const T* __restrict__ beta, const T* __restrict__ b,
+                                                T* __restrict__ wc, acc_t<T>* __restrict__ r,
+                                                acc_t<T>* __restrict__ bp, int64_t H, acc_t<T>* sh) {
+  using A = acc_t<T>;
+  const int64_t nvec = H / VEC;
+  const T* wr = W + n * H;
+  T v[kCache][VEC];
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {  // all loads before any sum (see ln_row_cached)
+    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+    if (c < nvec) load_pack_stream<T, VEC>(v[k], wr + c * VEC);
+  }
+  A sg = 0, sb = 0;
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {
+    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+    if (c < nvec) {
+      T g[VEC], be[VEC];
+      load_pack<T, VEC>(g, gamma + c * VEC);
+      load_pack<T, VEC>(be, beta + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        sg += to_acc<A>(v[k][i]) * to_acc<A>(g[i]);
+        sb += to_acc<A>(v[k][i]) * to_acc<A>(be[i]);
+      }
+    }
+  }
+  block_sum2(sg, sb, sh);
+  const A m = sg / A(H);
+  A rs = 0, unused = 0;
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {
+    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+    if (c < nvec) {
+      T g[VEC], o[VEC];
+      load_pack<T, VEC>(g, gamma + c * VEC);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        o[i] = from_acc<T>(to_acc<A>(v[k][i]) * to_acc<A>(g[i]) - m);
+        rs += to_acc<A>(o[i]);
+      }
+      store_pack<T, VEC>(wc + n * H + c * VEC, o);  // not streamed: the GEMM reads it next
+    }
+  }
+  block_sum2(rs, unused, sh);
+  if (threadIdx.x == 0) {
+    r[n] = rs;
+    bp[n] = sb + (b != nullptr ? to_acc<A>(b[n]) : A(0));
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kFwdMaxThreads)
+    lnlinear_prep_rows(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ gamma,
+                       const T* __restrict__ beta, const T* __restrict__ b, acc_t<T>* __restrict__ mean,
+                       acc_t<T>* __restrict__ rstd, T* __restrict__ wc, acc_t<T>* __restrict__ r,
+                       acc_t<T>* __restrict__ bp, int64_t M, int64_t N, int64_t H, double eps) {
+  __shared__ acc_t<T> sh[64];
+  for (int64_t row = blockIdx.x; row < M + N; row += gridDim.x) {  // block-uniform branch
+    if (row < M)
+      ln_row_cached<T, VEC>(row, x, gamma, beta, nullptr, mean, rstd, H, eps, sh);
+    else
+      fold_row_cached<T, VEC>(row - M, W, gamma, beta, b, wc, r, bp, H, sh);
   }
 }
 
@@ -1025,16 +1125,20 @@ LaunchStatus lnlinear_prep_cuda(const void* x, const void* W, const void* gamma,
     using A = acc_t<T>;
     constexpr int V = vec_of<T>();
     const int64_t nvec = H / V;
-    // Rows that fit the registers, vector access: one launch; otherwise the two passes.
-    if (H == 0 || H % V != 0 || nvec > (int64_t)kPrepMaxVecs * 32 || !all_aligned({x, W, gamma, beta, wc})) return 1;
-    const unsigned grid = row_grid((M + N + kPrepWarps - 1) / kPrepWarps);
-    auto launch = [&](auto kernel) {
-      kernel<<<grid, 32 * kPrepWarps, 0, stream>>>(
+    // Rows that fit the registers, vector access: one launch (a warp per row for short
+    // rows, a block per row for longer ones); otherwise the two passes.
+    if (H == 0 || H % V != 0 || nvec > (int64_t)kCache * kFwdMaxThreads || !all_aligned({x, W, gamma, beta, wc}))
+      return 1;
+    auto launch = [&](auto kernel, unsigned grid, int threads) {
+      kernel<<<grid, threads, 0, stream>>>(
           static_cast<const T*>(x), static_cast<const T*>(W), static_cast<const T*>(gamma),
           static_cast<const T*>(beta), static_cast<const T*>(b), static_cast<A*>(mean), static_cast<A*>(rstd),
           static_cast<T*>(wc), static_cast<A*>(r), static_cast<A*>(bp), M, N, H, eps);
     };
-    launch(lnlinear_prep<T, V, kPrepMaxVecs>);
+    if (nvec <= (int64_t)kPrepMaxVecs * 32)
+      launch(lnlinear_prep<T, V, kPrepMaxVecs>, row_grid((M + N + kPrepWarps - 1) / kPrepWarps), 32 * kPrepWarps);
+    else
+      launch(lnlinear_prep_rows<T, V>, row_grid(M + N), cached_threads(nvec));
     return 0;
   });
   if (status != 0) {
