@@ -127,26 +127,10 @@ __device__ __forceinline__ void store_pack_stream(T* __restrict__ p, const T (&d
   }
 }
 
-// Sum of a and b over the block (blockDim.x a multiple of 32, every thread calls).
-// Every warp reduces the same 32 partials in the same order, so all threads get
-// the same bits without a broadcast barrier. `sh` holds 64 elements; the leading
-// barrier protects its previous use.
-template <typename A>
-__device__ __forceinline__ void block_sum2(A& a, A& b, A* sh) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  a = warp_sum(a);
-  b = warp_sum(b);
-  __syncthreads();
-  if (lane == 0) {
-    sh[warp] = a;
-    sh[32 + warp] = b;
-  }
-  __syncthreads();
-  a = warp_sum(lane < nw ? sh[lane] : A(0));
-  b = warp_sum(lane < nw ? sh[32 + lane] : A(0));
-}
-
-// Sum of each of v[0..K) over the block, same scheme as block_sum2; `sh` holds 32*K.
+// Sum of each of v[0..K) over the block (blockDim.x a multiple of 32, every thread
+// calls). Every warp reduces the same 32 partials in the same order, so all threads
+// get the same bits without a broadcast barrier. `sh` holds 32*K elements; the
+// leading barrier protects its previous use.
 template <typename A, int K>
 __device__ __forceinline__ void block_sum_n(A (&v)[K], A* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -160,6 +144,15 @@ __device__ __forceinline__ void block_sum_n(A (&v)[K], A* sh) {
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < K; ++j) v[j] = warp_sum(lane < nw ? sh[32 * j + lane] : A(0));
+}
+
+// Sum of a and b over the block (block_sum_n with K = 2; `sh` holds 64).
+template <typename A>
+__device__ __forceinline__ void block_sum2(A& a, A& b, A* sh) {
+  A v[2] = {a, b};
+  block_sum_n<A, 2>(v, sh);
+  a = v[0];
+  b = v[1];
 }
 
 // ---- forward -----------------------------------------------------------------
