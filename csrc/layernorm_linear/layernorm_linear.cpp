@@ -352,7 +352,7 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
 #ifdef WITH_CUDA
     const DType dt = to_dtype(x.scalar_type());
     const cudaStream_t s = current_stream();
-    // Statistics and fold: one launch (two when a row does not fit a warp's registers).
+    // Statistics and fold: one launch (two when a row does not fit in registers or is unaligned).
     GP_CUDA_CHECK_STATUS(lnlinear_prep_cuda(x.data_ptr(), W.data_ptr(), g.data_ptr(), be.data_ptr(),
                                             b ? b->data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(),
                                             wc.data_ptr(), r.data_ptr(), bp.data_ptr(), M, N, H, eps, dt, s));

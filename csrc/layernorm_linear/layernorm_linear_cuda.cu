@@ -46,13 +46,31 @@ __device__ __forceinline__ void finish_stats(A mu1, A e, A q, int64_t H, double 
   rs = rsqrt_acc<A>((var > A(0) ? var : A(0)) + A(eps));
 }
 
-// VEC consecutive elements; 16-byte loads when VEC * sizeof(T) is a multiple of 16.
-template <typename T, int VEC>
-__device__ __forceinline__ void load_pack(T (&d)[VEC], const T* __restrict__ p) {
+// VEC consecutive elements, 16-byte accesses when VEC * sizeof(T) is a multiple of 16.
+// Loads: kNc through the read-only path (__ldg); kCoherent through the ordinary path
+// (z, which the epilogue updates in place); kStream read-only and not allocated in L1.
+// Stores: kStream is marked evict-first (st.global.cs). The streaming forms are for data
+// touched once (the forward's x rows and y), so neither displaces gamma/beta, which every
+// row re-reads (H100, layer_norm 8192x4096 bf16: 0.0515 -> 0.0503 ms,
+// benchmarks/results/layer_norm_h100.txt).
+enum class Ld { kNc, kCoherent, kStream };
+enum class St { kDefault, kStream };
+
+template <typename T, int VEC, Ld P = Ld::kNc>
+__device__ __forceinline__ void load_pack(T (&d)[VEC], const T* p) {
   if constexpr ((VEC * sizeof(T)) % 16 == 0) {
 #pragma unroll
     for (int i = 0; i < (int)(VEC * sizeof(T) / 16); ++i) {
-      const uint4 q = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      const uint4* src = reinterpret_cast<const uint4*>(p) + i;
+      uint4 q;
+      if constexpr (P == Ld::kStream)
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
+                     : "l"(src));
+      else if constexpr (P == Ld::kCoherent)
+        q = *src;
+      else
+        q = __ldg(src);
       memcpy(reinterpret_cast<char*>(d) + 16 * i, &q, 16);
     }
   } else {
@@ -61,69 +79,23 @@ __device__ __forceinline__ void load_pack(T (&d)[VEC], const T* __restrict__ p) 
   }
 }
 
-// Same, through the coherent path: for z, which the epilogue updates in place.
-template <typename T, int VEC>
-__device__ __forceinline__ void load_pack_rw(T (&d)[VEC], const T* p) {
-  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < (int)(VEC * sizeof(T) / 16); ++i) {
-      const uint4 q = reinterpret_cast<const uint4*>(p)[i];
-      memcpy(reinterpret_cast<char*>(d) + 16 * i, &q, 16);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) d[i] = p[i];
-  }
-}
-
-template <typename T, int VEC>
+template <typename T, int VEC, St P = St::kDefault>
 __device__ __forceinline__ void store_pack(T* __restrict__ p, const T (&d)[VEC]) {
   if constexpr ((VEC * sizeof(T)) % 16 == 0) {
 #pragma unroll
     for (int i = 0; i < (int)(VEC * sizeof(T) / 16); ++i) {
       uint4 q;
       memcpy(&q, reinterpret_cast<const char*>(d) + 16 * i, 16);
-      reinterpret_cast<uint4*>(p)[i] = q;
+      if constexpr (P == St::kStream)
+        asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(reinterpret_cast<uint4*>(p) + i), "r"(q.x),
+                     "r"(q.y), "r"(q.z), "r"(q.w)
+                     : "memory");
+      else
+        reinterpret_cast<uint4*>(p)[i] = q;
     }
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) p[i] = d[i];
-  }
-}
-
-// Streaming forms for data touched once (the forward's x rows and y): the load skips L1
-// allocation, the store is marked evict-first (st.global.cs), so neither displaces
-// gamma/beta, which every row re-reads. H100, layer_norm 8192x4096 bf16: 0.0515 ->
-// 0.0503 ms (benchmarks/results/layer_norm_h100.txt).
-template <typename T, int VEC>
-__device__ __forceinline__ void load_pack_stream(T (&d)[VEC], const T* __restrict__ p) {
-  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < (int)(VEC * sizeof(T) / 16); ++i) {
-      uint4 q;
-      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                   : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
-                   : "l"(reinterpret_cast<const uint4*>(p) + i));
-      memcpy(reinterpret_cast<char*>(d) + 16 * i, &q, 16);
-    }
-  } else {
-    load_pack<T, VEC>(d, p);
-  }
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void store_pack_stream(T* __restrict__ p, const T (&d)[VEC]) {
-  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < (int)(VEC * sizeof(T) / 16); ++i) {
-      uint4 q;
-      memcpy(&q, reinterpret_cast<const char*>(d) + 16 * i, 16);
-      asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(reinterpret_cast<uint4*>(p) + i), "r"(q.x),
-                   "r"(q.y), "r"(q.z), "r"(q.w)
-                   : "memory");
-    }
-  } else {
-    store_pack<T, VEC>(p, d);
   }
 }
 
@@ -177,7 +149,7 @@ __device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__
 #pragma unroll
   for (int k = 0; k < kCache; ++k) {
     const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) load_pack_stream<T, VEC>(v[k], xr + c * VEC);
+    if (c < nvec) load_pack<T, VEC, Ld::kStream>(v[k], xr + c * VEC);
   }
   A s = 0, unused = 0;
 #pragma unroll
@@ -221,7 +193,7 @@ __device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__
 #pragma unroll
         for (int i = 0; i < VEC; ++i)
           o[i] = from_acc<T>((to_acc<A>(v[k][i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
-        store_pack_stream<T, VEC>(y + row * H + c * VEC, o);
+        store_pack<T, VEC, St::kStream>(y + row * H + c * VEC, o);
       }
     }
   }
@@ -250,7 +222,7 @@ __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[
     const int64_t c = lane + (int64_t)k * 32;
     if (c < nvec) {
       if constexpr (STREAM)
-        load_pack_stream<T, VEC>(v[k], xr + c * VEC);
+        load_pack<T, VEC, Ld::kStream>(v[k], xr + c * VEC);
       else
         load_pack<T, VEC>(v[k], xr + c * VEC);
     }
@@ -533,6 +505,38 @@ __global__ void ln_bwd_reduce(const acc_t<T>* __restrict__ part, T* __restrict__
 
 // ---- fused LayerNorm + Linear: fold and epilogue --------------------------------
 
+// The fold's arithmetic on one VEC-vector w of W's row at vector column c, shared by
+// fold_weight, lnlinear_prep and fold_row_cached (they differ in how a row is spread
+// over threads and reduced). First pass: sg += w.gamma, sb += w.beta. Second pass, with
+// m = mean(w * gamma) over the row: wc = w * gamma - m (rounded to T), rs += wc as stored.
+template <typename T, int VEC>
+__device__ __forceinline__ void fold_sums(const T (&w)[VEC], const T* __restrict__ gamma, const T* __restrict__ beta,
+                                          int64_t c, acc_t<T>& sg, acc_t<T>& sb) {
+  using A = acc_t<T>;
+  T g[VEC], be[VEC];
+  load_pack<T, VEC>(g, gamma + c * VEC);
+  load_pack<T, VEC>(be, beta + c * VEC);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    sg += to_acc<A>(w[i]) * to_acc<A>(g[i]);
+    sb += to_acc<A>(w[i]) * to_acc<A>(be[i]);
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void fold_store(const T (&w)[VEC], const T* __restrict__ gamma, int64_t c, acc_t<T> m,
+                                           T* __restrict__ wc_row, acc_t<T>& rs) {
+  using A = acc_t<T>;
+  T g[VEC], o[VEC];
+  load_pack<T, VEC>(g, gamma + c * VEC);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    o[i] = from_acc<T>(to_acc<A>(w[i]) * to_acc<A>(g[i]) - m);
+    rs += to_acc<A>(o[i]);
+  }
+  store_pack<T, VEC>(wc_row + c * VEC, o);  // not streamed: the GEMM reads wc next
+}
+
 template <typename T, int VEC>
 __global__ void fold_weight(const T* __restrict__ W, const T* __restrict__ gamma, const T* __restrict__ beta,
                             const T* __restrict__ b, T* __restrict__ wc, acc_t<T>* __restrict__ r,
@@ -544,29 +548,17 @@ __global__ void fold_weight(const T* __restrict__ W, const T* __restrict__ gamma
     const T* wr = W + n * H;
     A sg = 0, sb = 0;
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-      T w[VEC], g[VEC], be[VEC];
+      T w[VEC];
       load_pack<T, VEC>(w, wr + c * VEC);
-      load_pack<T, VEC>(g, gamma + c * VEC);
-      load_pack<T, VEC>(be, beta + c * VEC);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        sg += to_acc<A>(w[i]) * to_acc<A>(g[i]);
-        sb += to_acc<A>(w[i]) * to_acc<A>(be[i]);
-      }
+      fold_sums<T, VEC>(w, gamma, beta, c, sg, sb);
     }
     block_sum2(sg, sb, sh);
     const A m = sg / A(H);
     A rs = 0, unused = 0;
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-      T w[VEC], g[VEC], o[VEC];
+      T w[VEC];
       load_pack<T, VEC>(w, wr + c * VEC);
-      load_pack<T, VEC>(g, gamma + c * VEC);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        o[i] = from_acc<T>(to_acc<A>(w[i]) * to_acc<A>(g[i]) - m);
-        rs += to_acc<A>(o[i]);
-      }
-      store_pack<T, VEC>(wc + n * H + c * VEC, o);
+      fold_store<T, VEC>(w, gamma, c, m, wc + n * H, rs);
     }
     block_sum2(rs, unused, sh);
     if (threadIdx.x == 0) {
@@ -617,22 +609,13 @@ __global__ void __launch_bounds__(32 * kPrepWarps, 4)
 #pragma unroll
       for (int k = 0; k < NV; ++k) {  // all of W's loads before any sum (see ln_fwd_cached)
         const int64_t c = lane + (int64_t)k * 32;
-        if (c < nvec) load_pack_stream<T, VEC>(v[k], wr + c * VEC);
+        if (c < nvec) load_pack<T, VEC, Ld::kStream>(v[k], wr + c * VEC);
       }
       A sg = 0, sb = 0;
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const int64_t c = lane + (int64_t)k * 32;
-        if (c < nvec) {
-          T g[VEC], be[VEC];
-          load_pack<T, VEC>(g, gamma + c * VEC);
-          load_pack<T, VEC>(be, beta + c * VEC);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            sg += to_acc<A>(v[k][i]) * to_acc<A>(g[i]);
-            sb += to_acc<A>(v[k][i]) * to_acc<A>(be[i]);
-          }
-        }
+        if (c < nvec) fold_sums<T, VEC>(v[k], gamma, beta, c, sg, sb);
       }
       sg = warp_sum(sg);
       sb = warp_sum(sb);
@@ -641,16 +624,7 @@ __global__ void __launch_bounds__(32 * kPrepWarps, 4)
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const int64_t c = lane + (int64_t)k * 32;
-        if (c < nvec) {
-          T g[VEC], o[VEC];
-          load_pack<T, VEC>(g, gamma + c * VEC);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            o[i] = from_acc<T>(to_acc<A>(v[k][i]) * to_acc<A>(g[i]) - m);
-            rs += to_acc<A>(o[i]);
-          }
-          store_pack<T, VEC>(wc + n * H + c * VEC, o);
-        }
+        if (c < nvec) fold_store<T, VEC>(v[k], gamma, c, m, wc + n * H, rs);
       }
       rs = warp_sum(rs);
       if (lane == 0) {
@@ -678,22 +652,13 @@ __device__ __forceinline__ void fold_row_cached(int64_t n, const T* __restrict__
 #pragma unroll
   for (int k = 0; k < kCache; ++k) {  // all loads before any sum (see ln_row_cached)
     const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) load_pack_stream<T, VEC>(v[k], wr + c * VEC);
+    if (c < nvec) load_pack<T, VEC, Ld::kStream>(v[k], wr + c * VEC);
   }
   A sg = 0, sb = 0;
 #pragma unroll
   for (int k = 0; k < kCache; ++k) {
     const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) {
-      T g[VEC], be[VEC];
-      load_pack<T, VEC>(g, gamma + c * VEC);
-      load_pack<T, VEC>(be, beta + c * VEC);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        sg += to_acc<A>(v[k][i]) * to_acc<A>(g[i]);
-        sb += to_acc<A>(v[k][i]) * to_acc<A>(be[i]);
-      }
-    }
+    if (c < nvec) fold_sums<T, VEC>(v[k], gamma, beta, c, sg, sb);
   }
   block_sum2(sg, sb, sh);
   const A m = sg / A(H);
@@ -701,16 +666,7 @@ __device__ __forceinline__ void fold_row_cached(int64_t n, const T* __restrict__
 #pragma unroll
   for (int k = 0; k < kCache; ++k) {
     const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) {
-      T g[VEC], o[VEC];
-      load_pack<T, VEC>(g, gamma + c * VEC);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        o[i] = from_acc<T>(to_acc<A>(v[k][i]) * to_acc<A>(g[i]) - m);
-        rs += to_acc<A>(o[i]);
-      }
-      store_pack<T, VEC>(wc + n * H + c * VEC, o);  // not streamed: the GEMM reads it next
-    }
+    if (c < nvec) fold_store<T, VEC>(v[k], gamma, c, m, wc + n * H, rs);
   }
   block_sum2(rs, unused, sh);
   if (threadIdx.x == 0) {
@@ -763,7 +719,7 @@ __global__ void __launch_bounds__(kColTx * kColTy)
       for (; rr + (kColUnroll - 1) * kColTy < r1; rr += kColUnroll * kColTy) {
         T q[kColUnroll][VEC];
 #pragma unroll
-        for (int u = 0; u < kColUnroll; ++u) load_pack_stream<T, VEC>(q[u], dy + (rr + u * kColTy) * N + cv * VEC);
+        for (int u = 0; u < kColUnroll; ++u) load_pack<T, VEC, Ld::kStream>(q[u], dy + (rr + u * kColTy) * N + cv * VEC);
 #pragma unroll
         for (int u = 0; u < kColUnroll; ++u)
 #pragma unroll
@@ -771,7 +727,7 @@ __global__ void __launch_bounds__(kColTx * kColTy)
       }
       for (; rr < r1; rr += kColTy) {
         T q[VEC];
-        load_pack_stream<T, VEC>(q, dy + rr * N + cv * VEC);
+        load_pack<T, VEC, Ld::kStream>(q, dy + rr * N + cv * VEC);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[i] += to_acc<A>(q[i]);
       }
@@ -795,7 +751,7 @@ __global__ void __launch_bounds__(kColTx * kColTy)
     const A mu = mean[row], rs = rstd[row];
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
       T v[VEC], g[VEC], be[VEC];
-      load_pack_stream<T, VEC>(v, x + row * H + c * VEC);
+      load_pack<T, VEC, Ld::kStream>(v, x + row * H + c * VEC);
       load_pack<T, VEC>(g, gamma + c * VEC);
       load_pack<T, VEC>(be, beta + c * VEC);
 #pragma unroll
@@ -884,7 +840,7 @@ __global__ void __launch_bounds__(kEpiMaxThreads) lnlinear_epilogue(
 #pragma unroll
       for (int k = 0; k < kEpiVecs; ++k) {
         const int64_t c = tile0 + threadIdx.x + (int64_t)k * blockDim.x;
-        if (c < nvec) load_pack_rw<T, VEC>(v[k], zr + c * VEC);
+        if (c < nvec) load_pack<T, VEC, Ld::kCoherent>(v[k], zr + c * VEC);
       }
 #pragma unroll
       for (int k = 0; k < kEpiVecs; ++k) {
