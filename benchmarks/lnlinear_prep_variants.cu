@@ -134,6 +134,21 @@ int main() {
     float tl = timeit([&](int i) { CK(layer_norm_forward_cuda(x[i % NS], g, be, xn[i % 2], mean[0], rstd[0], M, H, eps, dt, 0)); });
     printf("fwd stats alone %.4f ms, fold alone %.4f ms; layer_norm %.4f ms (%4.0f GB/s)\n", ts, tf, tl,
            4.0 * M * H / tl / 1e6);
+    {  // layer_norm backward (the fused backward's dx, dgamma, dbeta); dy is another x buffer
+      bf *dg, *dbe;
+      float* lws;
+      CK(cudaMalloc(&dg, H * 2));
+      CK(cudaMalloc(&dbe, H * 2));
+      CK(cudaMalloc(&lws, layer_norm_backward_blocks(M, H, dt) * 2 * H * 4));
+      const float tb = timeit([&](int i) {
+        CK(layer_norm_backward_cuda(x[(i + 1) % NS], x[i % NS], g, mean[0], rstd[0], xn[i % 2], dg, dbe, lws, M, H,
+                                    dt, 0));
+      });
+      printf("layer_norm bwd %.4f ms (%4.0f GB/s: x, dy read, dx written)\n", tb, 6.0 * M * H / tb / 1e6);
+      CK(cudaFree(dg));
+      CK(cudaFree(dbe));
+      CK(cudaFree(lws));
+    }
     printf("fwd two launches %.4f ms (%4.0f GB/s) | one launch %.4f ms (%4.0f GB/s)\n", t0, fbytes / t0 / 1e6, t1,
            fbytes / t1 / 1e6);
     printf("    diff mean %.3g rstd %.3g r %.3g bp %.3g; wc elements differing %zu of %lld\n",
