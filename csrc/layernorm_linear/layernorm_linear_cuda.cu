@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
 }
 
 // Mean and rstd of one row held by one warp: lane l loads vectors l, l + 32, ... (NV
-// slots, those < nvec) into v, which the caller keeps. Same arithmetic as ln_fwd_cached
+// slots, those < nvec) into v, which the caller keeps. Same arithmetic as ln_row_cached
 // (pivot shift, corrected two-pass from registers), warp shuffles only. STREAM: the loads
 // skip L1 (rows read once). Every lane gets mu and rs.
 template <bool STREAM, typename T, int VEC, int NV>
@@ -218,7 +218,7 @@ __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[
   using A = acc_t<T>;
   const A pivot = to_acc<A>(xr[0]);
 #pragma unroll
-  for (int k = 0; k < NV; ++k) {  // all loads before any sum (see ln_fwd_cached)
+  for (int k = 0; k < NV; ++k) {  // all loads before any sum (see ln_row_cached)
     const int64_t c = lane + (int64_t)k * 32;
     if (c < nvec) {
       if constexpr (STREAM)
@@ -258,7 +258,7 @@ __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[
 // kWarpRows rows per block, the row in registers, warp shuffles only (no barrier,
 // no shared memory). The block-per-row kernel would run one-warp blocks here, and
 // the SM's 32-block limit would cap it at half occupancy, halving the loads in
-// flight. Same arithmetic as ln_fwd_cached (pivot shift, exact two-pass).
+// flight. Same arithmetic as ln_row_cached (pivot shift, exact two-pass).
 constexpr int kWarpRows = 8;
 
 template <typename T, int VEC>
@@ -306,7 +306,7 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
   const int64_t nvec = H / VEC;
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
     const T* xr = x + row * H;
-    const A pivot = to_acc<A>(xr[0]);  // see ln_fwd_cached
+    const A pivot = to_acc<A>(xr[0]);  // see ln_row_cached
     A s = 0, unused = 0;
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
       T v[VEC];
@@ -614,7 +614,7 @@ __global__ void __launch_bounds__(32 * kPrepWarps, 4)
       const int64_t n = row - M;
       const T* wr = W + n * H;
 #pragma unroll
-      for (int k = 0; k < NV; ++k) {  // all of W's loads before any sum (see ln_fwd_cached)
+      for (int k = 0; k < NV; ++k) {  // all of W's loads before any sum (see ln_row_cached)
         const int64_t c = lane + (int64_t)k * 32;
         if (c < nvec) load_pack<T, VEC, Ld::kStream>(v[k], wr + c * VEC);
       }
