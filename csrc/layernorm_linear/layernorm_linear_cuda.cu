@@ -129,6 +129,38 @@ __device__ __forceinline__ void block_sum2(A& a, A& b, A* sh) {
 
 // ---- forward -----------------------------------------------------------------
 
+// Per-vector arithmetic of the LayerNorm forward, shared by its row kernels
+// (ln_row_cached, warp_row_stats, ln_fwd_loop, ln_fwd_warp) and the fused backward's
+// apply pass. First pass: s += x - pivot. Second pass about mu1 (finish_stats):
+// e += x - mu1, q += (x - mu1)^2. normalise: o = (x - mu) * rs * gamma + beta at
+// vector column c.
+template <typename T, int VEC>
+__device__ __forceinline__ void sum_shifted(const T (&v)[VEC], acc_t<T> pivot, acc_t<T>& s) {
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) s += to_acc<acc_t<T>>(v[i]) - pivot;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void sum_centred(const T (&v)[VEC], acc_t<T> mu1, acc_t<T>& e, acc_t<T>& q) {
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const acc_t<T> d = to_acc<acc_t<T>>(v[i]) - mu1;
+    e += d;
+    q += d * d;
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void normalise(const T (&v)[VEC], acc_t<T> mu, acc_t<T> rs, const T* __restrict__ gamma,
+                                          const T* __restrict__ beta, int64_t c, T (&o)[VEC]) {
+  using A = acc_t<T>;
+  T g[VEC], b[VEC];
+  load_pack<T, VEC>(g, gamma + c * VEC);
+  load_pack<T, VEC>(b, beta + c * VEC);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) o[i] = from_acc<T>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+}
+
 // One row of LayerNorm held in registers by one block (blockDim.x threads, kCache
 // vectors each; the caller sizes the block so the row fits). y null: statistics only.
 template <typename T, int VEC>
@@ -155,10 +187,7 @@ __device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__
 #pragma unroll
   for (int k = 0; k < kCache; ++k) {
     const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
-    }
+    if (c < nvec) sum_shifted<T, VEC>(v[k], pivot, s);
   }
   block_sum2(s, unused, sh);
   const A mu1 = pivot + s / A(H);
@@ -166,14 +195,7 @@ __device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__
 #pragma unroll
   for (int k = 0; k < kCache; ++k) {
     const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const A d = to_acc<A>(v[k][i]) - mu1;
-        e += d;
-        q += d * d;
-      }
-    }
+    if (c < nvec) sum_centred<T, VEC>(v[k], mu1, e, q);
   }
   block_sum2(q, e, sh);
   A mu, rs;
@@ -187,12 +209,8 @@ __device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__
     for (int k = 0; k < kCache; ++k) {
       const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
       if (c < nvec) {
-        T g[VEC], b[VEC], o[VEC];
-        load_pack<T, VEC>(g, gamma + c * VEC);
-        load_pack<T, VEC>(b, beta + c * VEC);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i)
-          o[i] = from_acc<T>((to_acc<A>(v[k][i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+        T o[VEC];
+        normalise<T, VEC>(v[k], mu, rs, gamma, beta, c, o);
         store_pack<T, VEC, St::kStream>(y + row * H + c * VEC, o);
       }
     }
@@ -231,10 +249,7 @@ __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int64_t c = lane + (int64_t)k * 32;
-    if (c < nvec) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[k][i]) - pivot;
-    }
+    if (c < nvec) sum_shifted<T, VEC>(v[k], pivot, s);
   }
   s = warp_sum(s);
   const A mu1 = pivot + s / A(H);
@@ -242,14 +257,7 @@ __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int64_t c = lane + (int64_t)k * 32;
-    if (c < nvec) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const A d = to_acc<A>(v[k][i]) - mu1;
-        e += d;
-        q += d * d;
-      }
-    }
+    if (c < nvec) sum_centred<T, VEC>(v[k], mu1, e, q);
   }
   finish_stats(mu1, warp_sum(e), warp_sum(q), H, eps, mu, rs);
 }
@@ -283,12 +291,8 @@ __global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __rest
       for (int k = 0; k < kCache; ++k) {
         const int64_t c = lane + (int64_t)k * 32;
         if (c < nvec) {
-          T g[VEC], b[VEC], o[VEC];
-          load_pack<T, VEC>(g, gamma + c * VEC);
-          load_pack<T, VEC>(b, beta + c * VEC);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i)
-            o[i] = from_acc<T>((to_acc<A>(v[k][i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+          T o[VEC];
+          normalise<T, VEC>(v[k], mu, rs, gamma, beta, c, o);
           store_pack<T, VEC>(y + row * H + c * VEC, o);
         }
       }
@@ -311,8 +315,7 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
       T v[VEC];
       load_pack<T, VEC>(v, xr + c * VEC);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) s += to_acc<A>(v[i]) - pivot;
+      sum_shifted<T, VEC>(v, pivot, s);
     }
     block_sum2(s, unused, sh);
     const A mu1 = pivot + s / A(H);
@@ -320,12 +323,7 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
       T v[VEC];
       load_pack<T, VEC>(v, xr + c * VEC);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const A d = to_acc<A>(v[i]) - mu1;
-        e += d;
-        q += d * d;
-      }
+      sum_centred<T, VEC>(v, mu1, e, q);
     }
     block_sum2(q, e, sh);
     A mu, rs;
@@ -336,13 +334,9 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
     }
     if (y != nullptr) {
       for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-        T v[VEC], g[VEC], b[VEC], o[VEC];
+        T v[VEC], o[VEC];
         load_pack<T, VEC>(v, xr + c * VEC);
-        load_pack<T, VEC>(g, gamma + c * VEC);
-        load_pack<T, VEC>(b, beta + c * VEC);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i)
-          o[i] = from_acc<T>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+        normalise<T, VEC>(v, mu, rs, gamma, beta, c, o);
         store_pack<T, VEC>(y + row * H + c * VEC, o);
       }
     }
@@ -757,14 +751,10 @@ __global__ void __launch_bounds__(kColTx * kColTy)
   for (int64_t row = (int64_t)blockIdx.x - gd; row < M; row += (int64_t)gridDim.x - gd) {
     const A mu = mean[row], rs = rstd[row];
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-      T v[VEC], g[VEC], be[VEC];
+      T v[VEC], o[VEC];
       load_pack<T, VEC, Ld::kStream>(v, x + row * H + c * VEC);
-      load_pack<T, VEC>(g, gamma + c * VEC);
-      load_pack<T, VEC>(be, beta + c * VEC);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i)
-        v[i] = from_acc<T>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(be[i]));
-      store_pack<T, VEC>(xn + row * H + c * VEC, v);
+      normalise<T, VEC>(v, mu, rs, gamma, beta, c, o);
+      store_pack<T, VEC>(xn + row * H + c * VEC, o);
     }
   }
 }
