@@ -650,11 +650,12 @@ def test_statistics_far_first_element(device, dtype, H):
     (333, 4104, 264),    # K >= 2048 and not a multiple of 64
 ])
 def test_cuda_evt_statistics(dtype, M, H, N):
-    # On the CUTLASS path the GEMM computes mean and rstd from the x tiles it streams (per
-    # thread: pivot = mean of its first tile's elements, shifted sums, exact merge of the
-    # quad's partials); the epilogue applies them and the column-0 tile writes them out.
-    # Rows with large means, with a huge first chunk (far from the rest: the pivot is
-    # bad for that lane), and ordinary rows. Poisoned outputs; stats and y vs float64.
+    # The CUTLASS path's shapes: the statistics come from the prep pass before the GEMM and
+    # its epilogue applies them. Written for the in-GEMM statistics experiment
+    # (benchmarks/experiments/lnlinear_gemm_stats.patch, not merged), whose hard cases these
+    # are; they hold for any statistics pass. Rows with large means, with a huge first chunk
+    # (a bad pivot), with a far-out last chunk, and ordinary rows. Poisoned outputs; stats
+    # and y vs float64.
     g = torch.Generator().manual_seed(M + H)
     xd = torch.randn(M, H, generator=g, dtype=torch.float64) * 1.5 + torch.randn(M, 1, generator=g, dtype=torch.float64)
     xd[::7] += 1e3                # large mean, same spread
