@@ -1,8 +1,8 @@
 // The fused LayerNorm+Linear's bandwidth-bound passes around its GEMMs, bf16, at the
 // issue's shapes: forward statistics + fold as two launches (layer_norm_forward_cuda with
-// y null, lnlinear_fold_weight_cuda) against one (lnlinear_prep_cuda); backward: the apply
-// half alone (lnlinear_bwd_prep_cuda with N = 0, no column-sum blocks) against apply + db
-// column sums in one launch. The op's own kernels: this file includes its .cu.
+// y null, lnlinear_fold_weight_cuda) against one (lnlinear_prep_cuda); backward: the
+// LayerNorm backward without and with the xn output the fused backward's dW reads, and db
+// (lnlinear_bias_grad_cuda). The op's own kernels: this file includes its .cu.
 // Inputs rotated past L2, each timed call queued behind a GPU spin, median of 40.
 //   nvcc -gencode=arch=compute_90,code=sm_90 -O3 -std=c++17 -I csrc benchmarks/lnlinear_prep_variants.cu
 // Results: benchmarks/results/lnlinear_prep_variants_h100.txt.
@@ -113,7 +113,7 @@ int main() {
     }
     CK(cudaMalloc(&db, N * 2));
     float* ws;
-    CK(cudaMalloc(&ws, lnlinear_bwd_prep_workspace(M, N) * 4));
+    CK(cudaMalloc(&ws, lnlinear_bias_grad_workspace(M, N) * 4));
     const DType dt = DType::BFloat16;
     const double eps = 1e-5;
     auto old_fwd = [&](int i) {
@@ -134,17 +134,41 @@ int main() {
     float tl = timeit([&](int i) { CK(layer_norm_forward_cuda(x[i % NS], g, be, xn[i % 2], mean[0], rstd[0], M, H, eps, dt, 0)); });
     printf("fwd stats alone %.4f ms, fold alone %.4f ms; layer_norm %.4f ms (%4.0f GB/s)\n", ts, tf, tl,
            4.0 * M * H / tl / 1e6);
-    {  // layer_norm backward (the fused backward's dx, dgamma, dbeta); dy is another x buffer
+    {  // layer_norm backward (the fused backward's dx, dgamma, dbeta; with xn); dy is another x buffer
       bf *dg, *dbe;
       float* lws;
       CK(cudaMalloc(&dg, H * 2));
       CK(cudaMalloc(&dbe, H * 2));
-      CK(cudaMalloc(&lws, layer_norm_backward_blocks(M, H, dt) * 2 * H * 4));
+      const int64_t G = std::max(layer_norm_backward_blocks(M, H, dt), layer_norm_backward_blocks(M, H, dt, true));
+      CK(cudaMalloc(&lws, G * 2 * H * 4));
       const float tb = timeit([&](int i) {
         CK(layer_norm_backward_cuda(x[(i + 1) % NS], x[i % NS], g, mean[0], rstd[0], xn[i % 2], dg, dbe, lws, M, H,
                                     dt, 0));
       });
-      printf("layer_norm bwd %.4f ms (%4.0f GB/s: x, dy read, dx written)\n", tb, 6.0 * M * H / tb / 1e6);
+      const float tbx = timeit([&](int i) {
+        CK(layer_norm_backward_cuda(x[(i + 1) % NS], x[i % NS], g, mean[0], rstd[0], xn[i % 2], dg, dbe, lws, M, H,
+                                    dt, 0, be, xn[(i + 1) % 2]));
+      });
+      // As the fused backward calls it: dx written over dy (two scratch dy buffers, overwritten
+      // every call), with xn.
+      bf* dyb[2];
+      for (int j = 0; j < 2; ++j) {
+        CK(cudaMalloc(&dyb[j], M * H * 2));
+        CK(cudaMemcpy(dyb[j], x[j + 1], M * H * 2, cudaMemcpyDeviceToDevice));
+      }
+      const float tbi = timeit([&](int i) {
+        CK(layer_norm_backward_cuda(dyb[i % 2], x[i % NS], g, mean[0], rstd[0], dyb[i % 2], dg, dbe, lws, M, H, dt, 0,
+                                    be, xn[i % 2]));
+      });
+      CK(cudaMemcpy(dyb[0], x[1], M * H * 2, cudaMemcpyDeviceToDevice));
+      CK(layer_norm_backward_cuda(x[1], x[0], g, mean[0], rstd[0], xn[0], dg, dbe, lws, M, H, dt, 0, be, xn[1]));
+      CK(layer_norm_backward_cuda(dyb[0], x[0], g, mean[0], rstd[0], dyb[0], dg, dbe, lws, M, H, dt, 0, be, xn[1]));
+      CK(cudaDeviceSynchronize());
+      printf("layer_norm bwd %.4f ms (%4.0f GB/s: x, dy read, dx written) | with xn %.4f ms (%4.0f GB/s)"
+             " | with xn, dx over dy %.4f ms\n", tb, 6.0 * M * H / tb / 1e6, tbx, 8.0 * M * H / tbx / 1e6, tbi);
+      printf("    in-place dx elements differing from out-of-place %zu\n", ndiff_bf(down(xn[0], M * H), down(dyb[0], M * H)));
+      cudaFree(dyb[0]);
+      cudaFree(dyb[1]);
       CK(cudaFree(dg));
       CK(cudaFree(dbe));
       CK(cudaFree(lws));
@@ -155,18 +179,25 @@ int main() {
            maxdiff(down(mean[0], M), down(mean[1], M)), maxdiff(down(rstd[0], M), down(rstd[1], M)),
            maxdiff(down(r[0], N), down(r[1], N)), maxdiff(down(bp[0], N), down(bp[1], N)),
            ndiff_bf(down(wc[0], N * H), down(wc[1], N * H)), (long long)(N * H));
-    // backward: both use mean[1]/rstd[1] of x[0]
-    auto old_bwd = [&](int i) {
-      CK(lnlinear_bwd_prep_cuda(dy[0], x[0], g, be, mean[1], rstd[1], xn[0], db, ws, M, 0, H, dt, 0));
-    };
-    auto new_bwd = [&](int i) {
-      CK(lnlinear_bwd_prep_cuda(dy[i % NS], x[0], g, be, mean[1], rstd[1], xn[1], db, ws, M, N, H, dt, 0));
-    };
-    float tb0 = timeit(old_bwd), tb1 = timeit(new_bwd);
-    old_bwd(0);
-    new_bwd(0);
-    CK(cudaDeviceSynchronize());
-    const double bbytes = 2.0 * (2 * M * H + M * N);
+    // backward's db: dy's column sums (lnlinear_bias_grad_cuda)
+    const float tdb = timeit([&](int i) { CK(lnlinear_bias_grad_cuda(dy[i % NS], db, ws, M, N, dt, 0)); });
+    CK(lnlinear_bias_grad_cuda(dy[0], db, ws, M, N, dt, 0));
+    // xn from the LayerNorm backward against the forward's y (same statistics, same normalise)
+    {
+      bf *dg, *dbe, *dx;
+      float* lws;
+      CK(cudaMalloc(&dg, H * 2));
+      CK(cudaMalloc(&dbe, H * 2));
+      CK(cudaMalloc(&dx, M * H * 2));
+      CK(cudaMalloc(&lws, layer_norm_backward_blocks(M, H, dt, true) * 2 * H * 4));
+      CK(layer_norm_forward_cuda(x[0], g, be, xn[0], mean[0], rstd[0], M, H, eps, dt, 0));
+      CK(cudaMemset(xn[1], 0xff, M * H * 2));
+      CK(layer_norm_backward_cuda(x[1], x[0], g, mean[0], rstd[0], dx, dg, dbe, lws, M, H, dt, 0, be, xn[1]));
+      CK(cudaDeviceSynchronize());
+      printf("    backward xn vs forward y: elements differing %zu of %lld\n",
+             ndiff_bf(down(xn[0], M * H), down(xn[1], M * H)), (long long)(M * H));
+      cudaFree(dg); cudaFree(dbe); cudaFree(dx); cudaFree(lws);
+    }
     std::vector<bf> hdy = down(dy[0], M * N);
     std::vector<double> ref(N, 0.0);
     for (int64_t m = 0; m < M; ++m)
@@ -177,9 +208,8 @@ int main() {
       e = std::max(e, std::fabs(ref[n] - __bfloat162float(hdb[n])));
       mag = std::max(mag, std::fabs(ref[n]));
     }
-    printf("bwd apply half alone %.4f ms | apply + db one launch %.4f ms (%4.0f GB/s)\n", tb0, tb1, bbytes / tb1 / 1e6);
-    printf("    xn elements differing %zu; db max err vs fp64 %.3g (max |db| %.3g)\n",
-           ndiff_bf(down(xn[0], M * H), down(xn[1], M * H)), e, mag);
+    printf("bwd db (column sums of dy) %.4f ms (%4.0f GB/s); db max err vs fp64 %.3g (max |db| %.3g)\n", tdb,
+           2.0 * M * N / tdb / 1e6, e, mag);
     for (int i = 0; i < NS; ++i) {
       cudaFree(x[i]);
       cudaFree(W[i]);

@@ -23,8 +23,9 @@
 // Before the GEMM, the statistics and the fold share one launch on CUDA where a row fits
 // in registers (lnlinear_prep_cuda).
 // Backward: xn = gamma*xhat + beta is materialised (backward only) for
-// dW = dy^T xn; d(xn) = dy W; our LayerNorm backward gives dx, dgamma, dbeta. On CUDA,
-// xn and db (dy's column sums) come from one launch (lnlinear_bwd_prep_cuda).
+// dW = dy^T xn; d(xn) = dy W; our LayerNorm backward gives dx, dgamma, dbeta. On CUDA
+// that LayerNorm backward also writes xn (it reads x anyway), and db (dy's column
+// sums) is its own launch (lnlinear_bias_grad_cuda).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -264,8 +265,12 @@ Tensor3 layer_norm_impl(const Tensor& x_, const Tensor& weight_, const Tensor& b
   return {y, mean, rstd};
 }
 
+// beta/xn (CUDA, fused backward only): also write the LayerNorm output into xn, and
+// write dx over grad_ (the fused backward's own dxn buffer), so that xn costs no more
+// peak memory than the separate pass it replaces.
 Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Tensor& weight_, const Tensor& mean_,
-                                 const Tensor& rstd_, bool cuda) {
+                                 const Tensor& rstd_, bool cuda, const Tensor* beta = nullptr,
+                                 Tensor* xn = nullptr) {
   const char* op = "layer_norm_backward";
   const int64_t H = check_ln(x_, weight_, weight_, op);
   check_grad(grad_, x_.sizes(), x_, op);
@@ -273,7 +278,8 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
   const Tensor x = x_.contiguous(), g = weight_.contiguous(), dy = grad_.contiguous();
   const Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
   const int64_t M = x.numel() / H;
-  Tensor dx = at::empty(x.sizes(), x.options());
+  const bool in_place = xn != nullptr && cuda && dy.is_same(grad_);
+  Tensor dx = in_place ? dy.view(x.sizes()) : at::empty(x.sizes(), x.options());
   Tensor dg = at::empty({H}, x.options()), db = at::empty({H}, x.options());
   if (M == 0) {
     dg.zero_();
@@ -282,11 +288,13 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
   }
   if (cuda) {
 #ifdef WITH_CUDA
-    const int64_t G = layer_norm_backward_blocks(M, H, to_dtype(x.scalar_type()));
+    const bool want_xn = xn != nullptr;
+    const int64_t G = layer_norm_backward_blocks(M, H, to_dtype(x.scalar_type()), want_xn);
     Tensor ws = at::empty({2 * G * H}, x.options().dtype(stat_type(x)));
-    GP_CUDA_CHECK_STATUS(layer_norm_backward_cuda(dy.data_ptr(), x.data_ptr(), g.data_ptr(), mean.data_ptr(),
-                                                  rstd.data_ptr(), dx.data_ptr(), dg.data_ptr(), db.data_ptr(),
-                                                  ws.data_ptr(), M, H, to_dtype(x.scalar_type()), current_stream()));
+    GP_CUDA_CHECK_STATUS(layer_norm_backward_cuda(
+        dy.data_ptr(), x.data_ptr(), g.data_ptr(), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dg.data_ptr(),
+        db.data_ptr(), ws.data_ptr(), M, H, to_dtype(x.scalar_type()), current_stream(),
+        want_xn ? beta->data_ptr() : nullptr, want_xn ? xn->data_ptr() : nullptr));
 #endif
   } else {
     GP_DISPATCH(x, "layer_norm_backward_cpu", [&] {
@@ -414,26 +422,30 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
   const Tensor dy = grad_.contiguous().view({M, N});
   // The normalised activation exists only here, for dW (the forward never writes it).
   Tensor xn = at::empty({M, H}, x.options());
-  Tensor db;  // (N,), accumulated in fp32 (fp64 for float64)
   if (cuda) {
 #ifdef WITH_CUDA
-    // xn and db in one launch (both bandwidth-bound; db's column sums in a fixed order).
-    db = at::empty({N}, x.options());
-    Tensor ws = at::empty({lnlinear_bwd_prep_workspace(M, N)}, x.options().dtype(stat_type(x)));
-    GP_CUDA_CHECK_STATUS(lnlinear_bwd_prep_cuda(dy.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(),
-                                                mean.data_ptr(), rstd.data_ptr(), xn.data_ptr(), db.data_ptr(),
-                                                ws.data_ptr(), M, N, H, to_dtype(x.scalar_type()),
-                                                current_stream()));
+    // db: dy's column sums, in a fixed order.
+    Tensor db = at::empty({N}, x.options());
+    Tensor ws = at::empty({lnlinear_bias_grad_workspace(M, N)}, x.options().dtype(stat_type(x)));
+    GP_CUDA_CHECK_STATUS(lnlinear_bias_grad_cuda(dy.data_ptr(), db.data_ptr(), ws.data_ptr(), M, N,
+                                                 to_dtype(x.scalar_type()), current_stream()));
+    ws.reset();
+    // The LayerNorm backward reads x anyway: it writes xn too, instead of a separate
+    // pass over x (benchmarks/lnlinear_prep_variants.cu), and dx over dxn.
+    Tensor dxn = at::mm(dy, W).view(x.sizes());  // (.., H)
+    auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda, &be, &xn);
+    dxn.reset();
+    Tensor dW = at::mm(dy.t(), xn);  // (N, H)
+    return {dx, dg, dbeta, dW, db};
 #endif
-  } else {
-    GP_DISPATCH(x, "fused_layernorm_linear_backward_cpu", [&] {
-      apply_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), be.data_ptr<scalar_t>(),
-                             mean.data_ptr<A>(), rstd.data_ptr<A>(), xn.data_ptr<scalar_t>(), M, H);
-    });
-    db = dy.sum(0);
   }
-  Tensor dW = at::mm(dy.t(), xn);                 // (N, H)
-  Tensor dxn = at::mm(dy, W).view(x.sizes());     // (.., H)
+  GP_DISPATCH(x, "fused_layernorm_linear_backward_cpu", [&] {
+    apply_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), be.data_ptr<scalar_t>(),
+                           mean.data_ptr<A>(), rstd.data_ptr<A>(), xn.data_ptr<scalar_t>(), M, H);
+  });
+  Tensor db = dy.sum(0);
+  Tensor dW = at::mm(dy.t(), xn);              // (N, H)
+  Tensor dxn = at::mm(dy, W).view(x.sizes());  // (.., H)
   xn.reset();
   auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda);
   return {dx, dg, dbeta, dW, db};

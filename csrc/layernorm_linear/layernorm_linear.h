@@ -22,14 +22,17 @@ LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const voi
 
 // Blocks of the backward (each owns one row of partial dgamma/dbeta sums);
 // the workspace holds 2 * blocks * H accumulate-type elements.
-int64_t layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype);
+int64_t layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, bool xn = false);
 
 // dx, dgamma, dbeta from dy (grad of the LayerNorm output). Deterministic:
-// per-block partials reduced in a fixed order.
+// per-block partials reduced in a fixed order. With xn (and beta) non-null it also
+// writes the LayerNorm output xn = gamma * xhat + beta (the fused backward's dW operand).
+// dx may be dy (in place).
 LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void* gamma,
                                       const void* mean, const void* rstd, void* dx, void* dgamma,
                                       void* dbeta, void* workspace, int64_t M, int64_t H,
-                                      DType dtype, cudaStream_t stream);
+                                      DType dtype, cudaStream_t stream, const void* beta = nullptr,
+                                      void* xn = nullptr);
 
 // Fold the LayerNorm affine into the linear layer, per output row n:
 //   wc[n,:] = W[n,:]*gamma - mean_h(W[n,:]*gamma)   (stored in T: the GEMM operand)
@@ -48,15 +51,12 @@ LaunchStatus lnlinear_prep_cuda(const void* x, const void* W, const void* gamma,
                                 int64_t M, int64_t N, int64_t H, double eps, DType dtype,
                                 cudaStream_t stream);
 
-// The fused backward's passes before its GEMMs, one launch: xn = (x - mean) * rstd *
-// gamma + beta (materialised for dW, backward only), and db[n] = sum_m dy[m,n] (fp32
-// partials in the workspace, then summed in a fixed order: deterministic). The workspace
-// holds lnlinear_bwd_prep_workspace(M, N) accumulate-type elements (possibly 0).
-int64_t lnlinear_bwd_prep_workspace(int64_t M, int64_t N);
-LaunchStatus lnlinear_bwd_prep_cuda(const void* dy, const void* x, const void* gamma, const void* beta,
-                                    const void* mean, const void* rstd, void* xn, void* db,
-                                    void* workspace, int64_t M, int64_t N, int64_t H, DType dtype,
-                                    cudaStream_t stream);
+// The fused backward's db[n] = sum_m dy[m,n] (fp32 partials in the workspace, then
+// summed in a fixed order: deterministic; M == 0 gives zeros). The workspace holds
+// lnlinear_bias_grad_workspace(M, N) accumulate-type elements (possibly 0).
+int64_t lnlinear_bias_grad_workspace(int64_t M, int64_t N);
+LaunchStatus lnlinear_bias_grad_cuda(const void* dy, void* db, void* workspace, int64_t M, int64_t N,
+                                     DType dtype, cudaStream_t stream);
 
 // In place on z = x @ wc^T (M, N): y = rstd*(z - mean*r) + bp; then rows with
 // |mean|*rstd > kLnLinearMaxMeanRatio are recomputed as (normalised x) @ W^T + b.

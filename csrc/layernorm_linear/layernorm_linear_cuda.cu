@@ -29,6 +29,7 @@ constexpr int kCache = 4;  // vectors per thread held in registers by the cached
 // fit an SM (the backward keeps ~150 per thread for bf16); longer rows loop.
 constexpr int kFwdMaxThreads = 512;
 constexpr int kBwdMaxThreads = 256;
+constexpr int kBwdMaxThreadsNarrow = 512;  // one vector per thread (ln_bwd_cached with C == 1)
 
 template <typename A> __device__ __forceinline__ A rsqrt_acc(A v) { return A(1) / sqrt(v); }
 template <> __device__ __forceinline__ float rsqrt_acc<float>(float v) { return rsqrtf(v); }
@@ -130,8 +131,8 @@ __device__ __forceinline__ void block_sum2(A& a, A& b, A* sh) {
 // ---- forward -----------------------------------------------------------------
 
 // Per-vector arithmetic of the LayerNorm forward, shared by its row kernels
-// (ln_row_cached, warp_row_stats, ln_fwd_loop, ln_fwd_warp) and the fused backward's
-// apply pass. First pass: s += x - pivot. Second pass about mu1 (finish_stats):
+// (ln_row_cached, warp_row_stats, ln_fwd_loop, ln_fwd_warp) and the backward's xn
+// output. First pass: s += x - pivot. Second pass about mu1 (finish_stats):
 // e += x - mu1, q += (x - mu1)^2. normalise: o = (x - mu) * rs * gamma + beta at
 // vector column c.
 template <typename T, int VEC>
@@ -351,10 +352,15 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
 // the one block reduction (2R sums), so a block keeps R rows of traffic in flight
 // (H100, 8192x4096 bf16: one row per step 0.107 ms, two 0.095 ms). gamma is re-read
 // (L1-resident) every step rather than held, to leave the registers to the rows.
-template <typename T, int VEC, int C, int R>
-__global__ void __launch_bounds__(kBwdMaxThreads) ln_bwd_cached(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
-                              const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
-                              T* __restrict__ dx, acc_t<T>* __restrict__ part, int64_t M, int64_t H) {
+// XN: also write xn = gamma * xhat + beta (the fused backward's dW operand), saving
+// that backward a separate pass over x.
+// dx may be dy (in place: the fused backward's dxn buffer): each element is read by the
+// thread that writes it, before it writes it; so neither pointer is __restrict__.
+template <typename T, int VEC, int C, int R, bool XN>
+__global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads)
+    ln_bwd_cached(const T* dy, const T* __restrict__ x, const T* __restrict__ gamma,
+                  const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* dx,
+                  acc_t<T>* __restrict__ part, const T* __restrict__ beta, T* __restrict__ xn, int64_t M, int64_t H) {
   using A = acc_t<T>;
   __shared__ A sh[64 * R];
   const int64_t nvec = H / VEC;
@@ -429,6 +435,10 @@ __global__ void __launch_bounds__(kBwdMaxThreads) ln_bwd_cached(const T* __restr
             o[i] = from_acc<T>(rs[j] * (to_acc<A>(dv[j][k][i]) * to_acc<A>(gt[k][i]) - m1 - xh * m2));
           }
           store_pack<T, VEC>(dx + (r0 + j) * H + c * VEC, o);
+          if constexpr (XN) {  // the LayerNorm output, as the forward's normalise computes it
+            normalise<T, VEC>(xv[j][k], mu[j], rs[j], gamma, beta, c, o);
+            store_pack<T, VEC>(xn + (r0 + j) * H + c * VEC, o);
+          }
         }
       }
     }
@@ -449,10 +459,12 @@ __global__ void __launch_bounds__(kBwdMaxThreads) ln_bwd_cached(const T* __restr
 }
 
 // Any H: the block's partial rows live in `part` (each column owned by one thread).
+// dx may be dy, as in ln_bwd_cached.
 template <typename T>
-__global__ void ln_bwd_loop(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
+__global__ void ln_bwd_loop(const T* dy, const T* __restrict__ x, const T* __restrict__ gamma,
                             const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
-                            T* __restrict__ dx, acc_t<T>* __restrict__ part, int64_t M, int64_t H) {
+                            T* dx, acc_t<T>* __restrict__ part, const T* __restrict__ beta,
+                            T* __restrict__ xn, int64_t M, int64_t H) {
   using A = acc_t<T>;
   __shared__ A sh[64];
   A* pgr = part + (int64_t)blockIdx.x * H;
@@ -478,6 +490,11 @@ __global__ void ln_bwd_loop(const T* __restrict__ dy, const T* __restrict__ x, c
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
       const A xh = (to_acc<A>(xr[c]) - mu) * rs;
       dx[row * H + c] = from_acc<T>(rs * (to_acc<A>(dr[c]) * to_acc<A>(gamma[c]) - m1 - xh * m2));
+      if (xn != nullptr) {
+        T o[1];
+        normalise<T, 1>({xr[c]}, mu, rs, gamma, beta, c, o);
+        xn[row * H + c] = o[0];
+      }
     }
   }
 }
@@ -691,70 +708,53 @@ __global__ void __launch_bounds__(kFwdMaxThreads)
   }
 }
 
-// The fused backward's two bandwidth-bound passes before its GEMMs, in ONE launch:
-// blocks [0, gd) sum dy's columns (db) into fp32 partials part[gy][N], blocks gd.. apply
-// the LayerNorm to x's rows (xn, for dW = dy^T xn). A colsum block
-// is kColTx x kColTy threads: column vector tile blockIdx % gx (one VEC-vector per
-// thread), rows chunk blockIdx / gx, kColUnroll rows' loads in flight per thread.
-// Partials are summed in a fixed order (ln_bwd_reduce): deterministic.
+// The fused backward's db[n] = sum_m dy[m,n]: fp32 partials part[chunk][N], then a
+// fixed-order sum (ln_bwd_reduce): deterministic. A block is kColTx x kColTy threads:
+// column vector tile blockIdx % gx (one VEC-vector per thread), rows chunk
+// blockIdx / gx, kColUnroll rows' loads in flight per thread.
 constexpr int kColTx = 64, kColTy = 4, kColUnroll = 8, kColChunks = 64;
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kColTx * kColTy)
-    lnlinear_bwd_prep(const T* __restrict__ dy, acc_t<T>* __restrict__ part, int64_t gx, int64_t gd, int64_t rows_per,
-                      const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
-                      const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ xn,
-                      int64_t M, int64_t N, int64_t H) {
+    lnlinear_colsum(const T* __restrict__ dy, acc_t<T>* __restrict__ part, int64_t gx, int64_t rows_per, int64_t M,
+                    int64_t N) {
   using A = acc_t<T>;
-  if ((int64_t)blockIdx.x < gd) {
-    __shared__ A sh[kColTy][kColTx * VEC + 1];
-    const int tx = threadIdx.x % kColTx, ty = threadIdx.x / kColTx;
-    const int64_t cv = (int64_t)(blockIdx.x % gx) * kColTx + tx;  // column vector of this thread
-    const int64_t chunk = blockIdx.x / gx;
-    const int64_t r0 = chunk * rows_per, r1 = r0 + rows_per < M ? r0 + rows_per : M;
-    A acc[VEC];
+  __shared__ A sh[kColTy][kColTx * VEC + 1];
+  const int tx = threadIdx.x % kColTx, ty = threadIdx.x / kColTx;
+  const int64_t cv = (int64_t)(blockIdx.x % gx) * kColTx + tx;  // column vector of this thread
+  const int64_t chunk = blockIdx.x / gx;
+  const int64_t r0 = chunk * rows_per, r1 = r0 + rows_per < M ? r0 + rows_per : M;
+  A acc[VEC];
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] = 0;
-    if (cv * VEC < N) {
-      int64_t rr = r0 + ty;
-      for (; rr + (kColUnroll - 1) * kColTy < r1; rr += kColUnroll * kColTy) {
-        T q[kColUnroll][VEC];
+  for (int i = 0; i < VEC; ++i) acc[i] = 0;
+  if (cv * VEC < N) {
+    int64_t rr = r0 + ty;
+    for (; rr + (kColUnroll - 1) * kColTy < r1; rr += kColUnroll * kColTy) {
+      T q[kColUnroll][VEC];
 #pragma unroll
-        for (int u = 0; u < kColUnroll; ++u) load_pack<T, VEC, Ld::kStream>(q[u], dy + (rr + u * kColTy) * N + cv * VEC);
+      for (int u = 0; u < kColUnroll; ++u) load_pack<T, VEC, Ld::kStream>(q[u], dy + (rr + u * kColTy) * N + cv * VEC);
 #pragma unroll
-        for (int u = 0; u < kColUnroll; ++u)
+      for (int u = 0; u < kColUnroll; ++u)
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[i] += to_acc<A>(q[u][i]);
-      }
-      for (; rr < r1; rr += kColTy) {
-        T q[VEC];
-        load_pack<T, VEC, Ld::kStream>(q, dy + rr * N + cv * VEC);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[i] += to_acc<A>(q[i]);
-      }
+        for (int i = 0; i < VEC; ++i) acc[i] += to_acc<A>(q[u][i]);
     }
+    for (; rr < r1; rr += kColTy) {
+      T q[VEC];
+      load_pack<T, VEC, Ld::kStream>(q, dy + rr * N + cv * VEC);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) sh[ty][tx * VEC + i] = acc[i];
-    __syncthreads();
-    for (int c = threadIdx.x; c < kColTx * VEC; c += kColTx * kColTy) {
-      const int64_t col = (int64_t)(blockIdx.x % gx) * kColTx * VEC + c;
-      if (col < N) {
-        A s = 0;
-#pragma unroll
-        for (int y = 0; y < kColTy; ++y) s += sh[y][c];
-        part[chunk * N + col] = s;
-      }
+      for (int i = 0; i < VEC; ++i) acc[i] += to_acc<A>(q[i]);
     }
-    return;
   }
-  const int64_t nvec = H / VEC;
-  for (int64_t row = (int64_t)blockIdx.x - gd; row < M; row += (int64_t)gridDim.x - gd) {
-    const A mu = mean[row], rs = rstd[row];
-    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-      T v[VEC], o[VEC];
-      load_pack<T, VEC, Ld::kStream>(v, x + row * H + c * VEC);
-      normalise<T, VEC>(v, mu, rs, gamma, beta, c, o);
-      store_pack<T, VEC>(xn + row * H + c * VEC, o);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) sh[ty][tx * VEC + i] = acc[i];
+  __syncthreads();
+  for (int c = threadIdx.x; c < kColTx * VEC; c += kColTx * kColTy) {
+    const int64_t col = (int64_t)(blockIdx.x % gx) * kColTx * VEC + c;
+    if (col < N) {
+      A s = 0;
+#pragma unroll
+      for (int y = 0; y < kColTy; ++y) s += sh[y][c];
+      part[chunk * N + col] = s;
     }
   }
 }
@@ -957,24 +957,29 @@ namespace {
 struct BwdPlan {
   bool cached;
   bool vec;
-  bool narrow;  // cached with one vector per thread (short rows: >= 4x the threads per row)
+  bool narrow;  // cached with one vector per thread (rows of at most kBwdNarrowVecs vectors)
   int threads;
   int64_t blocks;
 };
 
-constexpr int kBwdRows = 2;          // rows per step of ln_bwd_cached
-constexpr int64_t kBwdNarrowVecs = 128;  // rows of at most this many vectors: one per thread
+// Rows per step of ln_bwd_cached: one vector per thread (narrow), kCache per thread.
+constexpr int kBwdRowsNarrow = 4, kBwdRowsWide = 2;
+constexpr int64_t kBwdNarrowVecs = kBwdMaxThreadsNarrow;  // rows of at most this many vectors: one per thread
 
-// The cached kernel for a plan (both have the same signature). Short rows take one
-// vector per thread: 4 per thread put a 1024-wide bf16 row on one warp, and each warp
-// then waited alone on its loads (H100, 16384x1024: 0.074 ms; 128 threads x 1: 0.051).
-template <typename T, int VEC>
+// The cached kernel for a plan (all have the same signature). Rows up to 512 vectors
+// take one vector per thread and 4 rows per step: fewer registers per row, more rows
+// in flight (H100, bf16, dx/dgamma/dbeta without xn; benchmarks/lnlinear_prep_variants.cu):
+//   8192x4096:  128 threads x 4 vectors, 2 rows 0.0986 ms; 512 x 1, 4 rows 0.0922
+//   16384x1024: 128 x 1, 2 rows 0.0551;                    128 x 1, 4 rows 0.0477
+// (4 vectors per thread put a 1024-wide bf16 row on one warp, each warp waiting alone on
+// its loads: 0.074 ms there.) With xn written: 0.1212 -> 0.1120 and 0.0610 -> 0.0609.
+template <typename T, int VEC, bool XN = false>
 auto bwd_cached_kernel(bool narrow) {
-  return narrow ? &ln_bwd_cached<T, VEC, 1, kBwdRows> : &ln_bwd_cached<T, VEC, kCache, kBwdRows>;
+  return narrow ? &ln_bwd_cached<T, VEC, 1, kBwdRowsNarrow, XN> : &ln_bwd_cached<T, VEC, kCache, kBwdRowsWide, XN>;
 }
 
 template <typename T>
-BwdPlan bwd_plan(int64_t M, int64_t H, bool vec) {
+BwdPlan bwd_plan(int64_t M, int64_t H, bool vec, bool xn) {
   constexpr int V = vec_of<T>();
   vec = vec && H % V == 0;
   const int64_t nvec = vec ? H / V : H;
@@ -983,8 +988,11 @@ BwdPlan bwd_plan(int64_t M, int64_t H, bool vec) {
   cudaError_t e;
   if (p.cached) {
     p.threads = p.narrow ? static_cast<int>(((nvec + 31) / 32) * 32) : cached_threads(nvec);
-    e = vec ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, bwd_cached_kernel<T, V>(p.narrow), p.threads, 0)
-            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, bwd_cached_kernel<T, 1>(p.narrow), p.threads, 0);
+    auto occ = [&](auto kernel) { return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, p.threads, 0); };
+    if (vec)
+      e = xn ? occ(bwd_cached_kernel<T, V, true>(p.narrow)) : occ(bwd_cached_kernel<T, V>(p.narrow));
+    else
+      e = xn ? occ(bwd_cached_kernel<T, 1, true>(p.narrow)) : occ(bwd_cached_kernel<T, 1>(p.narrow));
   } else {
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_bwd_loop<T>, p.threads, 0);
   }
@@ -996,27 +1004,29 @@ BwdPlan bwd_plan(int64_t M, int64_t H, bool vec) {
   // At least ~16 rows per block, so the partial sums stay a small part of the traffic.
   const int64_t by_rows = (M + 15) / 16 > sm_count() ? (M + 15) / 16 : sm_count();
   g = g < by_rows ? g : by_rows;
-  // The cached kernel's blocks take kBwdRows rows per step: no block without a row.
-  const int64_t steps = p.cached ? (M + kBwdRows - 1) / kBwdRows : M;
+  // The cached kernel's blocks take R rows per step: no block without a row.
+  const int64_t R = p.narrow ? kBwdRowsNarrow : kBwdRowsWide;
+  const int64_t steps = p.cached ? (M + R - 1) / R : M;
   p.blocks = steps < g ? steps : g;
   return p;
 }
 
 }  // namespace
 
-int64_t layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype) {
+int64_t layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, bool xn) {
   // The workspace is sized for the vector plan; the scalar plan never needs more blocks
   // than it (fewer registers), but take the larger of the two to be safe.
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    const int64_t a = bwd_plan<T>(M, H, true).blocks, b = bwd_plan<T>(M, H, false).blocks;
+    const int64_t a = bwd_plan<T>(M, H, true, xn).blocks, b = bwd_plan<T>(M, H, false, xn).blocks;
     return a > b ? a : b;
   });
 }
 
 LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void* gamma, const void* mean,
                                       const void* rstd, void* dx, void* dgamma, void* dbeta, void* workspace,
-                                      int64_t M, int64_t H, DType dtype, cudaStream_t stream) {
+                                      int64_t M, int64_t H, DType dtype, cudaStream_t stream, const void* beta,
+                                      void* xn) {
   if (M == 0 || H == 0) return cudaSuccess;  // the host zero-fills dgamma/dbeta for M == 0
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -1026,14 +1036,18 @@ LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void*
     const A *mp = static_cast<const A*>(mean), *rp = static_cast<const A*>(rstd);
     T* dxp = static_cast<T*>(dx);
     A* part = static_cast<A*>(workspace);
-    const BwdPlan p = bwd_plan<T>(M, H, all_aligned({dy, x, gamma, dx}));
+    const T* bp = static_cast<const T*>(beta);
+    T* xnp = static_cast<T*>(xn);
+    const BwdPlan p =
+        bwd_plan<T>(M, H, xn ? all_aligned({dy, x, gamma, dx, beta, xn}) : all_aligned({dy, x, gamma, dx}), xn != nullptr);
     const unsigned grid = static_cast<unsigned>(p.blocks);
+    auto cached = [&](auto kernel) { kernel<<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, bp, xnp, M, H); };
     if (p.cached && p.vec)
-      bwd_cached_kernel<T, V>(p.narrow)<<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
+      xn ? cached(bwd_cached_kernel<T, V, true>(p.narrow)) : cached(bwd_cached_kernel<T, V>(p.narrow));
     else if (p.cached)
-      bwd_cached_kernel<T, 1>(p.narrow)<<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
+      xn ? cached(bwd_cached_kernel<T, 1, true>(p.narrow)) : cached(bwd_cached_kernel<T, 1>(p.narrow));
     else
-      ln_bwd_loop<T><<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, M, H);
+      ln_bwd_loop<T><<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, bp, xnp, M, H);
     ln_bwd_reduce<T><<<dim3(ceil_div_u(H, 32), 2), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(dgamma),
                                                                             static_cast<T*>(dbeta), p.blocks, H);
     return 0;
@@ -1095,11 +1109,11 @@ LaunchStatus lnlinear_prep_cuda(const void* x, const void* W, const void* gamma,
   return cudaGetLastError();
 }
 
-int64_t lnlinear_bwd_prep_workspace(int64_t M, int64_t N) { return (M < kColChunks ? M : kColChunks) * N; }
+int64_t lnlinear_bias_grad_workspace(int64_t M, int64_t N) { return (M < kColChunks ? M : kColChunks) * N; }
 
-LaunchStatus lnlinear_bwd_prep_cuda(const void* dy, const void* x, const void* gamma, const void* beta,
-                                    const void* mean, const void* rstd, void* xn, void* db, void* workspace, int64_t M,
-                                    int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
+LaunchStatus lnlinear_bias_grad_cuda(const void* dy, void* db, void* workspace, int64_t M, int64_t N, DType dtype,
+                                     cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
@@ -1107,27 +1121,22 @@ LaunchStatus lnlinear_bwd_prep_cuda(const void* dy, const void* x, const void* g
     A* part = static_cast<A*>(workspace);
     const int64_t chunks = M < kColChunks ? M : kColChunks;
     auto launch = [&](auto kernel, int vec) {
-      const int64_t gx = (N / vec + kColTx - 1) / kColTx;  // column tiles of kColTx vectors (none if N == 0)
-      const int64_t rows_per = chunks > 0 ? (M + chunks - 1) / chunks : 0;  // chunks == 0 iff M == 0
-      const int64_t gd = gx * chunks;
-      // Apply blocks: one row each, grid-striding past the cap (row_grid).
-      const int64_t ga = H > 0 ? static_cast<int64_t>(row_grid(M)) : 0;
-      if (gd + ga > 0)
-        kernel<<<static_cast<unsigned>(gd + ga), kColTx * kColTy, 0, stream>>>(
-            static_cast<const T*>(dy), part, gx, gd, rows_per, static_cast<const T*>(x),
-            static_cast<const T*>(gamma), static_cast<const T*>(beta), static_cast<const A*>(mean),
-            static_cast<const A*>(rstd), static_cast<T*>(xn), M, N, H);
+      const int64_t gx = (N / vec + kColTx - 1) / kColTx;  // column tiles of kColTx vectors
+      const int64_t rows_per = (M + chunks - 1) / chunks;
+      kernel<<<static_cast<unsigned>(gx * chunks), kColTx * kColTy, 0, stream>>>(static_cast<const T*>(dy), part, gx,
+                                                                                 rows_per, M, N);
     };
-    if (N % V == 0 && H % V == 0 && all_aligned({dy, x, gamma, beta, xn}))
-      launch(lnlinear_bwd_prep<T, V>, V);
-    else
-      launch(lnlinear_bwd_prep<T, 1>, 1);
+    if (M > 0) {
+      if (N % V == 0 && all_aligned({dy}))
+        launch(lnlinear_colsum<T, V>, V);
+      else
+        launch(lnlinear_colsum<T, 1>, 1);
+    }
     // The partials' fixed-order sum: the LayerNorm backward's reducer, one output row (db);
     // M == 0 sums nothing (db = 0). (One thread per column, 64 serial loads each, took
     // 0.009 ms at N = 4096.)
-    if (N > 0)
-      ln_bwd_reduce<T><<<dim3(ceil_div_u(N, 32), 1), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(db), nullptr,
-                                                                            chunks, N);
+    ln_bwd_reduce<T><<<dim3(ceil_div_u(N, 32), 1), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(db), nullptr,
+                                                                          chunks, N);
     return 0;
   });
   return cudaGetLastError();
