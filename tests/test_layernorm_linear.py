@@ -810,14 +810,58 @@ def test_cuda_evt_env_off_agrees(dtype, tmp_path):
     assert diff <= 4 * TOL[dtype] * scale, f"EVT and EVT=0 differ by {diff:.3e}"
 
 
+_PDL_OFF_CHILD = r"""
+import sys, torch
+import gpu_puzzles as gp
+x, lw, lb, W, b = [t.cuda() for t in torch.load(sys.argv[1])]
+torch.save(gp.fused_layernorm_linear(x, lw, lb, W, b).cpu(), sys.argv[2])
+"""
+
+
+@requires_cuda
+@pytest.mark.parametrize("M,H,N", [(8192, 1024, 4096), (4096, 4096, 2048)])  # both configs
+def test_cuda_evt_pdl_off_agrees(M, H, N, tmp_path):
+    # The EVT GEMM is launched as a programmatic dependent of the prep launch, and the
+    # large-mean fix-up as one of the GEMM (each waits for its predecessor on the device).
+    # Large-mean rows sit in the last rows too, whose tiles the GEMM writes last: a fix-up
+    # that did not wait would have its rows overwritten. The result must be bitwise the one
+    # of plain launches (GPU_PUZZLES_LNLINEAR_PDL=0, read once: a child process), and right.
+    import subprocess
+    import sys
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(M + H)
+    big = torch.rand(M, generator=g) < 0.05
+    big[-64:] = True
+    mean = torch.where(big, 1e3, 0.2).double()
+    x = (mean[:, None] + torch.randn(M, H, generator=g, dtype=torch.float64)).to("cuda", dtype)
+    lw, lb, W, b = _params(H, N, "cuda", dtype, seed=H)
+    _poison_allocator()
+    y = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    inp, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save([t.cpu() for t in (x, lw, lb, W, b)], inp)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(gp.__file__)))
+    env = dict(os.environ, GPU_PUZZLES_LNLINEAR_PDL="0")
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    subprocess.run([sys.executable, "-c", _PDL_OFF_CHILD, str(inp), str(out)], check=True, env=env, timeout=300)
+    y_off = torch.load(out)
+    assert torch.equal(y.cpu(), y_off), f"PDL and plain launches differ by {(y.cpu().double() - y_off.double()).abs().max()}"
+    y_ref = _ref(x[-64:], lw, lb, W, b)[0]
+    eager = F.linear(F.layer_norm(x[-64:], (H,), lw, lb), W, b).double()
+    err = (y[-64:].double() - y_ref).abs().amax(-1)
+    bound = 2 * (eager - y_ref).abs().amax(-1) + 4 * TOL[dtype] * y_ref.abs().amax(-1).clamp_min(1.0)
+    assert (err <= bound).all(), f"large-mean rows off: {err.max().item():.3e}"
+
+
 @requires_cuda
 @pytest.mark.parametrize("K", [512, 2048])  # both configs
 def test_cuda_evt_graph_capture(K):
     # The CUTLASS launch does host work per call (TMA descriptors, smem attribute, workspace
     # query): it must be legal inside CUDA graph capture and replay to the same result.
+    # Large-mean rows too: the fix-up is captured as a programmatic dependent of the GEMM.
     torch.manual_seed(K)
     M, N = 384, 264
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) + 0.3
+    x[-3:] += 1e3
     lw, lb, W, b = _params(K, N, "cuda", torch.bfloat16)
     want = gp.fused_layernorm_linear(x, lw, lb, W, b)  # also warms up (first-call queries)
     s = torch.cuda.Stream()

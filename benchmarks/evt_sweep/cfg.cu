@@ -40,5 +40,5 @@ extern "C" int CAT(run_cfg_, CFG)(int M, int N, int K, const void* x, const void
     *need = G::workspace(M, N, K, 0, sms);
     return 0;
   }
-  return G::run(M, N, K, x, wc, mean, rstd, r, bp, y, ws, 0, sms, s);
+  return G::run(M, N, K, x, wc, mean, rstd, r, bp, y, ws, 0, sms, s, false);
 }

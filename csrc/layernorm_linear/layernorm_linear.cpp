@@ -326,6 +326,16 @@ bool evt_enabled_by_env() {
   return on;
 }
 
+// GPU_PUZZLES_LNLINEAR_PDL=0 launches the EVT GEMM and the fix-up after it as plain
+// launches instead of programmatic dependent ones (read once).
+bool pdl_enabled_by_env() {
+  static const bool on = [] {
+    const char* v = std::getenv("GPU_PUZZLES_LNLINEAR_PDL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // The one-GEMM forward (lnlinear_evt_sm90.cu) needs: a CUTLASS build, a compute
@@ -339,6 +349,7 @@ bool use_evt(const Tensor& x, const Tensor& wc, int64_t M, int64_t N, int64_t H,
 }
 #else
 bool use_evt(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, DType) { return false; }
+bool pdl_enabled_by_env() { return false; }
 #endif
 #endif
 
@@ -373,14 +384,16 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
       if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
       const LaunchStatus st =
           lnlinear_evt_gemm_cuda(x.data_ptr(), wc.data_ptr(), mean.data_ptr(), rstd.data_ptr(), r.data_ptr(),
-                                 bp.data_ptr(), z.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H, dt, s);
+                                 bp.data_ptr(), z.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H, dt, s,
+                                 pdl_enabled_by_env());
       if (st == cudaErrorNotSupported) {
         z.reset();  // CUTLASS refused this problem (nothing was launched): the general path below
       } else {
         GP_CUDA_CHECK_STATUS(st);
         GP_CUDA_CHECK_STATUS(lnlinear_large_mean_fixup_cuda(z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(),
                                                             W.data_ptr(), b ? b->data_ptr() : nullptr,
-                                                            mean.data_ptr(), rstd.data_ptr(), M, N, H, dt, s));
+                                                            mean.data_ptr(), rstd.data_ptr(), M, N, H, dt, s,
+                                                            pdl_enabled_by_env()));
       }
     }
     if (!z.defined()) {

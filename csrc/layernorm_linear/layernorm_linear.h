@@ -67,10 +67,12 @@ LaunchStatus lnlinear_epilogue_cuda(void* z, const void* x, const void* gamma, c
 
 // After lnlinear_evt_gemm_cuda: recompute only the rows with |mean|*rstd >
 // kLnLinearMaxMeanRatio in y (M, N), as lnlinear_epilogue_cuda does; other rows
-// are left untouched (only their mean/rstd are read).
+// are left untouched (only their mean/rstd are read). pdl: launched as a programmatic
+// dependent of the GEMM before it (sm_90; the kernel waits for that GEMM itself).
 LaunchStatus lnlinear_large_mean_fixup_cuda(void* y, const void* x, const void* gamma, const void* beta,
                                             const void* W, const void* b, const void* mean, const void* rstd,
-                                            int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream);
+                                            int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream,
+                                            bool pdl = false);
 
 // sm_90a only (lnlinear_evt_sm90.cu, built with CUTLASS): one GEMM x @ wc^T (x (M, K),
 // wc (N, K), both row-major) whose epilogue writes y = rstd*(acc - mean*r) + bp
@@ -80,9 +82,10 @@ LaunchStatus lnlinear_large_mean_fixup_cuda(void* y, const void* x, const void* 
 // 16-byte aligned x, wc, y and M, N, K < 2^31; otherwise cudaErrorNotSupported.
 bool lnlinear_evt_available(DType dtype);
 size_t lnlinear_evt_workspace_bytes(int64_t M, int64_t N, int64_t K, DType dtype);
+// pdl: a programmatic dependent launch (the kernel waits for the launch before it).
 LaunchStatus lnlinear_evt_gemm_cuda(const void* x, const void* wc, const void* mean, const void* rstd,
                                     const void* r, const void* bp, void* y, void* workspace, int64_t M,
-                                    int64_t N, int64_t K, DType dtype, cudaStream_t stream);
+                                    int64_t N, int64_t K, DType dtype, cudaStream_t stream, bool pdl = false);
 
 // The curriculum's fused kernel (puzzle 20): one thread per row computes the
 // statistics and then all N outputs. Kept for the notebook's comparison only.

@@ -31,6 +31,23 @@ constexpr int kFwdMaxThreads = 512;
 constexpr int kBwdMaxThreads = 256;
 constexpr int kBwdMaxThreadsNarrow = 512;  // one vector per thread (ln_bwd_cached with C == 1)
 
+// Programmatic dependent launch (PDL, sm_90; the host's GPU_PUZZLES_LNLINEAR_PDL=0 turns
+// it off): the forward's prep kernels let the GEMM after them launch as their last
+// blocks start (its prologue overlaps their tail; the CUTLASS GEMM waits for them before
+// reading anything), and the large-mean fix-up is launched early behind the GEMM and
+// waits for it (pdl_wait) before touching memory. Without a PDL launch on the other
+// side both are no-ops.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <typename A> __device__ __forceinline__ A rsqrt_acc(A v) { return A(1) / sqrt(v); }
 template <> __device__ __forceinline__ float rsqrt_acc<float>(float v) { return rsqrtf(v); }
 
@@ -561,6 +578,7 @@ __global__ void fold_weight(const T* __restrict__ W, const T* __restrict__ gamma
                             acc_t<T>* __restrict__ bp, int64_t N, int64_t H) {
   using A = acc_t<T>;
   __shared__ A sh[64];
+  pdl_launch_dependents();
   const int64_t nvec = H / VEC;
   for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
     const T* wr = W + n * H;
@@ -608,6 +626,7 @@ __global__ void __launch_bounds__(32 * kPrepWarps, 4)
                   acc_t<T>* __restrict__ rstd, T* __restrict__ wc, acc_t<T>* __restrict__ r,
                   acc_t<T>* __restrict__ bp, int64_t M, int64_t N, int64_t H, double eps) {
   using A = acc_t<T>;
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t nvec = H / VEC;
   // row is warp-uniform: every lane runs the same iterations (full-mask shuffles).
@@ -700,6 +719,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads)
                        acc_t<T>* __restrict__ rstd, T* __restrict__ wc, acc_t<T>* __restrict__ r,
                        acc_t<T>* __restrict__ bp, int64_t M, int64_t N, int64_t H, double eps) {
   __shared__ acc_t<T> sh[64];
+  pdl_launch_dependents();
   for (int64_t row = blockIdx.x; row < M + N; row += gridDim.x) {  // block-uniform branch
     if (row < M)
       ln_row_cached<T, VEC>(row, x, gamma, beta, nullptr, mean, rstd, H, eps, sh);
@@ -782,6 +802,7 @@ __global__ void __launch_bounds__(kEpiMaxThreads) lnlinear_epilogue(
     const acc_t<T>* __restrict__ rstd, const acc_t<T>* __restrict__ r, const acc_t<T>* __restrict__ bp, int64_t M,
     int64_t N, int64_t H) {
   using A = acc_t<T>;
+  if constexpr (FIXUP_ONLY) pdl_wait();  // launched behind the GEMM that writes z (= y)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int64_t nvec = N / VEC;
   const int64_t tile0 = (int64_t)blockIdx.x * blockDim.x * kEpiVecs;  // first vector of the tile
@@ -1148,8 +1169,9 @@ namespace {
 template <bool FIXUP_ONLY>
 LaunchStatus epilogue_launch(void* z, const void* x, const void* gamma, const void* beta, const void* W,
                              const void* b, const void* mean, const void* rstd, const void* r, const void* bp,
-                             int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
+                             int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream, bool pdl) {
   if (M == 0 || N == 0) return cudaSuccess;
+  cudaError_t launch_err = cudaSuccess;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
@@ -1173,10 +1195,27 @@ LaunchStatus epilogue_launch(void* z, const void* x, const void* gamma, const vo
     // gx <= N / 64 + 1 fits grid.x (2^31 - 1) for any N that fits in memory.
     const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
     auto args = [&](auto kernel) {
-      kernel<<<grid, threads, 0, stream>>>(
-          static_cast<T*>(z), static_cast<const T*>(x), static_cast<const T*>(gamma), static_cast<const T*>(beta),
-          static_cast<const T*>(W), static_cast<const T*>(b), static_cast<const A*>(mean),
-          static_cast<const A*>(rstd), static_cast<const A*>(r), static_cast<const A*>(bp), M, N, H);
+      T* zp = static_cast<T*>(z);
+      const T *xp = static_cast<const T*>(x), *gp = static_cast<const T*>(gamma), *bep = static_cast<const T*>(beta),
+              *Wp = static_cast<const T*>(W), *bp_ = static_cast<const T*>(b);
+      const A *mp = static_cast<const A*>(mean), *rsp = static_cast<const A*>(rstd), *rp = static_cast<const A*>(r),
+              *bpp = static_cast<const A*>(bp);
+      if (FIXUP_ONLY && pdl) {
+        // Behind the sm_90a GEMM: a programmatic dependent launch (the kernel waits for
+        // the GEMM in pdl_wait before it touches memory).
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = grid;
+        cfg.blockDim = dim3(threads);
+        cfg.stream = stream;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        launch_err = cudaLaunchKernelEx(&cfg, kernel, zp, xp, gp, bep, Wp, bp_, mp, rsp, rp, bpp, M, N, H);
+      } else {
+        kernel<<<grid, threads, 0, stream>>>(zp, xp, gp, bep, Wp, bp_, mp, rsp, rp, bpp, M, N, H);
+      }
     };
     if (vec)
       args(lnlinear_epilogue<T, V, FIXUP_ONLY>);
@@ -1184,7 +1223,7 @@ LaunchStatus epilogue_launch(void* z, const void* x, const void* gamma, const vo
       args(lnlinear_epilogue<T, 1, FIXUP_ONLY>);
     return 0;
   });
-  return cudaGetLastError();
+  return launch_err != cudaSuccess ? launch_err : cudaGetLastError();
 }
 
 }  // namespace
@@ -1192,13 +1231,14 @@ LaunchStatus epilogue_launch(void* z, const void* x, const void* gamma, const vo
 LaunchStatus lnlinear_epilogue_cuda(void* z, const void* x, const void* gamma, const void* beta, const void* W,
                                     const void* b, const void* mean, const void* rstd, const void* r, const void* bp,
                                     int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
-  return epilogue_launch<false>(z, x, gamma, beta, W, b, mean, rstd, r, bp, M, N, H, dtype, stream);
+  return epilogue_launch<false>(z, x, gamma, beta, W, b, mean, rstd, r, bp, M, N, H, dtype, stream, false);
 }
 
 LaunchStatus lnlinear_large_mean_fixup_cuda(void* y, const void* x, const void* gamma, const void* beta,
                                             const void* W, const void* b, const void* mean, const void* rstd,
-                                            int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
-  return epilogue_launch<true>(y, x, gamma, beta, W, b, mean, rstd, nullptr, nullptr, M, N, H, dtype, stream);
+                                            int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream,
+                                            bool pdl) {
+  return epilogue_launch<true>(y, x, gamma, beta, W, b, mean, rstd, nullptr, nullptr, M, N, H, dtype, stream, pdl);
 }
 
 LaunchStatus lnlinear_naive_cuda(const void* x, const void* gamma, const void* beta, const void* W, const void* b,

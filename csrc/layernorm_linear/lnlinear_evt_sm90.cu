@@ -20,6 +20,10 @@
 #ifndef NDEBUG
 #define NDEBUG
 #endif
+// PDL: the GEMM kernel waits (griddepcontrol.wait) for the prep launch before its
+// first global read, so it can be launched while the prep's last blocks run
+// (EvtGemm::run launches it that way when asked), and signals the fix-up behind it early.
+#define CUTLASS_ENABLE_GDC_FOR_SM90 1
 
 #include <atomic>
 #include <cstdint>
@@ -123,13 +127,13 @@ size_t lnlinear_evt_workspace_bytes(int64_t M, int64_t N, int64_t K, DType dt) {
 
 LaunchStatus lnlinear_evt_gemm_cuda(const void* x, const void* wc, const void* mean, const void* rstd, const void* r,
                                     const void* bp, void* y, void* workspace, int64_t M, int64_t N, int64_t K,
-                                    DType dt, cudaStream_t stream) {
+                                    DType dt, cudaStream_t stream, bool pdl) {
   int dev = 0, sms = 0;
   if (!shapes_ok(M, N, K, dt) || !lnlinear_evt_available(dt) || !current_device(dev, sms))
     return cudaErrorNotSupported;
   return dispatch(dt, K, [&](auto g) {
     return decltype(g)::run(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), x, wc, mean, rstd, r, bp,
-                            y, workspace, dev, sms, stream);
+                            y, workspace, dev, sms, stream, pdl);
   });
 }
 
@@ -138,7 +142,7 @@ LaunchStatus lnlinear_evt_gemm_cuda(const void* x, const void* wc, const void* m
 bool lnlinear_evt_available(DType) { return false; }
 size_t lnlinear_evt_workspace_bytes(int64_t, int64_t, int64_t, DType) { return 0; }
 LaunchStatus lnlinear_evt_gemm_cuda(const void*, const void*, const void*, const void*, const void*, const void*,
-                                    void*, void*, int64_t, int64_t, int64_t, DType, cudaStream_t) {
+                                    void*, void*, int64_t, int64_t, int64_t, DType, cudaStream_t, bool) {
   return cudaErrorNotSupported;
 }
 

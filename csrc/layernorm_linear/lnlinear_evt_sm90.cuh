@@ -83,7 +83,8 @@ struct EvtGemm {
   }
 
   static LaunchStatus run(int M, int N, int K, const void* x, const void* wc, const void* mean, const void* rstd,
-                          const void* r, const void* bp, void* y, void* ws, int device, int sms, cudaStream_t s) {
+                          const void* r, const void* bp, void* y, void* ws, int device, int sms, cudaStream_t s,
+                          bool pdl) {
     auto a = args(M, N, K, x, wc, mean, rstd, r, bp, y, device, sms);
     Gemm gemm;
     // can_implement checks the TMA alignment and sizes: report "not supported" so a
@@ -93,7 +94,8 @@ struct EvtGemm {
       const cudaError_t e = cudaGetLastError();
       return e != cudaSuccess ? e : cudaErrorUnknown;
     }
-    if (gemm.run(s) != cutlass::Status::kSuccess) {
+    // pdl: a programmatic dependent launch (the kernel waits for the previous one itself).
+    if (gemm.run(s, nullptr, pdl) != cutlass::Status::kSuccess) {
       const cudaError_t e = cudaGetLastError();
       return e != cudaSuccess ? e : cudaErrorUnknown;
     }
