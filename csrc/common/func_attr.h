@@ -26,6 +26,23 @@ inline int device_sm_count(int dev, cudaError_t& err) {
   return n;
 }
 
+// Resident blocks per SM of kernel Kern at `threads` threads per block and no dynamic
+// shared memory, cached per device and thread count (multiples of 32 up to 1024; other
+// counts are served uncached); 0 when the query fails (err says why).
+template <auto Kern> int blocks_per_sm(int dev, int threads, cudaError_t& err) {
+  static std::atomic<int> tab[kMaxCachedDevices][33];  // by threads / 32; 0: not queried yet
+  err = cudaSuccess;
+  const int slot = threads / 32;
+  const bool cache = cacheable_device(dev) && threads % 32 == 0 && slot >= 1 && slot <= 32;
+  int n = cache ? tab[dev][slot].load(std::memory_order_relaxed) : 0;
+  if (n == 0) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kern, threads, 0);
+    if (err != cudaSuccess) return 0;
+    if (cache && n > 0) tab[dev][slot].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 // Opt kernel Kern in to `bytes` of dynamic shared memory on device dev (the current
 // one). Remembers per device the largest size set (a kernel's size may depend on
 // the shape), never lowering it under a larger launch.

@@ -999,23 +999,31 @@ auto bwd_cached_kernel(bool narrow) {
   return narrow ? &ln_bwd_cached<T, VEC, 1, kBwdRowsNarrow, XN> : &ln_bwd_cached<T, VEC, kCache, kBwdRowsWide, XN>;
 }
 
+// Its resident blocks per SM (cached: every backward call sizes its grid with it).
+template <typename T, int VEC, bool XN>
+int bwd_cached_per_sm(int dev, bool narrow, int threads, cudaError_t& e) {
+  return narrow ? blocks_per_sm<&ln_bwd_cached<T, VEC, 1, kBwdRowsNarrow, XN>>(dev, threads, e)
+                : blocks_per_sm<&ln_bwd_cached<T, VEC, kCache, kBwdRowsWide, XN>>(dev, threads, e);
+}
+
 template <typename T>
 BwdPlan bwd_plan(int64_t M, int64_t H, bool vec, bool xn) {
   constexpr int V = vec_of<T>();
   vec = vec && H % V == 0;
   const int64_t nvec = vec ? H / V : H;
   BwdPlan p{nvec <= (int64_t)kCache * kBwdMaxThreads, vec, nvec <= kBwdNarrowVecs, 512, 0};
-  int per_sm = 0;
-  cudaError_t e;
-  if (p.cached) {
+  int per_sm = 0, dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess && p.cached) {
     p.threads = p.narrow ? static_cast<int>(((nvec + 31) / 32) * 32) : cached_threads(nvec);
-    auto occ = [&](auto kernel) { return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, p.threads, 0); };
     if (vec)
-      e = xn ? occ(bwd_cached_kernel<T, V, true>(p.narrow)) : occ(bwd_cached_kernel<T, V>(p.narrow));
+      per_sm = xn ? bwd_cached_per_sm<T, V, true>(dev, p.narrow, p.threads, e)
+                  : bwd_cached_per_sm<T, V, false>(dev, p.narrow, p.threads, e);
     else
-      e = xn ? occ(bwd_cached_kernel<T, 1, true>(p.narrow)) : occ(bwd_cached_kernel<T, 1>(p.narrow));
-  } else {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_bwd_loop<T>, p.threads, 0);
+      per_sm = xn ? bwd_cached_per_sm<T, 1, true>(dev, p.narrow, p.threads, e)
+                  : bwd_cached_per_sm<T, 1, false>(dev, p.narrow, p.threads, e);
+  } else if (e == cudaSuccess) {
+    per_sm = blocks_per_sm<&ln_bwd_loop<T>>(dev, p.threads, e);
   }
   if (e != cudaSuccess || per_sm < 1) {
     (void)cudaGetLastError();
