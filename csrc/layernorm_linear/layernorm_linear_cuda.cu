@@ -1208,22 +1208,18 @@ LaunchStatus epilogue_launch(void* z, const void* x, const void* gamma, const vo
               *Wp = static_cast<const T*>(W), *bp_ = static_cast<const T*>(b);
       const A *mp = static_cast<const A*>(mean), *rsp = static_cast<const A*>(rstd), *rp = static_cast<const A*>(r),
               *bpp = static_cast<const A*>(bp);
-      if (FIXUP_ONLY && pdl) {
-        // Behind the sm_90a GEMM: a programmatic dependent launch (the kernel waits for
-        // the GEMM in pdl_wait before it touches memory).
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = grid;
-        cfg.blockDim = dim3(threads);
-        cfg.stream = stream;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        launch_err = cudaLaunchKernelEx(&cfg, kernel, zp, xp, gp, bep, Wp, bp_, mp, rsp, rp, bpp, M, N, H);
-      } else {
-        kernel<<<grid, threads, 0, stream>>>(zp, xp, gp, bep, Wp, bp_, mp, rsp, rp, bpp, M, N, H);
-      }
+      // Behind the sm_90a GEMM (fix-up, pdl): a programmatic dependent launch (the kernel
+      // waits for the GEMM in pdl_wait before it touches memory); else a plain one.
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = grid;
+      cfg.blockDim = dim3(threads);
+      cfg.stream = stream;
+      cfg.attrs = attr;
+      cfg.numAttrs = FIXUP_ONLY && pdl ? 1 : 0;
+      launch_err = cudaLaunchKernelEx(&cfg, kernel, zp, xp, gp, bep, Wp, bp_, mp, rsp, rp, bpp, M, N, H);
     };
     if (vec)
       args(lnlinear_epilogue<T, V, FIXUP_ONLY>);
