@@ -316,23 +316,23 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
 #endif
 
 #ifdef GPU_PUZZLES_WITH_CUTLASS
-// GPU_PUZZLES_LNLINEAR_EVT=0 turns the EVT forward off (read once: tests and
-// benchmarks compare both paths in separate processes).
+// On unless the environment variable is "0". Each switch below reads it once: tests and
+// benchmarks compare both settings in separate processes.
+bool env_not_zero(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::string(v) != "0";
+}
+
+// GPU_PUZZLES_LNLINEAR_EVT=0 turns the EVT forward off.
 bool evt_enabled_by_env() {
-  static const bool on = [] {
-    const char* v = std::getenv("GPU_PUZZLES_LNLINEAR_EVT");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  static const bool on = env_not_zero("GPU_PUZZLES_LNLINEAR_EVT");
   return on;
 }
 
 // GPU_PUZZLES_LNLINEAR_PDL=0 launches the EVT GEMM and the fix-up after it as plain
-// launches instead of programmatic dependent ones (read once).
+// launches instead of programmatic dependent ones.
 bool pdl_enabled_by_env() {
-  static const bool on = [] {
-    const char* v = std::getenv("GPU_PUZZLES_LNLINEAR_PDL");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  static const bool on = env_not_zero("GPU_PUZZLES_LNLINEAR_PDL");
   return on;
 }
 
