@@ -764,6 +764,20 @@ def test_cuda_evt_fallback_conditions(dtype, case):
         assert not _ran_evt(names), f"{case} must not take the CUTLASS path, kernels: {names}"
 
 
+def _run_child(script, tensors, tmp_path, **env_vars):
+    """Run `script` (argv: input file, output file) in a fresh process with env_vars set:
+    the op reads its environment switches once per process. Returns what it saved."""
+    import subprocess
+    import sys
+    inp, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save([t.cpu() for t in tensors], inp)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(gp.__file__)))
+    env = dict(os.environ, **env_vars)
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    subprocess.run([sys.executable, "-c", script, str(inp), str(out)], check=True, env=env, timeout=300)
+    return torch.load(out)
+
+
 _EVT_OFF_CHILD = r"""
 import sys, torch
 import gpu_puzzles as gp
@@ -782,8 +796,6 @@ torch.save({"y": y.cpu(), "evt": any(m in n for n in names for m in %r)}, sys.ar
 def test_cuda_evt_env_off_agrees(dtype, tmp_path):
     # GPU_PUZZLES_LNLINEAR_EVT=0 (read once per process: a child process) takes cuBLAS + the
     # epilogue pass; both paths agree within the dtype's tolerance and match float64.
-    import subprocess
-    import sys
     torch.manual_seed(3)
     M, H, N = 1030, 2048, 776
     x = _large_mean_x((M,), H, [0.0, 0.5, 1000.0, -3.0], "cuda", dtype, seed=9)
@@ -791,13 +803,7 @@ def test_cuda_evt_env_off_agrees(dtype, tmp_path):
     names, y = _kernels(lambda: gp.fused_layernorm_linear(x, lw, lb, W, b))
     if _evt_expected() and _profiler_sees_kernels():
         assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
-    inp, out = tmp_path / "in.pt", tmp_path / "out.pt"
-    torch.save([t.cpu() for t in (x, lw, lb, W, b)], inp)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(gp.__file__)))
-    env = dict(os.environ, **{EVT_ENV: "0"})
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    subprocess.run([sys.executable, "-c", _EVT_OFF_CHILD, str(inp), str(out)], check=True, env=env, timeout=300)
-    res = torch.load(out)
+    res = _run_child(_EVT_OFF_CHILD, (x, lw, lb, W, b), tmp_path, **{EVT_ENV: "0"})
     if _profiler_sees_kernels():
         assert not res["evt"], "GPU_PUZZLES_LNLINEAR_EVT=0 still ran the CUTLASS GEMM"
     y_off = res["y"].double()
@@ -826,8 +832,6 @@ def test_cuda_evt_pdl_off_agrees(M, H, N, tmp_path):
     # Large-mean rows sit in the last rows too, whose tiles the GEMM writes last: a fix-up
     # that did not wait would have its rows overwritten. The result must be bitwise the one
     # of plain launches (GPU_PUZZLES_LNLINEAR_PDL=0, read once: a child process), and right.
-    import subprocess
-    import sys
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(M + H)
     big = torch.rand(M, generator=g) < 0.05
@@ -837,13 +841,7 @@ def test_cuda_evt_pdl_off_agrees(M, H, N, tmp_path):
     lw, lb, W, b = _params(H, N, "cuda", dtype, seed=H)
     _poison_allocator()
     y = gp.fused_layernorm_linear(x, lw, lb, W, b)
-    inp, out = tmp_path / "in.pt", tmp_path / "out.pt"
-    torch.save([t.cpu() for t in (x, lw, lb, W, b)], inp)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(gp.__file__)))
-    env = dict(os.environ, GPU_PUZZLES_LNLINEAR_PDL="0")
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    subprocess.run([sys.executable, "-c", _PDL_OFF_CHILD, str(inp), str(out)], check=True, env=env, timeout=300)
-    y_off = torch.load(out)
+    y_off = _run_child(_PDL_OFF_CHILD, (x, lw, lb, W, b), tmp_path, GPU_PUZZLES_LNLINEAR_PDL="0")
     assert torch.equal(y.cpu(), y_off), f"PDL and plain launches differ by {(y.cpu().double() - y_off.double()).abs().max()}"
     y_ref = _ref(x[-64:], lw, lb, W, b)[0]
     eager = F.linear(F.layer_norm(x[-64:], (H,), lw, lb), W, b).double()
