@@ -467,6 +467,8 @@ def test_cuda_fused_prep_statistics_and_fold(dtype, M, H, N):
     (torch.float64, 130, 16, 24),
     (torch.bfloat16, 5000, 16, 8),       # more than 64 db row chunks' worth of rows
     (torch.bfloat16, 37, 4096, 24),      # 512 threads x 1 vector, last step 1 row of 4
+    (torch.bfloat16, 1589, 4096, 24),    # several steps per block (next rows prefetched), ragged last step
+    (torch.float16, 3001, 1024, 8),      # 128 threads, several steps per block
     (torch.float32, 13, 2048, 8),        # fp32, 512 threads x 1 vector
     (torch.bfloat16, 21, 8192, 16),      # 4 vectors per thread, 2 rows per step
     (torch.bfloat16, 9, 8200, 16),       # past the register-cached kernels: the looping kernel
@@ -493,6 +495,35 @@ def test_cuda_fused_backward_all_paths(dtype, M, H, N):
     _poison_allocator()
     again = torch.autograd.grad(gp.fused_layernorm_linear(x, lw, lb, W, b), (W, b), g)
     assert torch.equal(grads[3], again[0]) and torch.equal(grads[4], again[1])
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype,M,H", [
+    (torch.bfloat16, 1589, 4096),  # 512 threads x 1 vector: ~100 blocks of ~4 steps, 5 rows past the last full step
+    (torch.float32, 2051, 2048),   # fp32, 512 threads x 1 vector
+    (torch.float16, 3001, 1024),   # 128 threads, several blocks per SM
+    (torch.float64, 1037, 1024),   # fp64 (no prefetch: the second set of rows would spill)
+])
+def test_cuda_layer_norm_backward_many_steps(dtype, M, H):
+    # The one-vector-per-thread backward loads the next step's rows while it reduces and
+    # stores the current ones. Blocks take several steps here, the last one partial; poisoned
+    # outputs; dx, dweight, dbias vs float64 and bitwise repeatable.
+    torch.manual_seed(M + H)
+    x = (torch.randn(M, H, dtype=torch.float64) * 1.5 + 0.7).to("cuda", dtype).requires_grad_()
+    lw, lb, _, _ = _params(H, 1, "cuda", dtype, grad=True)
+    g = torch.randn(M, H, device="cuda", dtype=dtype)
+    _poison_allocator()
+    grads = torch.autograd.grad(gp.layer_norm(x, lw, lb), (x, lw, lb), g)
+    leaves = [t.detach().double().requires_grad_() for t in (x, lw, lb)]
+    refs = torch.autograd.grad(F.layer_norm(leaves[0], (H,), leaves[1], leaves[2]), leaves, g.double())
+    for name, a, r in zip(("dx", "dweight", "dbias"), grads, refs):
+        assert not torch.isnan(a).any(), f"{name}: an element was not written"
+        k = M ** 0.5 if name != "dx" else 1.0
+        assert_close_ref(a / k, r / k, dtype, f"layer_norm {name} M={M} H={H} {dtype}")
+    _poison_allocator()
+    again = torch.autograd.grad(gp.layer_norm(x, lw, lb), (x, lw, lb), g)
+    for a, c in zip(grads, again):
+        assert torch.equal(a, c)
 
 
 @requires_cuda

@@ -370,16 +370,24 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
 // the one block reduction (2R sums), so a block keeps R rows of traffic in flight
 // (H100, 8192x4096 bf16: one row per step 0.107 ms, two 0.095 ms). gamma is re-read
 // (L1-resident) every step rather than held, to leave the registers to the rows.
+// One vector per thread (C == 1): the next step's rows are loaded before this step's
+// block reduction, so loads stay in flight through the barriers and the stores, where
+// a block (one per SM at 512 threads) otherwise had none (H100, bf16, 8192x4096:
+// 0.0928 -> 0.0839 ms, with xn and dx over dy 0.1223 -> 0.1139; 16384x1024, 128
+// threads and several blocks per SM: 0.0476 -> 0.0471; outputs bitwise unchanged). With
+// kCache vectors, or fp64, the second set of rows does not fit the registers.
 // XN: also write xn = gamma * xhat + beta (the fused backward's dW operand), saving
 // that backward a separate pass over x.
 // dx may be dy (in place: the fused backward's dxn buffer): each element is read by the
-// thread that writes it, before it writes it; so neither pointer is __restrict__.
+// thread that writes it, before it writes it (a prefetch reads rows of later steps
+// only); so neither pointer is __restrict__.
 template <typename T, int VEC, int C, int R, bool XN>
 __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads)
     ln_bwd_cached(const T* dy, const T* __restrict__ x, const T* __restrict__ gamma,
                   const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* dx,
                   acc_t<T>* __restrict__ part, const T* __restrict__ beta, T* __restrict__ xn, int64_t M, int64_t H) {
   using A = acc_t<T>;
+  constexpr bool kPrefetch = C == 1 && sizeof(T) <= 4;  // fp64: the second set spilled (48 bytes at 128 registers)
   __shared__ A sh[64 * R];
   const int64_t nvec = H / VEC;
   A pg[C][VEC], pb[C][VEC];
@@ -390,8 +398,29 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
       pg[k][i] = A(0);
       pb[k][i] = A(0);
     }
-  for (int64_t r0 = (int64_t)blockIdx.x * R; r0 < M; r0 += (int64_t)gridDim.x * R) {
-    T xv[R][C][VEC], dv[R][C][VEC];
+  // Rows r .. r+R-1 of x and dy, and their statistics (rows past M: zero statistics, no loads).
+  auto load_rows = [&](int64_t r, T (&xa)[R][C][VEC], T (&da)[R][C][VEC], A (&mu)[R], A (&rs)[R]) {
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const bool live = r + j < M;  // block-uniform
+      mu[j] = live ? mean[r + j] : A(0);
+      rs[j] = live ? rstd[r + j] : A(0);
+#pragma unroll
+      for (int k = 0; k < C; ++k) {
+        const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+        if (live && c < nvec) {
+          load_pack<T, VEC>(xa[j][k], x + (r + j) * H + c * VEC);
+          load_pack<T, VEC>(da[j][k], dy + (r + j) * H + c * VEC);
+        }
+      }
+    }
+  };
+  T xv[R][C][VEC], dv[R][C][VEC];
+  A mu[R], rs[R];
+  const int64_t stride = (int64_t)gridDim.x * R;
+  int64_t r0 = (int64_t)blockIdx.x * R;
+  if (kPrefetch && r0 < M) load_rows(r0, xv, dv, mu, rs);
+  for (; r0 < M; r0 += stride) {
     // This step's gamma vectors, all loaded before any arithmetic: loaded inside the
     // guarded loops below, each vector's arithmetic waited for its own load (H100,
     // 8192x4096 bf16 layer_norm backward 0.110 -> 0.104 ms). Held for the whole kernel
@@ -402,23 +431,10 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
       const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
       if (c < nvec) load_pack<T, VEC>(gt[k], gamma + c * VEC);
     }
-    A mu[R], rs[R], s[2 * R];
+    A s[2 * R];
 #pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const bool live = r0 + j < M;  // block-uniform
-      mu[j] = live ? mean[r0 + j] : A(0);
-      rs[j] = live ? rstd[r0 + j] : A(0);
-      s[2 * j] = A(0);
-      s[2 * j + 1] = A(0);
-#pragma unroll
-      for (int k = 0; k < C; ++k) {
-        const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-        if (live && c < nvec) {
-          load_pack<T, VEC>(xv[j][k], x + (r0 + j) * H + c * VEC);
-          load_pack<T, VEC>(dv[j][k], dy + (r0 + j) * H + c * VEC);
-        }
-      }
-    }
+    for (int j = 0; j < 2 * R; ++j) s[j] = A(0);
+    if (!kPrefetch) load_rows(r0, xv, dv, mu, rs);
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       if (r0 + j >= M) break;
@@ -437,6 +453,9 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
         }
       }
     }
+    T xq[R][C][VEC], dq[R][C][VEC];  // the next step's rows (kPrefetch)
+    A muq[R], rsq[R];
+    if (kPrefetch && r0 + stride < M) load_rows(r0 + stride, xq, dq, muq, rsq);
     block_sum_n<A, 2 * R>(s, sh);
 #pragma unroll
     for (int j = 0; j < R; ++j) {
@@ -458,6 +477,20 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
             store_pack<T, VEC>(xn + (r0 + j) * H + c * VEC, o);
           }
         }
+      }
+    }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        mu[j] = muq[j];
+        rs[j] = rsq[j];
+#pragma unroll
+        for (int k = 0; k < C; ++k)
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            xv[j][k][i] = xq[j][k][i];
+            dv[j][k][i] = dq[j][k][i];
+          }
       }
     }
   }
@@ -995,6 +1028,7 @@ constexpr int64_t kBwdNarrowVecs = kBwdMaxThreadsNarrow;  // rows of at most thi
 //   16384x1024: 128 x 1, 2 rows 0.0551;                    128 x 1, 4 rows 0.0477
 // (4 vectors per thread put a 1024-wide bf16 row on one warp, each warp waiting alone on
 // its loads: 0.074 ms there.) With xn written: 0.1212 -> 0.1120 and 0.0610 -> 0.0609.
+// Prefetching the next step's rows (in ln_bwd_cached) came after these measurements.
 // All have one signature; f gets KernelTag<kernel>, so the plan's occupancy query and the
 // launch name the kernel in this one place.
 template <auto K> struct KernelTag {
