@@ -398,28 +398,36 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
       pg[k][i] = A(0);
       pb[k][i] = A(0);
     }
-  // Rows r .. r+R-1 of x and dy, and their statistics (rows past M: zero statistics, no loads).
-  auto load_rows = [&](int64_t r, T (&xa)[R][C][VEC], T (&da)[R][C][VEC], A (&mu)[R], A (&rs)[R]) {
+  // One step: rows r .. r+R-1 of x and dy and their statistics (rows past M: zero
+  // statistics, no loads). A struct, so the prefetched step is taken over by assignment.
+  struct Rows {
+    T x[R][C][VEC], d[R][C][VEC];
+    A mu[R], rs[R];
+  };
+  auto load_rows = [&](int64_t r, Rows& w) {
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       const bool live = r + j < M;  // block-uniform
-      mu[j] = live ? mean[r + j] : A(0);
-      rs[j] = live ? rstd[r + j] : A(0);
+      w.mu[j] = live ? mean[r + j] : A(0);
+      w.rs[j] = live ? rstd[r + j] : A(0);
 #pragma unroll
       for (int k = 0; k < C; ++k) {
         const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
         if (live && c < nvec) {
-          load_pack<T, VEC>(xa[j][k], x + (r + j) * H + c * VEC);
-          load_pack<T, VEC>(da[j][k], dy + (r + j) * H + c * VEC);
+          load_pack<T, VEC>(w.x[j][k], x + (r + j) * H + c * VEC);
+          load_pack<T, VEC>(w.d[j][k], dy + (r + j) * H + c * VEC);
         }
       }
     }
   };
-  T xv[R][C][VEC], dv[R][C][VEC];
-  A mu[R], rs[R];
+  Rows cur;
+  auto& xv = cur.x;
+  auto& dv = cur.d;
+  auto& mu = cur.mu;
+  auto& rs = cur.rs;
   const int64_t stride = (int64_t)gridDim.x * R;
   int64_t r0 = (int64_t)blockIdx.x * R;
-  if (kPrefetch && r0 < M) load_rows(r0, xv, dv, mu, rs);
+  if (kPrefetch && r0 < M) load_rows(r0, cur);
   for (; r0 < M; r0 += stride) {
     // This step's gamma vectors, all loaded before any arithmetic: loaded inside the
     // guarded loops below, each vector's arithmetic waited for its own load (H100,
@@ -434,7 +442,7 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
     A s[2 * R];
 #pragma unroll
     for (int j = 0; j < 2 * R; ++j) s[j] = A(0);
-    if (!kPrefetch) load_rows(r0, xv, dv, mu, rs);
+    if (!kPrefetch) load_rows(r0, cur);
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       if (r0 + j >= M) break;
@@ -453,9 +461,8 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
         }
       }
     }
-    T xq[R][C][VEC], dq[R][C][VEC];  // the next step's rows (kPrefetch)
-    A muq[R], rsq[R];
-    if (kPrefetch && r0 + stride < M) load_rows(r0 + stride, xq, dq, muq, rsq);
+    Rows next;  // the next step's rows (kPrefetch)
+    if (kPrefetch && r0 + stride < M) load_rows(r0 + stride, next);
     block_sum_n<A, 2 * R>(s, sh);
 #pragma unroll
     for (int j = 0; j < R; ++j) {
@@ -479,20 +486,7 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
         }
       }
     }
-    if constexpr (kPrefetch) {
-#pragma unroll
-      for (int j = 0; j < R; ++j) {
-        mu[j] = muq[j];
-        rs[j] = rsq[j];
-#pragma unroll
-        for (int k = 0; k < C; ++k)
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            xv[j][k][i] = xq[j][k][i];
-            dv[j][k][i] = dq[j][k][i];
-          }
-      }
-    }
+    if constexpr (kPrefetch) cur = next;
   }
   A* pgr = part + (int64_t)blockIdx.x * H;
   A* pbr = part + ((int64_t)gridDim.x + blockIdx.x) * H;
