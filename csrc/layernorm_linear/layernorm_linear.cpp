@@ -25,7 +25,7 @@
 // Backward: xn = gamma*xhat + beta is materialised (backward only) for
 // dW = dy^T xn; d(xn) = dy W; our LayerNorm backward gives dx, dgamma, dbeta. On CUDA
 // that LayerNorm backward also writes xn (it reads x anyway), and db (dy's column
-// sums) is its own launch (lnlinear_bias_grad_cuda).
+// sums) is its own launch (lnlinear_bias_grad_cuda), after the dW GEMM.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -437,18 +437,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
   Tensor xn = at::empty({M, H}, x.options());
   if (cuda) {
 #ifdef WITH_CUDA
-    // db: dy's column sums, in a fixed order.
-    Tensor db = at::empty({N}, x.options());
-    Tensor ws = at::empty({lnlinear_bias_grad_workspace(M, N)}, x.options().dtype(stat_type(x)));
-    GP_CUDA_CHECK_STATUS(lnlinear_bias_grad_cuda(dy.data_ptr(), db.data_ptr(), ws.data_ptr(), M, N,
-                                                 to_dtype(x.scalar_type()), current_stream()));
-    ws.reset();
     // The LayerNorm backward reads x anyway: it writes xn too, instead of a separate
     // pass over x (benchmarks/lnlinear_prep_variants.cu), and dx over dxn.
     Tensor dxn = at::mm(dy, W).view(x.sizes());  // (.., H)
     auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda, &be, &xn);
     dxn.reset();
     Tensor dW = at::mm(dy.t(), xn);  // (N, H)
+    xn.reset();
+    // db: dy's column sums, in a fixed order; last, so that it starts on the rows of dy
+    // the dW GEMM left in L2 (see lnlinear_colsum).
+    Tensor db = at::empty({N}, x.options());
+    Tensor ws = at::empty({lnlinear_bias_grad_workspace(M, N)}, x.options().dtype(stat_type(x)));
+    GP_CUDA_CHECK_STATUS(lnlinear_bias_grad_cuda(dy.data_ptr(), db.data_ptr(), ws.data_ptr(), M, N,
+                                                 to_dtype(x.scalar_type()), current_stream()));
     return {dx, dg, dbeta, dW, db};
 #endif
   }

@@ -758,37 +758,43 @@ __global__ void __launch_bounds__(kFwdMaxThreads)
 
 // The fused backward's db[n] = sum_m dy[m,n]: fp32 partials part[chunk][N], then a
 // fixed-order sum (ln_bwd_reduce): deterministic. A block is kColTx x kColTy threads:
-// column vector tile blockIdx % gx (one VEC-vector per thread), rows chunk
-// blockIdx / gx, kColUnroll rows' loads in flight per thread.
+// column vector tile blockIdx % gx (one VEC-vector per thread), the rows chunk, chunk +
+// chunks, ... of chunk blockIdx / gx, kColUnroll rows' loads in flight per thread.
+// Interleaved chunks make all blocks sweep dy together, from the last row down: the
+// backward runs this after its dW GEMM, which read dy's rows in increasing order, so
+// the sweep starts on the rows still in L2 (H100, bf16, 16384x1024x4096: 0.052 ms
+// first in the backward, 0.041 here; 8192x4096x4096: 0.023 -> 0.021).
 constexpr int kColTx = 64, kColTy = 4, kColUnroll = 8, kColChunks = 64;
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kColTx * kColTy)
-    lnlinear_colsum(const T* __restrict__ dy, acc_t<T>* __restrict__ part, int64_t gx, int64_t rows_per, int64_t M,
+    lnlinear_colsum(const T* __restrict__ dy, acc_t<T>* __restrict__ part, int64_t gx, int64_t chunks, int64_t M,
                     int64_t N) {
   using A = acc_t<T>;
   __shared__ A sh[kColTy][kColTx * VEC + 1];
   const int tx = threadIdx.x % kColTx, ty = threadIdx.x / kColTx;
   const int64_t cv = (int64_t)(blockIdx.x % gx) * kColTx + tx;  // column vector of this thread
   const int64_t chunk = blockIdx.x / gx;
-  const int64_t r0 = chunk * rows_per, r1 = r0 + rows_per < M ? r0 + rows_per : M;
+  const int64_t step = chunks * kColTy;
+  auto row = [&](int64_t l) { return M - 1 - l; };  // l-th row from the end
   A acc[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) acc[i] = 0;
   if (cv * VEC < N) {
-    int64_t rr = r0 + ty;
-    for (; rr + (kColUnroll - 1) * kColTy < r1; rr += kColUnroll * kColTy) {
+    int64_t l = chunk + chunks * ty;
+    for (; l + (kColUnroll - 1) * step < M; l += kColUnroll * step) {
       T q[kColUnroll][VEC];
 #pragma unroll
-      for (int u = 0; u < kColUnroll; ++u) load_pack<T, VEC, Ld::kStream>(q[u], dy + (rr + u * kColTy) * N + cv * VEC);
+      for (int u = 0; u < kColUnroll; ++u)
+        load_pack<T, VEC, Ld::kStream>(q[u], dy + row(l + u * step) * N + cv * VEC);
 #pragma unroll
       for (int u = 0; u < kColUnroll; ++u)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[i] += to_acc<A>(q[u][i]);
     }
-    for (; rr < r1; rr += kColTy) {
+    for (; l < M; l += step) {
       T q[VEC];
-      load_pack<T, VEC, Ld::kStream>(q, dy + rr * N + cv * VEC);
+      load_pack<T, VEC, Ld::kStream>(q, dy + row(l) * N + cv * VEC);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] += to_acc<A>(q[i]);
     }
@@ -1179,9 +1185,8 @@ LaunchStatus lnlinear_bias_grad_cuda(const void* dy, void* db, void* workspace, 
     const int64_t chunks = M < kColChunks ? M : kColChunks;
     auto launch = [&](auto kernel, int vec) {
       const int64_t gx = (N / vec + kColTx - 1) / kColTx;  // column tiles of kColTx vectors
-      const int64_t rows_per = (M + chunks - 1) / chunks;
       kernel<<<static_cast<unsigned>(gx * chunks), kColTx * kColTy, 0, stream>>>(static_cast<const T*>(dy), part, gx,
-                                                                                 rows_per, M, N);
+                                                                                 chunks, M, N);
     };
     if (M > 0) {
       if (N % V == 0 && all_aligned({dy}))
