@@ -1,7 +1,8 @@
 // What the LayerNorm+Linear EVT epilogue costs over a plain one (H100 results:
 // benchmarks/results/lnlinear_evt_epilogue_cost_h100.txt). At the issue's two shapes: cuBLAS's
 // plain GEMM, the op's CUTLASS configuration with a plain epilogue, the op's EVT GEMM, and the
-// EVT GEMM with null vectors (CUTLASS's broadcast nodes then load nothing). Six rounds, the
+// EVT GEMM with null vectors (CUTLASS's broadcast nodes then load nothing), all four or only the
+// per-column ones (r, bp) or only the per-row ones (mean, rstd). Six rounds, the
 // variants alternating; each batch of 30 calls queued behind a GPU spin so the event pairs
 // bracket device work only (back-to-back calls on an idle GPU drifted by up to 25 %).
 // Build: build_epilogue_cost.sh CUTLASS_ROOT OUTBIN.
@@ -65,16 +66,20 @@ int main() {
       printf("evt vs rstd*(plain - mean*r)+bp: max diff %.3g (max |y| %.3g)\n", d, mx);
     }
     float alpha = 1, beta = 0;
-    const char* names[4] = {"cuBLAS plain", "CUTLASS plain epilogue", "EVT (vectors loaded)", "EVT (null vectors)"};
-    std::vector<std::vector<float>> t(4);
+    const char* names[6] = {"cuBLAS plain", "CUTLASS plain epilogue", "EVT (vectors loaded)", "EVT (null vectors)",
+                            "EVT (mean, rstd only)", "EVT (r, bp only)"};
+    std::vector<std::vector<float>> t(6);
     for (int rnd = 0; rnd < 6; ++rnd) {
       t[0].push_back(timeit([&](int i) { cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &alpha, wc, CUDA_R_16BF, K, x[i % NX], CUDA_R_16BF, K, &beta, y[i % NY], CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT); }));
       t[1].push_back(timeit([&](int i) { plain(M, N, K, x[i % NX], wc, nullptr, nullptr, nullptr, nullptr, y[i % NY], ws, sms, 0); }));
       t[2].push_back(timeit([&](int i) { evt(M, N, K, x[i % NX], wc, mean, rstd, r, bp, y[i % NY], ws, sms, 0); }));
       t[3].push_back(timeit([&](int i) { evt(M, N, K, x[i % NX], wc, nullptr, nullptr, nullptr, nullptr, y[i % NY], ws, sms, 0); }));
+      // per-row vectors (registers) or per-column ones (shared memory + a barrier) alone
+      t[4].push_back(timeit([&](int i) { evt(M, N, K, x[i % NX], wc, mean, rstd, nullptr, nullptr, y[i % NY], ws, sms, 0); }));
+      t[5].push_back(timeit([&](int i) { evt(M, N, K, x[i % NX], wc, nullptr, nullptr, r, bp, y[i % NY], ws, sms, 0); }));
     }
     CK(cudaGetLastError());
-    for (int v = 0; v < 4; ++v) {
+    for (int v = 0; v < 6; ++v) {
       printf("%-26s", names[v]);
       for (float f : t[v]) printf(" %.4f", f);
       std::vector<float> s = t[v]; std::sort(s.begin(), s.end());
