@@ -6,7 +6,7 @@
 // variants alternating; each batch of 30 calls queued behind a GPU spin so the event pairs
 // bracket device work only (back-to-back calls on an idle GPU drifted by up to 25 %).
 // Build: build_epilogue_cost.sh CUTLASS_ROOT OUTBIN.
-#include <cuda_bf16.h>
+#include "harness.cuh"
 #include <cublas_v2.h>
 #include <cstdio>
 #include <cstdlib>
@@ -18,10 +18,7 @@ extern "C" int run_v0(int, int, int, const void*, const void*, const float*, con
 extern "C" int run_v1(int, int, int, const void*, const void*, const float*, const float*, const float*, const float*, void*, void*, int, cudaStream_t);
 extern "C" int run_v2(int, int, int, const void*, const void*, const float*, const float*, const float*, const float*, void*, void*, int, cudaStream_t);
 extern "C" int run_v3(int, int, int, const void*, const void*, const float*, const float*, const float*, const float*, void*, void*, int, cudaStream_t);
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s line %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
 __global__ void spin(long long cycles) { long long t0 = clock64(); while (clock64() - t0 < cycles) {} }
-void fillb(void* p, size_t n, unsigned seed, float sc) { std::vector<__nv_bfloat16> h(n); unsigned s = seed; for (size_t i = 0; i < n; ++i) { s = s * 1664525u + 1013904223u; h[i] = __float2bfloat16(((s >> 8) / 16777216.f - 0.5f) * sc); } CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice)); }
-void fillf(float* p, size_t n, unsigned seed, float sc, float off) { std::vector<float> h(n); unsigned s = seed; for (size_t i = 0; i < n; ++i) { s = s * 1664525u + 1013904223u; h[i] = ((s >> 8) / 16777216.f - 0.5f) * sc + off; } CK(cudaMemcpy(p, h.data(), n * 4, cudaMemcpyHostToDevice)); }
 template <class F> float timeit(F f, int R = 30) {
   for (int i = 0; i < 3; ++i) f(i);
   spin<<<1, 1>>>(20LL * 1000 * 1000);  // ~10 ms: the calls below queue behind it

@@ -1,7 +1,7 @@
 // Tile/cluster sweep of the LayerNorm+Linear EVT GEMM (see cfg.cu) against cuBLAS at the
 // issue shapes: build.sh CUTLASS_ROOT OUT (CUTLASS_ROOT holds include/ and tools/util/include/),
 // then run OUT on an H100. Results: benchmarks/results/lnlinear_evt_sweep_h100.txt.
-#include <cuda_bf16.h>
+#include "harness.cuh"
 #include <cublas_v2.h>
 #include <cstdio>
 #include <vector>
@@ -14,9 +14,6 @@ DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5) DECL(6) DECL(7) DECL(8) DECL(9)
 static Fn fns[NCFG] = {run_cfg_0, run_cfg_1, run_cfg_2, run_cfg_3, run_cfg_4, run_cfg_5, run_cfg_6, run_cfg_7, run_cfg_8, run_cfg_9};
 static const char* names[NCFG] = {"128x256 2x1 coop (Big)", "128x128 1x2 ping (Small)", "256x128 1x2 coop", "256x128 2x1 coop",
   "128x256 1x2 coop", "128x128 2x1 ping", "128x256 1x1 coop", "64x256 1x2 ping", "128x128 1x2 coop", "256x128 1x1 coop"};
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s line %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
-void fillb(void* p, size_t n, unsigned seed, float sc) { std::vector<__nv_bfloat16> h(n); unsigned s = seed; for (size_t i = 0; i < n; ++i) { s = s * 1664525u + 1013904223u; h[i] = __float2bfloat16(((s >> 8) / 16777216.f - 0.5f) * sc); } CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice)); }
-void fillf(float* p, size_t n, unsigned seed, float sc, float off) { std::vector<float> h(n); unsigned s = seed; for (size_t i = 0; i < n; ++i) { s = s * 1664525u + 1013904223u; h[i] = ((s >> 8) / 16777216.f - 0.5f) * sc + off; } CK(cudaMemcpy(p, h.data(), n * 4, cudaMemcpyHostToDevice)); }
 template <class F> float timeit(F f, int R = 40) {
   for (int i = 0; i < 10; ++i) f(i);
   CK(cudaDeviceSynchronize());

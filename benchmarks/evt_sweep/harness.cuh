@@ -1,0 +1,12 @@
+// Host helpers shared by the EVT GEMM harnesses (main.cu, epilogue_cost.cu): a CUDA
+// error check and deterministic uniform fills (an LCG, so every run times the same data).
+#pragma once
+#include <cuda_bf16.h>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s line %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
+// bf16 values uniform in [-sc/2, sc/2)
+inline void fillb(void* p, size_t n, unsigned seed, float sc) { std::vector<__nv_bfloat16> h(n); unsigned s = seed; for (size_t i = 0; i < n; ++i) { s = s * 1664525u + 1013904223u; h[i] = __float2bfloat16(((s >> 8) / 16777216.f - 0.5f) * sc); } CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice)); }
+// float values uniform in [off - sc/2, off + sc/2)
+inline void fillf(float* p, size_t n, unsigned seed, float sc, float off) { std::vector<float> h(n); unsigned s = seed; for (size_t i = 0; i < n; ++i) { s = s * 1664525u + 1013904223u; h[i] = ((s >> 8) / 16777216.f - 0.5f) * sc + off; } CK(cudaMemcpy(p, h.data(), n * 4, cudaMemcpyHostToDevice)); }
