@@ -8,10 +8,6 @@
 // Build: build_epilogue_cost.sh CUTLASS_ROOT OUTBIN.
 #include "harness.cuh"
 #include <cublas_v2.h>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-#include <algorithm>
 #include <cmath>
 typedef int (*Fn)(int, int, int, const void*, const void*, const float*, const float*, const float*, const float*, void*, void*, int, cudaStream_t);
 extern "C" int run_v0(int, int, int, const void*, const void*, const float*, const float*, const float*, const float*, void*, void*, int, cudaStream_t);
@@ -22,12 +18,7 @@ __global__ void spin(long long cycles) { long long t0 = clock64(); while (clock6
 template <class F> float timeit(F f, int R = 30) {
   for (int i = 0; i < 3; ++i) f(i);
   spin<<<1, 1>>>(20LL * 1000 * 1000);  // ~10 ms: the calls below queue behind it
-  std::vector<cudaEvent_t> ev(2 * R); for (auto& e : ev) cudaEventCreate(&e);
-  for (int i = 0; i < R; ++i) { cudaEventRecord(ev[2*i]); f(i); cudaEventRecord(ev[2*i+1]); }
-  CK(cudaDeviceSynchronize());
-  std::vector<float> t(R); for (int i = 0; i < R; ++i) cudaEventElapsedTime(&t[i], ev[2*i], ev[2*i+1]);
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(t.begin(), t.end()); return t[R / 2];
+  return event_median_ms(f, R);
 }
 int main() {
   int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));

@@ -17,11 +17,7 @@ static const char* names[NCFG] = {"128x256 2x1 coop (Big)", "128x128 1x2 ping (S
 template <class F> float timeit(F f, int R = 40) {
   for (int i = 0; i < 10; ++i) f(i);
   CK(cudaDeviceSynchronize());
-  std::vector<cudaEvent_t> ev(2 * R); for (auto& e : ev) cudaEventCreate(&e);
-  for (int i = 0; i < R; ++i) { cudaEventRecord(ev[2*i]); f(i); cudaEventRecord(ev[2*i+1]); }
-  CK(cudaDeviceSynchronize());
-  std::vector<float> t(R); for (int i = 0; i < R; ++i) cudaEventElapsedTime(&t[i], ev[2*i], ev[2*i+1]);
-  std::sort(t.begin(), t.end()); return t[R / 2];
+  return event_median_ms(f, R);
 }
 int main() {
   int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
