@@ -1,5 +1,7 @@
-// Scratch: how fast can S SMs stream x (plain 16-byte loads) alone and beside a
-// cuBLAS GEMM restricted to the other SMs?  One block per SM (forced by dynamic smem).
+// How fast do S SMs stream x (plain 16-byte loads), alone and beside a cuBLAS GEMM
+// restricted to the other SMs? One block per SM (forced by its dynamic shared memory).
+// Results: benchmarks/results/lnlinear_stats_overlap_v2_h100.txt. Build and run on the GPU:
+//   nvcc -O3 -arch=sm_90a -std=c++17 benchmarks/experiments/lone_sm_bw.cu -lcublas -o /tmp/lsb && /tmp/lsb
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cstdio>
@@ -7,7 +9,7 @@
 #include <vector>
 #include <algorithm>
 
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s line %d\n", cudaGetErrorString(e_), __LINE__); exit(1);} } while (0)
+#include "../evt_sweep/harness.cuh"  // CK, fillb
 #define CB(x) do { cublasStatus_t e_ = (x); if (e_ != CUBLAS_STATUS_SUCCESS) { printf("cuBLAS %d line %d\n", (int)e_, __LINE__); exit(1);} } while (0)
 
 __device__ __forceinline__ unsigned long long gtime() {
@@ -58,12 +60,7 @@ int main() {
   const int M = 8192, H = 4096;
   const size_t bytes = (size_t)M * H * 2;
   uint4* x; CK(cudaMalloc(&x, bytes));
-  {
-    std::vector<__nv_bfloat16> hx((size_t)M * H);
-    unsigned s = 1;
-    for (auto& v : hx) { s = s * 1664525u + 1013904223u; v = __float2bfloat16(((s >> 9) & 1023) / 512.f - 1.f); }
-    CK(cudaMemcpy(x, hx.data(), bytes, cudaMemcpyHostToDevice));
-  }
+  fillb(x, (size_t)M * H, 1, 2.f);  // uniform in [-1, 1)
   float* out; CK(cudaMalloc(&out, 4));
   unsigned long long* tt; CK(cudaMalloc(&tt, 16 * 1024));
   std::vector<unsigned long long> h(2048);
