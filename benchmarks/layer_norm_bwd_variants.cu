@@ -137,12 +137,7 @@ __global__ void colsum_fin(const float* part, bf* out, int G, int N) {
 template <class F> float timeit(F launch, int R = 50) {
   for (int i = 0; i < 8; ++i) launch(i);
   CK(cudaDeviceSynchronize());
-  std::vector<cudaEvent_t> ev(2 * R); for (auto& e : ev) cudaEventCreate(&e);
-  for (int i = 0; i < R; ++i) { cudaEventRecord(ev[2*i]); launch(i); cudaEventRecord(ev[2*i+1]); }
-  CK(cudaDeviceSynchronize());
-  std::vector<float> t(R); for (int i = 0; i < R; ++i) cudaEventElapsedTime(&t[i], ev[2*i], ev[2*i+1]);
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(t.begin(), t.end()); return t[R / 2];
+  return event_median_ms(launch, R);
 }
 void fill(bf* p, size_t n, uint32_t seed, float scale, float offset_every7) {
   std::vector<uint16_t> h(n); uint32_t s = seed;

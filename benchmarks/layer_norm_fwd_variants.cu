@@ -145,11 +145,7 @@ int main() {
   auto timeit = [&](const char* name, auto launch, bool check) {
     for (int i = 0; i < 10; ++i) launch(xs[i % NX], ys[i % NY]);
     CK(cudaDeviceSynchronize());
-    const int R = 60; std::vector<cudaEvent_t> ev(2 * R); for (auto& e : ev) cudaEventCreate(&e);
-    for (int i = 0; i < R; ++i) { cudaEventRecord(ev[2*i]); launch(xs[i % NX], ys[i % NY]); cudaEventRecord(ev[2*i+1]); }
-    CK(cudaDeviceSynchronize());
-    std::vector<float> t(R); for (int i = 0; i < R; ++i) cudaEventElapsedTime(&t[i], ev[2*i], ev[2*i+1]);
-    std::sort(t.begin(), t.end()); float med = t[R / 2];
+    const float med = event_median_ms([&](int i) { launch(xs[i % NX], ys[i % NY]); }, 60);
     double err = 0, merr = 0;
     if (check) {
       CK(cudaMemset(ys[0], 0xff, n * 2));
@@ -159,7 +155,6 @@ int main() {
       for (size_t i = 0; i < n; ++i) { bf p, q; memcpy(&p, &hy[i], 2); memcpy(&q, &hr[i], 2); err = std::max(err, (double)fabsf(__bfloat162float(p) - __bfloat162float(q))); }
       for (int i = 0; i < M; ++i) merr = std::max(merr, (double)fabsf(hm[i] - hmr[i]) + fabsf(hs[i] - hsr[i]) / hsr[i]);
     }
-    for (auto& e : ev) cudaEventDestroy(e);
     printf("%-28s %.4f ms  %5.0f GB/s  maxdiff y %.3g stats %.3g\n", name, med, 2.0 * n * 2 / (med * 1e-3) / 1e9, err, merr);
   };
   float eps = 1e-5f;

@@ -8,8 +8,9 @@
 #include <cstdio>
 #include <cstring>
 #include <vector>
+
+#include "harness.cuh"  // CK, event_median_ms
 typedef __nv_bfloat16 bf;
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s line %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
 
 __device__ __forceinline__ float wsum(float v) {
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

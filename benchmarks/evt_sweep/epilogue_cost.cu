@@ -6,7 +6,7 @@
 // variants alternating; each batch of 30 calls queued behind a GPU spin so the event pairs
 // bracket device work only (back-to-back calls on an idle GPU drifted by up to 25 %).
 // Build: build_epilogue_cost.sh CUTLASS_ROOT OUTBIN.
-#include "harness.cuh"
+#include "../harness.cuh"
 #include <cublas_v2.h>
 #include <cmath>
 typedef int (*Fn)(int, int, int, const void*, const void*, const float*, const float*, const float*, const float*, void*, void*, int, cudaStream_t);

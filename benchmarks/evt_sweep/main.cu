@@ -1,7 +1,7 @@
 // Tile/cluster sweep of the LayerNorm+Linear EVT GEMM (see cfg.cu) against cuBLAS at the
 // issue shapes: build.sh CUTLASS_ROOT OUT (CUTLASS_ROOT holds include/ and tools/util/include/),
 // then run OUT on an H100. Results: benchmarks/results/lnlinear_evt_sweep_h100.txt.
-#include "harness.cuh"
+#include "../harness.cuh"
 #include <cublas_v2.h>
 #include <cstdio>
 #include <vector>

@@ -9,7 +9,7 @@
 #include <vector>
 #include <algorithm>
 
-#include "../evt_sweep/harness.cuh"  // CK, fillb
+#include "../harness.cuh"  // CK, fillb
 #define CB(x) do { cublasStatus_t e_ = (x); if (e_ != CUBLAS_STATUS_SUCCESS) { printf("cuBLAS %d line %d\n", (int)e_, __LINE__); exit(1);} } while (0)
 
 __device__ __forceinline__ unsigned long long gtime() {

@@ -1,6 +1,6 @@
-// Host helpers shared by the EVT GEMM harnesses (main.cu, epilogue_cost.cu): a CUDA
-// error check, deterministic uniform fills (an LCG, so every run times the same data) and
-// the event-timed median of a batch of calls.
+// Host helpers shared by the standalone CUDA benchmarks (evt_sweep/, layer_norm_*_variants.cu,
+// experiments/lone_sm_bw.cu): a CUDA error check, deterministic uniform fills (an LCG, so
+// every run times the same data) and the event-timed median of a batch of calls.
 #pragma once
 #include <cuda_bf16.h>
 #include <algorithm>
