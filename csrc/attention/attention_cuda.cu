@@ -54,7 +54,7 @@
 #include "common/cp_async.cuh"
 #include "common/device.cuh"
 #include "common/func_attr.h"
-#if defined(GPU_PUZZLES_WITH_SM90_ATTN)
+#if defined(GPU_PUZZLES_WITH_SM90A)
 #include "attention/attention_fwd_sm90.h"
 #endif
 
@@ -1427,7 +1427,7 @@ template <typename T> cudaError_t forward_typed(const AttentionFwdArgs& a, int d
   if constexpr (is_half_type<T>()) {
     if (tc_ok_fwd<T>(a)) {
       cudaError_t e = cudaSuccess;
-#if defined(GPU_PUZZLES_WITH_SM90_ATTN)
+#if defined(GPU_PUZZLES_WITH_SM90A)
       const int wg = sm90_warpgroups(a, dev, e);
       if (e != cudaSuccess) return e;
       if (wg > 0) {

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) attention forward with warpgroup MMA (wgmma), attention_fwd_sm90.cu.
 // Built only when setup.py finds the CUTLASS/CuTe headers (it then defines
-// GPU_PUZZLES_WITH_SM90_ATTN and compiles this file for sm_90a). attention_cuda.cu
+// GPU_PUZZLES_WITH_SM90A and compiles this file for sm_90a). attention_cuda.cu
 // calls it by default on 9.x GPUs at D = 128 (sm90_warpgroups there), or under GPU_PUZZLES_ATTN_FWD_CFG=wgmma|wgmma3.
 // Same contract as attention_forward_cuda (attention.h): o in the input dtype,
 // lse float32 natural-log log-sum-exp; lse = -inf and o = 0 when Sk == 0.

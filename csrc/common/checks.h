@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "common/align.h"
 #include "common/dtype.h"
 
 namespace gpu_puzzles {
@@ -44,8 +45,5 @@ inline DType to_dtype(at::ScalarType t) {
     default: TORCH_CHECK(false, "gpu_puzzles: unsupported dtype ", t);
   }
 }
-
-// Pointer is aligned for 16-byte vector access.
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 }  // namespace gpu_puzzles

@@ -309,13 +309,13 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
 #ifdef WITH_CUDA
 // Marker for tests (they search the built library for it): whether this build
 // holds the CUTLASS EVT forward.
-#ifdef GPU_PUZZLES_WITH_CUTLASS
+#ifdef GPU_PUZZLES_WITH_SM90A
 [[gnu::used]] const char kEvtBuildMarker[] = "gpu_puzzles_lnlinear_evt_built=1";
 #else
 [[gnu::used]] const char kEvtBuildMarker[] = "gpu_puzzles_lnlinear_evt_built=0";
 #endif
 
-#ifdef GPU_PUZZLES_WITH_CUTLASS
+#ifdef GPU_PUZZLES_WITH_SM90A
 // On unless the environment variable is "0". Each switch below reads it once: tests and
 // benchmarks compare both settings in separate processes.
 bool env_not_zero(const char* name) {

@@ -9,7 +9,7 @@
 // The same structure as the old epilogue, except that acc is not rounded to T
 // before the statistics are applied (one rounding instead of two).
 //
-// Built only with GPU_PUZZLES_WITH_CUTLASS (setup.py finds the CUTLASS headers);
+// Built only with GPU_PUZZLES_WITH_SM90A (setup.py finds the CUTLASS headers);
 // the kernels exist only in the sm_90a image: other architectures get CUTLASS's
 // empty stubs, and lnlinear_evt_available() says false there.
 
@@ -30,7 +30,7 @@
 
 #include "layernorm_linear/layernorm_linear.h"
 
-#ifdef GPU_PUZZLES_WITH_CUTLASS
+#ifdef GPU_PUZZLES_WITH_SM90A
 #include "common/func_attr.h"  // device_sm_count
 #include "layernorm_linear/lnlinear_evt_sm90.cuh"  // EvtGemm
 
@@ -43,7 +43,7 @@
 
 namespace gpu_puzzles {
 
-#ifdef GPU_PUZZLES_WITH_CUTLASS
+#ifdef GPU_PUZZLES_WITH_SM90A
 namespace {
 
 using namespace cute;

@@ -1,0 +1,34 @@
+// One typed channel to override the per-op kernel heuristics, for tests and tuning
+// sweeps (Python: gpu_puzzles.tuning.override). Each op's plan reads its knobs here;
+// a knob at 0 leaves the choice to the op's heuristic. Torch-free, so launchers in
+// .cu files read it directly. Process-wide: an override applies to every thread.
+#pragma once
+
+namespace gpu_puzzles {
+
+// The order matches kKnobs in kernel_choice.cpp (one row per knob: name and values).
+enum class Knob : int {
+  SoftmaxRows,         // long rows, forward: old | new | smem | bulk
+  SoftmaxCluster,      // 4 | 8 | 16
+  SoftmaxStages,       // 1 | 2 | 3
+  SoftmaxCols,         // non-last dim: old | new
+  SoftmaxColRowsFwd,   // 4 | 8 | 16
+  SoftmaxColRowsBwd,   // 4 | 8 | 16
+  SoftmaxGrid,         // 1 | 4
+  AttentionFwd,        // forward kernel: mma | mma_r32 | wgmma | wgmma3
+  AttentionFwdWarps,   // mma kernel's warps per block: 4 | 8
+  LayerNormLinearEvt,  // sm_90 fused forward: evt (CUTLASS epilogue) | cublas
+  LayerNormLinearPdl,  // EVT launches: pdl (programmatic dependent) | plain
+  Count
+};
+
+// 0: not overridden; i >= 1: the knob's i-th value (1-based, in its table order).
+int knob(Knob k);
+
+// The overriding value as written in the table ("smem", "16"), or nullptr.
+const char* knob_value(Knob k);
+
+// The overriding value as a number ("16" -> 16), or `fallback` when not overridden.
+int knob_int(Knob k, int fallback);
+
+}  // namespace gpu_puzzles
