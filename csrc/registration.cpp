@@ -36,15 +36,13 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   m.def("conv1d_backward(Tensor grad_out, Tensor x, Tensor weight, bool causal, str algorithm=\"auto\") -> (Tensor, Tensor, Tensor)");
 
   // ---- embedding ---------------------------------------------------------
-  // embedding: the coalesced kernel; embedding_2d: the seed's 16x16 2D grid,
-  // kept as the counter-example. Out-of-range indices give zero rows and no
-  // gradient; padding_idx as in F.embedding. The backward returns the dense
-  // (num_weights, E) weight gradient; deterministic=True forces a bit-identical
-  // path (the coalesced op's backward always is).
-  m.def("embedding(Tensor indices, Tensor weight, int? padding_idx=None) -> Tensor");
-  m.def("embedding_2d(Tensor indices, Tensor weight, int? padding_idx=None) -> Tensor");
-  m.def("embedding_backward(Tensor grad_out, Tensor indices, SymInt num_weights, int? padding_idx, bool deterministic) -> Tensor");
-  m.def("embedding_2d_backward(Tensor grad_out, Tensor indices, SymInt num_weights, int? padding_idx, bool deterministic) -> Tensor");
+  // algorithm: "auto" = "coalesced" (1D grid, 16-byte vectors), or "2d" (the
+  // seed's 16x16 2D grid, kept as the counter-example). Out-of-range indices give
+  // zero rows and no gradient; padding_idx as in F.embedding. The backward returns
+  // the dense (num_weights, E) weight gradient; deterministic=True forces a
+  // bit-identical path (the coalesced kernel's backward always is).
+  m.def("embedding(Tensor indices, Tensor weight, int? padding_idx=None, str algorithm=\"auto\") -> Tensor");
+  m.def("embedding_backward(Tensor grad_out, Tensor indices, SymInt num_weights, int? padding_idx, bool deterministic, str algorithm=\"auto\") -> Tensor");
 
   // ---- softmax -----------------------------------------------------------
   // algorithm: "auto" (fastest for the shape), or the curriculum's steps kept for

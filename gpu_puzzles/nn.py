@@ -41,27 +41,23 @@ class Conv1d(nn.Module):
 class Embedding(nn.Module):
     """Lookup table ``(num_embeddings, embedding_dim)``; see :func:`gpu_puzzles.embedding`.
 
-    ``kernel="coalesced"`` (the fast kernel) or ``"2d"`` (the seed's 2D grid). Initialised
+    ``algorithm="auto"`` (the coalesced kernel) or ``"2d"`` (the seed's 2D grid). Initialised
     like ``torch.nn.Embedding``: N(0, 1), with the ``padding_idx`` row zeroed.
     """
 
-    _KERNELS = ("coalesced", "2d")
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx=None, kernel: str = "coalesced",
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx=None, *, algorithm: str = "auto",
                  device=None, dtype=None):
         super().__init__()
         if num_embeddings < 0 or embedding_dim < 0:
             raise ValueError(f"Embedding: num_embeddings and embedding_dim must be >= 0, got "
                              f"{num_embeddings}, {embedding_dim}")
-        if kernel not in self._KERNELS:
-            raise ValueError(f"Embedding: kernel must be one of {self._KERNELS}, got {kernel!r}")
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"Embedding: padding_idx must be within [-{num_embeddings}, {num_embeddings}), "
                                  f"got {padding_idx}")
             padding_idx = padding_idx % num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx, self.kernel = padding_idx, kernel
+        self.padding_idx, self.algorithm = padding_idx, algorithm
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -72,41 +68,37 @@ class Embedding(nn.Module):
                 self.weight[self.padding_idx].fill_(0)
 
     def forward(self, indices):
-        fn = ops.embedding if self.kernel == "coalesced" else ops.embedding_2d
-        return fn(indices, self.weight, self.padding_idx)
+        return ops.embedding(indices, self.weight, self.padding_idx, algorithm=self.algorithm)
 
     def extra_repr(self):
         s = f"{self.num_embeddings}, {self.embedding_dim}"
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
-        return s + f", kernel={self.kernel!r}"
+        return s + f", algorithm={self.algorithm!r}"
+
 
 class Softmax(nn.Module):
-    """Softmax over ``dim`` (like ``torch.nn.Softmax``, but ``dim`` defaults to -1)."""
+    """Softmax over ``dim`` (like ``torch.nn.Softmax``, but ``dim`` defaults to -1);
+    ``algorithm`` as in :func:`gpu_puzzles.softmax`."""
 
-    def __init__(self, dim: int = -1):
+    _fn = staticmethod(ops.softmax)
+
+    def __init__(self, dim: int = -1, *, algorithm: str = "auto"):
         super().__init__()
-        self.dim = dim
+        self.dim, self.algorithm = dim, algorithm
 
     def forward(self, x):
-        return ops.softmax(x, self.dim)
+        return self._fn(x, self.dim, algorithm=self.algorithm)
 
     def extra_repr(self):
-        return f"dim={self.dim}"
+        return f"dim={self.dim}, algorithm={self.algorithm!r}"
 
 
-class LogSoftmax(nn.Module):
+class LogSoftmax(Softmax):
     """Log-softmax over ``dim`` (like ``torch.nn.LogSoftmax``, but ``dim`` defaults to -1)."""
 
-    def __init__(self, dim: int = -1):
-        super().__init__()
-        self.dim = dim
+    _fn = staticmethod(ops.log_softmax)
 
-    def forward(self, x):
-        return ops.log_softmax(x, self.dim)
-
-    def extra_repr(self):
-        return f"dim={self.dim}"
 
 class LayerNormLinear(nn.Module):
     """``Linear(LayerNorm(x))`` in one op: ``fused=True`` uses :func:`gpu_puzzles.fused_layernorm_linear`

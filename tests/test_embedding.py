@@ -1,5 +1,7 @@
-"""embedding / embedding_2d: seed size, F.embedding comparison, out-of-range rows, gradients
+"""embedding, both kernels (algorithm "coalesced" and "2d"): seed size, F.embedding comparison, out-of-range rows, gradients
 with heavy repetition, padding_idx, determinism, gradcheck, opcheck, compile, bad input."""
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,10 +11,10 @@ from gpu_puzzles.bench.embedding import reference, reference_grad
 
 from conftest import DEVICES, assert_close_ref, device_dtypes, poison_allocator, requires_cuda
 
-FNS = {"coalesced": gp.embedding, "2d": gp.embedding_2d}
-OPS = {"coalesced": torch.ops.gpu_puzzles.embedding.default, "2d": torch.ops.gpu_puzzles.embedding_2d.default}
-BWD_OPS = {"coalesced": torch.ops.gpu_puzzles.embedding_backward.default,
-           "2d": torch.ops.gpu_puzzles.embedding_2d_backward.default}
+# One entry per CUDA kernel, keyed by its algorithm name.
+FNS = {k: functools.partial(gp.embedding, algorithm=k) for k in ("coalesced", "2d")}
+OP = torch.ops.gpu_puzzles.embedding.default
+BWD_OP = torch.ops.gpu_puzzles.embedding_backward.default
 
 
 def _grad_close(actual, ref, dtype, what):
@@ -116,11 +118,11 @@ def test_gradcheck(device, kernel):
 def test_opcheck(device, kernel, requires_grad):
     idx = torch.randint(0, 10, (3, 7), device=device)
     w = torch.randn(10, 8, device=device, requires_grad=requires_grad)
-    torch.library.opcheck(OPS[kernel], (idx, w, None))
-    torch.library.opcheck(OPS[kernel], (idx.int(), w, 4))
+    torch.library.opcheck(OP, (idx, w, None, kernel))
+    torch.library.opcheck(OP, (idx.int(), w, 4, kernel))
     g = torch.randn(3, 7, 8, device=device)
-    torch.library.opcheck(BWD_OPS[kernel], (g, idx, 10, None, False))
-    torch.library.opcheck(BWD_OPS[kernel], (g, idx, 10, -2, True))
+    torch.library.opcheck(BWD_OP, (g, idx, 10, None, False, kernel))
+    torch.library.opcheck(BWD_OP, (g, idx, 10, -2, True, kernel))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -141,11 +143,11 @@ def test_module():
     m = gp.nn.Embedding(7, 3, padding_idx=-2)
     assert m.padding_idx == 5 and (m.weight[5] == 0).all() and m.weight.std() > 0
     assert m(torch.tensor([[1, 5]])).shape == (1, 2, 3)
-    m2 = gp.nn.Embedding(7, 3, kernel="2d")
+    m2 = gp.nn.Embedding(7, 3, algorithm="2d")
     idx = torch.tensor([0, 6, 3])
     assert torch.equal(m2(idx), m2.weight[idx])
-    with pytest.raises(ValueError, match="kernel"):
-        gp.nn.Embedding(7, 3, kernel="fast")
+    with pytest.raises(RuntimeError, match="algorithm must be one of"):
+        gp.nn.Embedding(7, 3, algorithm="fast")(idx)
     with pytest.raises(ValueError, match="padding_idx"):
         gp.nn.Embedding(7, 3, padding_idx=7)
 
@@ -182,13 +184,22 @@ def test_bad_input(device, kernel, make, msg):
         FNS[kernel](idx, w, p)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_algorithm(device):
+    idx, w = torch.tensor([1], device=device), torch.randn(5, 4, device=device)
+    with pytest.raises(RuntimeError, match="embedding: algorithm must be one of 'auto', 'coalesced', '2d', got 'fast'"):
+        gp.embedding(idx, w, algorithm="fast")
+    with pytest.raises(RuntimeError, match="embedding_backward: algorithm must be one of"):
+        BWD_OP(torch.randn(1, 4, device=device), idx, 5, None, False, "tiled")
+
+
 @pytest.mark.parametrize("kernel", FNS)
 def test_bad_backward_input(kernel):
     idx = torch.tensor([[1, 2]])
     with pytest.raises(RuntimeError, match="grad_out must have shape"):
-        BWD_OPS[kernel](torch.randn(2, 4), idx, 5, None, False)
+        BWD_OP(torch.randn(2, 4), idx, 5, None, False, kernel)
     with pytest.raises(RuntimeError, match="num_weights"):
-        BWD_OPS[kernel](torch.randn(1, 2, 4), idx, -1, None, False)
+        BWD_OP(torch.randn(1, 2, 4), idx, -1, None, False, kernel)
 
 
 # ---- CUDA only -----------------------------------------------------------------
@@ -294,7 +305,7 @@ def test_cuda_deterministic(kernel):
         for _ in range(3):
             assert torch.equal(first, torch.autograd.grad(FNS[kernel](idx, w), (w,), g)[0])
         # both ops take the same deterministic path
-        other = gp.embedding if kernel == "2d" else gp.embedding_2d
+        other = FNS["coalesced" if kernel == "2d" else "2d"]
         assert torch.equal(first, torch.autograd.grad(other(idx, w), (w,), g)[0])
         # deterministic mode fills torch.empty with NaN: every element was written
         _grad_close(first, reference_grad(g, idx, V), torch.bfloat16, "grad")

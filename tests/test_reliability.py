@@ -7,6 +7,7 @@ callable, an input maker, the argument names its error messages use, each argume
 and a float64 reference. The huge-tensor tests at the end are per op (each needs its own
 slicing) and device-only.
 """
+import functools
 import gc
 from dataclasses import dataclass, field
 from typing import Callable
@@ -69,6 +70,9 @@ def _conv1d_make(g, n):
     return [_randn(g, 2 * n, 3, 37), _randn(g, 3, 4), _randn(g, 3)]
 
 
+_embedding_2d = functools.partial(gp.embedding, algorithm="2d")
+
+
 def _embedding_make(g, n):
     idx = torch.randint(-1, 11, (4 * n, 9), generator=g)  # -1 and 10: out of range
     idx[0, :5] = 3  # a repeated row: the backward must sum
@@ -117,10 +121,10 @@ OPS = [
            [("weight 1-D", lambda i, w: gp.embedding(i, w[0]), "weight"),
             ("weight 3-D", lambda i, w: gp.embedding(i, w[None]), "weight"),
             ("padding_idx", lambda i, w: gp.embedding(i, w, 10), "padding_idx")]),
-    OpCase("embedding_2d", gp.embedding_2d, _embedding_make, ("indices", "weight"), ("index", "float"),
+    OpCase("embedding_2d", _embedding_2d, _embedding_make, ("indices", "weight"), ("index", "float"),
            lambda i, w: embedding_ref(i, w),
-           [("weight 1-D", lambda i, w: gp.embedding_2d(i, w[0]), "weight"),
-            ("padding_idx", lambda i, w: gp.embedding_2d(i, w, -11), "padding_idx")],
+           [("weight 1-D", lambda i, w: _embedding_2d(i, w[0]), "weight"),
+            ("padding_idx", lambda i, w: _embedding_2d(i, w, -11), "padding_idx")],
            deterministic_backward_always=False),
     OpCase("softmax", lambda x: gp.softmax(x, -1), _softmax_make, ("x",), ("float",),
            lambda x: torch.softmax(x, -1),
@@ -507,7 +511,7 @@ def _huge_conv1d(device, big, causal):
 
 
 def _huge_embedding(device, big, kernel):
-    fn = gp.embedding if kernel == "coalesced" else gp.embedding_2d
+    fn = functools.partial(gp.embedding, algorithm=kernel)
     E = 1024 if big > 2**20 else 16
     V = 4099 if big > 2**20 else 37
     T = big // E + 3  # the output has T * E > big elements

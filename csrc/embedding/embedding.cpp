@@ -62,6 +62,14 @@ Sizes check_backward(const at::Tensor& grad_out, const at::Tensor& indices, int6
   return {indices.numel(), V, grad_out.size(-1)};
 }
 
+// algorithm: "auto" / "coalesced" (the 1D grid, 16-byte vectors) or "2d" (the
+// curriculum's 16x16 grid, kept as the coalescing counter-example). True for "2d".
+bool two_d_grid(c10::string_view algorithm, const char* op) {
+  TORCH_CHECK(algorithm == "auto" || algorithm == "coalesced" || algorithm == "2d", op,
+              ": algorithm must be one of 'auto', 'coalesced', '2d', got '", std::string(algorithm), "'");
+  return algorithm == "2d";
+}
+
 std::vector<int64_t> out_shape(const at::Tensor& indices, int64_t E) {
   std::vector<int64_t> s(indices.sizes().begin(), indices.sizes().end());
   s.push_back(E);
@@ -135,20 +143,17 @@ at::Tensor backward_cpu_op(const at::Tensor& grad_out, const at::Tensor& indices
   return gw;
 }
 
-// The CPU has one kernel: both ops share it (the 2D grid is a GPU notion).
-at::Tensor embedding_cpu(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx) {
+// The CPU has one kernel for every algorithm (the 2D grid is a GPU notion).
+at::Tensor embedding_cpu(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx,
+                         c10::string_view algorithm) {
+  two_d_grid(algorithm, "embedding");
   return forward_cpu_op(indices, weight, padding_idx, "embedding");
 }
-at::Tensor embedding_2d_cpu(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx) {
-  return forward_cpu_op(indices, weight, padding_idx, "embedding_2d");
-}
 at::Tensor embedding_backward_cpu(const at::Tensor& grad_out, const at::Tensor& indices, c10::SymInt num_weights,
-                                  c10::optional<int64_t> padding_idx, bool /*deterministic: always*/) {
+                                  c10::optional<int64_t> padding_idx, bool /*deterministic: always*/,
+                                  c10::string_view algorithm) {
+  two_d_grid(algorithm, "embedding_backward");
   return backward_cpu_op(grad_out, indices, num_weights.expect_int(), padding_idx, "embedding_backward");
-}
-at::Tensor embedding_2d_backward_cpu(const at::Tensor& grad_out, const at::Tensor& indices, c10::SymInt num_weights,
-                                     c10::optional<int64_t> padding_idx, bool /*deterministic: always*/) {
-  return backward_cpu_op(grad_out, indices, num_weights.expect_int(), padding_idx, "embedding_2d_backward");
 }
 
 #ifdef WITH_CUDA
@@ -189,7 +194,7 @@ at::Tensor backward_cuda_op(const at::Tensor& grad_out, const at::Tensor& indice
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const at::Tensor gc = grad_out.contiguous(), ic = indices.contiguous();
   // The sorted path is deterministic and also the fastest one we have for the
-  // coalesced op; the 2D op keeps the seed-style atomics unless asked for
+  // coalesced kernel; the 2D grid keeps the seed-style atomics unless asked for
   // determinism.
   if (!two_d || deterministic) return backward_sorted_cuda(gc, ic, s, pad);
   at::Tensor gw = at::empty({V, s.E}, gc.options());
@@ -201,21 +206,15 @@ at::Tensor backward_cuda_op(const at::Tensor& grad_out, const at::Tensor& indice
   return gw;
 }
 
-at::Tensor embedding_cuda(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx) {
-  return forward_cuda_op(indices, weight, padding_idx, false, "embedding");
-}
-at::Tensor embedding_2d_cuda(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx) {
-  return forward_cuda_op(indices, weight, padding_idx, true, "embedding_2d");
+at::Tensor embedding_cuda(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx,
+                          c10::string_view algorithm) {
+  return forward_cuda_op(indices, weight, padding_idx, two_d_grid(algorithm, "embedding"), "embedding");
 }
 at::Tensor embedding_backward_cuda(const at::Tensor& grad_out, const at::Tensor& indices, c10::SymInt num_weights,
-                                   c10::optional<int64_t> padding_idx, bool deterministic) {
-  return backward_cuda_op(grad_out, indices, num_weights.expect_int(), padding_idx, deterministic, false,
-                          "embedding_backward");
-}
-at::Tensor embedding_2d_backward_cuda(const at::Tensor& grad_out, const at::Tensor& indices, c10::SymInt num_weights,
-                                      c10::optional<int64_t> padding_idx, bool deterministic) {
-  return backward_cuda_op(grad_out, indices, num_weights.expect_int(), padding_idx, deterministic, true,
-                          "embedding_2d_backward");
+                                   c10::optional<int64_t> padding_idx, bool deterministic,
+                                   c10::string_view algorithm) {
+  return backward_cuda_op(grad_out, indices, num_weights.expect_int(), padding_idx, deterministic,
+                          two_d_grid(algorithm, "embedding_backward"), "embedding_backward");
 }
 #endif
 
@@ -223,17 +222,13 @@ at::Tensor embedding_2d_backward_cuda(const at::Tensor& grad_out, const at::Tens
 
 TORCH_LIBRARY_IMPL(gpu_puzzles, CPU, m) {
   m.impl("embedding", &embedding_cpu);
-  m.impl("embedding_2d", &embedding_2d_cpu);
   m.impl("embedding_backward", &embedding_backward_cpu);
-  m.impl("embedding_2d_backward", &embedding_2d_backward_cpu);
 }
 
 #ifdef WITH_CUDA
 TORCH_LIBRARY_IMPL(gpu_puzzles, CUDA, m) {
   m.impl("embedding", &embedding_cuda);
-  m.impl("embedding_2d", &embedding_2d_cuda);
   m.impl("embedding_backward", &embedding_backward_cuda);
-  m.impl("embedding_2d_backward", &embedding_2d_backward_cuda);
 }
 #endif
 

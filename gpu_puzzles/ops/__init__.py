@@ -1,10 +1,10 @@
 """Functional API: one module per op, each registering its fake kernel and autograd."""
 from .attention import attention, attention_unfused
 from .conv1d import conv1d
-from .embedding import embedding, embedding_2d
+from .embedding import embedding
 from .layernorm_linear import fused_layernorm_linear, layer_norm, unfused_layernorm_linear
 from .softmax import log_softmax, softmax
 
-__all__ = ["conv1d", "embedding", "embedding_2d", "softmax", "log_softmax",
+__all__ = ["conv1d", "embedding", "softmax", "log_softmax",
            "layer_norm", "fused_layernorm_linear", "unfused_layernorm_linear",
            "attention", "attention_unfused"]
