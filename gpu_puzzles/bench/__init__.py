@@ -1,6 +1,6 @@
 """Benchmarks: ``python -m gpu_puzzles.bench OP [OP ...] --json FILE``.
 
-Each op has a module here exposing ``bench_cases(device)`` (the issue's shapes),
+Each op has a module here exposing ``bench_cases(device)`` (the benchmark shapes),
 ``tour_cases(device)`` (small cases for ``python -m gpu_puzzles``) and
 ``tour_check(device)`` (max errors against a float64 reference).
 """

@@ -1,4 +1,4 @@
-"""conv1d cases: the issue's benchmark shapes and the tour's small checks."""
+"""conv1d cases: the benchmark shapes and the tour's small checks."""
 from __future__ import annotations
 
 import functools
