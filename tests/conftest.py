@@ -70,7 +70,7 @@ def poison_allocator(nbytes):
         torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0xFF)  # freed at once
 
 
-# Under compute-sanitizer (benchmarks/sanitize_queue.py sets GPU_PUZZLES_SANITIZE=1) the
+# Under compute-sanitizer (tools/sanitize_queue.py sets GPU_PUZZLES_SANITIZE=1) the
 # cases that repeat one kernel path over many rows or tiles, only so that persistent
 # grids wrap, run with fewer of them (still more than one pass over the resident
 # clusters); every path and edge shape stays. Instrumented runs are 30-100x slower.
