@@ -25,7 +25,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfl
 
 # Property tests (tests/strategies.py): "ci" is small and derandomized (the same examples
 # every run, so CI is stable and fast); "device" searches far more, randomly. Pick with
-# GPU_PUZZLES_HYPOTHESIS_PROFILE=device (README, "Checking correctness").
+# GPU_PUZZLES_HYPOTHESIS_PROFILE=device (docs/testing.md).
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 settings.register_profile("ci", max_examples=20, deadline=None, derandomize=True, database=None,
                           suppress_health_check=_HEALTH, print_blob=True)
