@@ -25,7 +25,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfl
 
 # Property tests (tests/strategies.py): "ci" is small and derandomized (the same examples
 # every run, so CI is stable and fast); "device" searches far more, randomly. Pick with
-# GPU_PUZZLES_HYPOTHESIS_PROFILE=device (README, "Checking correctness").
+# GPU_PUZZLES_HYPOTHESIS_PROFILE=device (docs/testing.md).
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 settings.register_profile("ci", max_examples=20, deadline=None, derandomize=True, database=None,
                           suppress_health_check=_HEALTH, print_blob=True)
@@ -70,7 +70,7 @@ def poison_allocator(nbytes):
         torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0xFF)  # freed at once
 
 
-# Under compute-sanitizer (benchmarks/sanitize_queue.py sets GPU_PUZZLES_SANITIZE=1) the
+# Under compute-sanitizer (tools/sanitize_queue.py sets GPU_PUZZLES_SANITIZE=1) the
 # cases that repeat one kernel path over many rows or tiles, only so that persistent
 # grids wrap, run with fewer of them (still more than one pass over the resident
 # clusters); every path and edge shape stays. Instrumented runs are 30-100x slower.

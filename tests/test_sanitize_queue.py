@@ -1,4 +1,4 @@
-"""benchmarks/sanitize_queue.py (and device_run.sh --stamp) on the CPU: a fake sanitizer (drops the tool's options, runs the
+"""tools/sanitize_queue.py (and device_run.sh --stamp) on the CPU: a fake sanitizer (drops the tool's options, runs the
 test command, prints an ERROR SUMMARY) over a throwaway test file with a passing, a failing and a
 hanging test. Every test name says "cpu" so the sanitizer runs themselves (-k "not cpu") skip them."""
 import json
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "sanitize_queue.py")
+SCRIPT = os.path.join(ROOT, "tools", "sanitize_queue.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
 import sanitize_queue  # noqa: E402
 
@@ -155,9 +155,9 @@ def test_cpu_skip_reruns_only_what_was_not_clean(tmp_path, errors):
 def test_cpu_device_run_per_tool_files(tmp_path):
     # device_run.sh STEPS=memcheck+racecheck with SANITIZE_FILES_<tool> / SANITIZE_WORKERS_<tool>:
     # each tool runs its own files with its own process count, in one call (fake sanitizer).
-    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "tools").mkdir()
     for f in ("device_run.sh", "sanitize_queue.py"):
-        shutil.copy(os.path.join(ROOT, "benchmarks", f), tmp_path / "benchmarks" / f)
+        shutil.copy(os.path.join(ROOT, "tools", f), tmp_path / "tools" / f)
     (tmp_path / "fake_sanitizer.py").write_text(textwrap.dedent(FAKE))
     (tmp_path / "test_one.py").write_text("def test_a():\n    pass\n")
     (tmp_path / "test_two.py").write_text("def test_b():\n    pass\ndef test_c():\n    pass\n")
@@ -169,7 +169,7 @@ def test_cpu_device_run_per_tool_files(tmp_path):
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if not shutil.which("python3", path=env["PATH"]):
         pytest.skip("no python3 on PATH")
-    p = subprocess.run(["bash", "benchmarks/device_run.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
+    p = subprocess.run(["bash", "tools/device_run.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
     out = tmp_path / "out" / "r" / "sanitizer"
     mem = json.loads((out / "memcheck" / "summary.json").read_text())
@@ -203,12 +203,12 @@ def test_cpu_visible_gpus(monkeypatch):
 
 
 def test_prebuilt_stamp_cpu(tmp_path):
-    # benchmarks/device_run.sh --stamp: what a carried .prebuilt/ must match (python, torch, sources);
+    # tools/device_run.sh --stamp: what a carried .prebuilt/ must match (python, torch, sources);
     # a changed source changes it, so a stale .so is rebuilt rather than run.
     import torch
 
     def stamp(root):
-        out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "device_run.sh"), "--stamp", sys.executable],
+        out = subprocess.run(["bash", os.path.join(ROOT, "tools", "device_run.sh"), "--stamp", sys.executable],
                              cwd=root, capture_output=True, text=True, check=True).stdout.strip()
         return out
 

@@ -1,6 +1,6 @@
 """Racecheck's cuBLAS reports without gpu_puzzles: plain torch.mm only.
 
-    compute-sanitizer --tool racecheck python3 benchmarks/cublas_racecheck_repro.py
+    compute-sanitizer --tool racecheck python3 tools/cublas_racecheck_repro.py
 
 Runs the GEMMs of the fused LayerNorm+Linear backward in tests/test_reliability.py
 (test_backward_bit_identical_when_deterministic: x (1536, 5, 24), W (16, 24)), i.e. the

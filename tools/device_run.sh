@@ -6,22 +6,22 @@
 # Results are packed into $OUT/results.tar.gz after every step (so a run cut
 # short still returns what it did) plus $OUT/bench.json.
 # The device copy has no .git: pass the commit in, e.g. GPU_PUZZLES_COMMIT=$(git rev-parse --short HEAD).
-# The build step uses a carried .prebuilt/ (benchmarks/prebuild.sh) when its stamp (python,
+# The build step uses a carried .prebuilt/ (tools/prebuild.sh) when its stamp (python,
 # torch, source hash) matches, else pip-installs; `device_run.sh --stamp PY` prints the stamp.
 # Knobs: TESTS (test files), TESTS_TIMEOUT, PYTEST_ARGS, OPS (bench), NOTEBOOKS; for the sanitizer
-# steps (benchmarks/sanitize_queue.py, results in $OUT/r/sanitizer/<tool>/): SANITIZE_FILES (default
+# steps (tools/sanitize_queue.py, results in $OUT/r/sanitizer/<tool>/): SANITIZE_FILES (default
 # every tests/test_*.py), SANITIZE_K (pytest -k, default below), SANITIZE_KERNELS, SANITIZE_UNFILTERED,
 # SANITIZE_TIMEOUT (deadline of each sanitizer step, s, default 480), SANITIZE_WORKERS (processes
 # per GPU, default 4, split between steps run as a+b) (12 per H200 ran out of GPU memory; 8 per GPU made
 # a 150-s test run past 480 s: on 8 GPUs 1 per tool per GPU is faster overall), SANITIZE_COSTS (costs.json of an earlier run),
 # SANITIZE_KERNELS_EXCLUDE (--kernel-name-exclude for racecheck/synccheck, every file, e.g. kns=nvjet),
 # SANITIZE_FOREIGN (racecheck: kernel-name substrings whose own reports are counted apart, default nvjet:
-# cuBLAS, see benchmarks/cublas_racecheck_repro.py), SANITIZE_CHUNK (most tests per process, default 25),
+# cuBLAS, see tools/cublas_racecheck_repro.py), SANITIZE_CHUNK (most tests per process, default 25),
 # SANITIZE_SKIP (summary.json files of earlier calls, "{tool}" replaced by the tool: their clean tests are not rerun);
 # SANITIZE_FILES_<tool> and SANITIZE_WORKERS_<tool> override the two for one tool.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-# What a prebuilt .so (benchmarks/prebuild.sh) must match: python, torch, the sources.
+# What a prebuilt .so (tools/prebuild.sh) must match: python, torch, the sources.
 stamp() {
   "$1" -c "import sys, torch; print(f'py={sys.version_info[0]}.{sys.version_info[1]} torch={torch.__version__}', end=' ')"
   echo "src=$(find csrc setup.py -type f | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-16)"
@@ -49,7 +49,7 @@ SANITIZE_KERNELS=${SANITIZE_KERNELS-kns=gpu_puzzles}  # set empty to instrument 
 # forward (around the uninstrumented cuBLAS GEMM): these files run racecheck/synccheck unfiltered.
 SANITIZE_UNFILTERED=${SANITIZE_UNFILTERED-"tests/test_layernorm_linear.py tests/test_reliability.py"}
 sanitize() {  # $1 = memcheck | racecheck | synccheck; $2 = sanitizer steps running at once
-  # benchmarks/sanitize_queue.py: the selected test ids in small chunks (one sanitizer process
+  # tools/sanitize_queue.py: the selected test ids in small chunks (one sanitizer process
   # each, expensive tests first and spread over chunks) from one queue, SANITIZE_WORKERS
   # processes per visible GPU (more starved each other), all stopped by the SANITIZE_TIMEOUT
   # deadline so the summary is written; a killed chunk still records which tests finished.
@@ -70,7 +70,7 @@ sanitize() {  # $1 = memcheck | racecheck | synccheck; $2 = sanitizer steps runn
   # shellcheck disable=SC2206
   [ -n "${SANITIZE_SKIP:-}" ] && skip=(--skip ${SANITIZE_SKIP//\{tool\}/$1})
   # shellcheck disable=SC2086  # file lists split on spaces on purpose
-  python3 benchmarks/sanitize_queue.py --tool "$1" --files $files \
+  python3 tools/sanitize_queue.py --tool "$1" --files $files \
     -k "${SANITIZE_K:-$SANITIZE_K_DEFAULT}" --kernels "$SANITIZE_KERNELS" --exclude-kernels "${SANITIZE_KERNELS_EXCLUDE:-}" --foreign-kernels "${SANITIZE_FOREIGN-nvjet}" --chunk "${SANITIZE_CHUNK:-25}" --unfiltered-files $SANITIZE_UNFILTERED \
     --workers-per-gpu "$w" --deadline "${SANITIZE_TIMEOUT:-480}" "${costs[@]}" "${skip[@]}" --out "$OUT/r/sanitizer" 2>&1 | tail -80
 }
@@ -90,7 +90,7 @@ run_step() {
       timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 ${PYTEST_ARGS:-} ${TESTS:-tests} 2>&1 \
         | tee "$OUT/r/pytest.log" | grep -v "^  File" | tail -40 ;;
     selfcheck)  # each line must report an error, else the sanitizer runs below prove nothing
-      nvcc -arch=sm_90 -o /tmp/selfcheck benchmarks/sanitizer_selfcheck.cu
+      nvcc -arch=sm_90 -o /tmp/selfcheck tools/sanitizer_selfcheck.cu
       { compute-sanitizer --tool racecheck --kernel-name "$SANITIZE_KERNELS" /tmp/selfcheck 2>&1 | grep -E "RACECHECK SUMMARY|unfiltered|selfcheck_race" | sort | uniq -c
         compute-sanitizer --tool synccheck --kernel-name "$SANITIZE_KERNELS" /tmp/selfcheck sync 2>&1 | grep -E "ERROR SUMMARY|Invalid|Barrier" | sort | uniq -c
       } | tee "$OUT/r/sanitizer_selfcheck.txt" ;;

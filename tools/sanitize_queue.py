@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """compute-sanitizer over the CUDA tests from one shared queue, spread over every visible GPU.
 
-    python3 benchmarks/sanitize_queue.py --tool racecheck --files tests/test_*.py --deadline 480 \
+    python3 tools/sanitize_queue.py --tool racecheck --files tests/test_*.py --deadline 480 \
         --out /tmp/out/r/sanitizer
 
 The test ids of each file are collected once, packed into small chunks (one sanitizer process
@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-# Same selection as benchmarks/device_run.sh (why each is left out: see there).
+# Same selection as tools/device_run.sh (why each is left out: see there).
 K_DEFAULT = "not cpu and not graph and not huge and not reduce_overhead and not ddp and not second_gpu"
 # Without a costs file these names mark the tests that ran longest under racecheck before.
 HEAVY = ("many_shapes", "configs", "all_paths", "long", "variants")
