@@ -1,9 +1,11 @@
-"""Run the softmax cases the issue misses a few times each, for a profiler (CUDA only).
+"""Run two softmax cases a few times each, for a profiler (CUDA only).
 
-    ncu --kernel-name regex:staged_rows --launch-skip 1 --launch-count 1 python benchmarks/softmax_profile.py rows
+    ncu --kernel-name regex:staged_rows --launch-skip 1 --launch-count 1 \
+        python benchmarks/softmax_profile.py rows softmax_rows=new softmax_stages=3
 
 Cases: rows = fp32 (4096, 131072) dim=-1 forward; cols = bf16 (64, 4096, 256) dim=1
-forward and backward. The kernel variant follows the GPU_PUZZLES_SOFTMAX_* environment.
+forward and backward. Arguments name=value are knobs (gpu_puzzles.tuning.knobs()) set for
+the run: the kernel variant to profile; without them, the defaults.
 """
 import sys
 
@@ -11,17 +13,20 @@ import torch
 
 import gpu_puzzles as gp
 
-which = sys.argv[1:] or ["rows", "cols"]
+args = sys.argv[1:]
+knobs = dict(a.split("=", 1) for a in args if "=" in a)
+which = [a for a in args if "=" not in a] or ["rows", "cols"]
 g = torch.Generator(device="cuda").manual_seed(0)
-if "rows" in which:
-    x = torch.randn(4096, 131072, device="cuda", generator=g)
-    for _ in range(3):
-        gp.softmax(x, -1)
-if "cols" in which:
-    x = torch.randn(64, 4096, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-    y = gp.softmax(x, 1)
-    dy = torch.randn_like(y)
-    for _ in range(3):
-        gp.softmax(x, 1)
-        torch.ops.gpu_puzzles.softmax_backward(dy, y, 1)
-torch.cuda.synchronize()
+with gp.tuning.override(**knobs):
+    if "rows" in which:
+        x = torch.randn(4096, 131072, device="cuda", generator=g)
+        for _ in range(3):
+            gp.softmax(x, -1)
+    if "cols" in which:
+        x = torch.randn(64, 4096, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        y = gp.softmax(x, 1)
+        dy = torch.randn_like(y)
+        for _ in range(3):
+            gp.softmax(x, 1)
+            torch.ops.gpu_puzzles.softmax_backward(dy, y, 1)
+    torch.cuda.synchronize()

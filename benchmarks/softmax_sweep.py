@@ -1,52 +1,47 @@
-"""Sweep the softmax kernel variants on the issue's two missed cases (CUDA only).
+"""Sweep the softmax kernel variants on two bandwidth-bound cases (CUDA only).
 
     python benchmarks/softmax_sweep.py                 # every variant, ours only
     python benchmarks/softmax_sweep.py --baselines     # plus eager and torch.compile, once
     python benchmarks/softmax_sweep.py --only rows     # just the long-row variants
 
-Each variant runs in its own subprocess with its GPU_PUZZLES_SOFTMAX_* environment
-(the extension reads it once per process). A child times each case with the
-bench harness (gpu_puzzles.bench.common.time_ms over rotating input sets, bytes:
-forward x + y, backward y + dy + dx), then checks the variant against a float64
-reference on the case's shape and on odd shapes around its dispatch edges, so a
-broken variant shows up as FAIL next to its speed.
+Each variant runs in this process under gpu_puzzles.tuning.override(**knobs). Each
+case is timed with the bench harness (gpu_puzzles.bench.common.time_ms over rotating
+input sets, bytes: forward x + y, backward y + dy + dx), then the variant is checked
+against a float64 reference on the case's shape and on odd shapes around its
+dispatch edges, so a broken variant shows up as FAIL next to its speed.
 
-Built-in defaults (used when a variable is unset): ROWS_VARIANT=smem, CLUSTER=8, STAGES=1,
-COL_VARIANT=new, COL_ROWS_FWD=16, COL_ROWS_BWD=8, GRID=1 (all prefixed GPU_PUZZLES_SOFTMAX_).
-ROWS_VARIANT=smem|bulk: the row slices in shared memory (CLUSTER = 4|8|16 blocks for a 512 KB
-row); new: the persistent staged register kernel (at least 2 stages). STAGES=1: column tiles
-one at a time; GRID=1|4: clusters launched per resident cluster for the one-stage kernels
-(4 is opt-in: synccheck flags it, results/sanitizer_h100.txt). Per call, tests use algorithm
-"auto:rows=smem,cluster=16,...".
+The knobs and their defaults (csrc/softmax: softmax_tuning()): softmax_rows=smem,
+softmax_cluster=8, softmax_stages=1, softmax_cols=new, softmax_col_rows_fwd=16,
+softmax_col_rows_bwd=8, softmax_grid=1. softmax_rows=smem|bulk: the row slices in shared
+memory (softmax_cluster = 4|8|16 blocks for a 512 KB row); new: the persistent staged
+register kernel (at least 2 stages). softmax_stages=1: column tiles one at a time;
+softmax_grid=1|4: clusters launched per resident cluster for the one-stage kernels (4 is
+opt-in: synccheck flags it, results/sanitizer_h100.txt). Results:
+benchmarks/results/softmax_sweep_h100.txt.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _env(rows=None, cluster=None, stages=None, cols=None, fwd=None, bwd=None):
-    keys = {"ROWS_VARIANT": rows, "CLUSTER": cluster, "STAGES": stages, "COL_VARIANT": cols,
-            "COL_ROWS_FWD": fwd, "COL_ROWS_BWD": bwd}
-    return {f"GPU_PUZZLES_SOFTMAX_{k}": str(v) for k, v in keys.items() if v is not None}
+def _knobs(rows=None, cluster=None, stages=None, cols=None, fwd=None, bwd=None):
+    keys = {"rows": rows, "cluster": cluster, "stages": stages, "cols": cols, "col_rows_fwd": fwd,
+            "col_rows_bwd": bwd}
+    return {f"softmax_{k}": str(v) for k, v in keys.items() if v is not None}
 
 
-# name -> environment: rows from the previous default on, cols from the current one. Earlier rounds
-# (results/softmax_sweep_h100.txt) dropped rows=old, the 2-stage rows and cluster 16 (slower).
+# name -> knobs. Earlier rounds (results/softmax_sweep_h100.txt) dropped rows=old, the 2-stage
+# rows and cluster 16 (slower).
 VARIANTS = {
     "rows": {
-        "rows=new cs8 st3": _env("new", 8, 3),  # the default before 8227b70
-        **{f"rows={kind} cluster={cs}": _env(kind, cs) for kind in ("smem", "bulk") for cs in (8, 16, 4)},
+        "rows=new cs8 st3": _knobs("new", 8, 3),
+        **{f"rows={kind} cluster={cs}": _knobs(kind, cs) for kind in ("smem", "bulk") for cs in (8, 16, 4)},
     },
     "cols": {
         "cols=default": {},
-        "cols=new fwd8 bwd8 st2": _env(cols="new", fwd=8, bwd=8, stages=2),
-        **{f"cols=new fwd{r} bwd{r} st1": _env(cols="new", fwd=r, bwd=r, stages=1) for r in (4, 8, 16)},
+        "cols=new fwd8 bwd8 st2": _knobs(cols="new", fwd=8, bwd=8, stages=2),
+        **{f"cols=new fwd{r} bwd{r} st1": _knobs(cols="new", fwd=r, bwd=r, stages=1) for r in (4, 8, 16)},
     },
 }
 
@@ -65,12 +60,12 @@ CHECKS = {
 }
 
 
-def child(group: str, baselines: bool) -> None:
+def run_group(group: str, baselines: bool) -> dict:
+    """Times and checks the cases of `group` under the knobs in force."""
     import functools
 
     import torch
 
-    import gpu_puzzles  # noqa: F401  (loads the ops)
     from gpu_puzzles.bench.common import n_sets_for, time_ms
 
     dev = torch.device(os.environ.get("GPU_PUZZLES_SWEEP_DEVICE", "cuda"))  # "cpu": a smoke test of the script
@@ -118,7 +113,7 @@ def child(group: str, baselines: bool) -> None:
         for dt in ("float32", "bfloat16", "float16"):
             x = torch.randn(shape, device=dev, dtype=getattr(torch, dt)) * 3
             out["checks"][f"{shape} {dt}"] = _check(x, dim, torch)
-    print("RESULT " + json.dumps(out))
+    return out
 
 
 def _check(x, dim, torch):
@@ -149,29 +144,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=sorted(VARIANTS), help="one group of variants")
     ap.add_argument("--baselines", action="store_true", help="also time eager and torch.compile (first variant)")
-    ap.add_argument("--child", nargs=2, metavar=("GROUP", "BASELINES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        child(args.child[0], args.child[1] == "1")
-        return
+    import traceback
+
+    import gpu_puzzles
     failed = False
     for group, variants in VARIANTS.items():
         if args.only and group != args.only:
             continue
         print(f"\n== {group} ==")
-        for i, (name, env) in enumerate(variants.items()):
-            e = {k: v for k, v in os.environ.items() if not k.startswith("GPU_PUZZLES_SOFTMAX_")}
-            e.update(env)
-            e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
-            base = "1" if (args.baselines and i == 0) else "0"
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", group, base], env=e,
-                               capture_output=True, text=True, timeout=900)
-            line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-            if r.returncode != 0 or not line:
-                print(f"{name:28s} CRASH rc={r.returncode}\n{r.stderr[-3000:]}")
+        for i, (name, knobs) in enumerate(variants.items()):
+            try:
+                with gpu_puzzles.tuning.override(**knobs):
+                    res = run_group(group, args.baselines and i == 0)
+            except Exception:  # report it and go on (after a sticky CUDA error the rest fail too)
+                print(f"{name:28s} CRASH\n{traceback.format_exc()[-3000:]}")
                 failed = True
                 continue
-            res = json.loads(line[0][7:])
             bad = [k for k, v in res["checks"].items() if not v <= 1.0]
             for label, c in res["cases"].items():
                 extra = "".join(f"  {k} {v:.2f}" for k, v in c.items() if k not in ("ours", "err"))
@@ -179,7 +168,7 @@ def main() -> None:
                 print(f"{name:28s} {label:28s} ours {c['ours']:.3f} TB/s{extra}  [{ok}]")
             print(f"{name:28s} edge checks: " + ("ok" if not bad else "FAIL " + ", ".join(bad)))
             failed |= bool(bad) or any(not c["err"] <= 1.0 for c in res["cases"].values())
-    sys.exit(1 if failed else 0)
+    raise SystemExit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import torch
 
 import gpu_puzzles as gp
 
-from conftest import (DEVICES, HAS_CUDA, RACECHECK, SANITIZE, assert_close_ref, device_dtypes, kinds_for, many,
+from conftest import (DEVICES, HAS_CUDA, RACECHECK, assert_close_ref, device_dtypes, kinds_for, many,
                       poison_allocator, requires_cuda, sanitize_timing)
 from strategies import OFFSET, make_tensor
 
@@ -451,32 +451,55 @@ def test_cuda_fast_kernels_deterministic():
             assert torch.equal(first, gp.softmax(x, dim))
 
 
-# ---- kernel variants (algorithm "auto:key=value,...", the sweep's knobs) ----------------------
+# ---- kernel variants (gpu_puzzles.tuning.override, the sweep's knobs) ---------------------------
 # Every variant must be right on every shape it can be dispatched for; shapes outside a variant's
 # range (N not a multiple of the vector, misaligned views, too long) must fall back correctly.
-ROW_VARIANTS = ["auto:rows=new,cluster=8,stages=2", "auto:rows=new,cluster=16,stages=2",
-                "auto:rows=new,cluster=8,stages=3", "auto:rows=new,cluster=16,stages=3", "auto:rows=old",
-                "auto:rows=smem,cluster=8", "auto:rows=smem,cluster=16", "auto:rows=bulk,cluster=4",
-                "auto:rows=bulk,cluster=8"]
-COL_VARIANTS = ["auto:cols=new,col_rows_fwd=8,col_rows_bwd=8,stages=2",
-                "auto:cols=new,col_rows_fwd=8,col_rows_bwd=8,stages=1",
-                "auto:cols=new,col_rows_fwd=16,col_rows_bwd=16,stages=1",
-                "auto:cols=new,col_rows_fwd=16,col_rows_bwd=16,stages=2",
-                "auto:cols=new,col_rows_fwd=4,col_rows_bwd=4,stages=3",
-                "auto:cols=new,col_rows_fwd=8,col_rows_bwd=8,stages=3", "auto:cols=old"]
+def _knobs(**kw):
+    return {f"softmax_{k}": v for k, v in kw.items()}
 
 
-def test_variant_strings_cpu():
+ROW_VARIANTS = [_knobs(rows="new", cluster=8, stages=2), _knobs(rows="new", cluster=16, stages=2),
+                _knobs(rows="new", cluster=8, stages=3), _knobs(rows="new", cluster=16, stages=3), _knobs(rows="old"),
+                _knobs(rows="smem", cluster=8), _knobs(rows="smem", cluster=16), _knobs(rows="bulk", cluster=4),
+                _knobs(rows="bulk", cluster=8)]
+COL_VARIANTS = [_knobs(cols="new", col_rows_fwd=8, col_rows_bwd=8, stages=2),
+                _knobs(cols="new", col_rows_fwd=8, col_rows_bwd=8, stages=1),
+                _knobs(cols="new", col_rows_fwd=16, col_rows_bwd=16, stages=1),
+                _knobs(cols="new", col_rows_fwd=16, col_rows_bwd=16, stages=2),
+                _knobs(cols="new", col_rows_fwd=4, col_rows_bwd=4, stages=3),
+                _knobs(cols="new", col_rows_fwd=8, col_rows_bwd=8, stages=3), _knobs(cols="old")]
+# The built-in defaults spelled out: the same kernels as no override.
+DEFAULT_KNOBS = _knobs(rows="smem", cluster=8, stages=1, cols="new", col_rows_fwd=16, col_rows_bwd=8, grid=1)
+
+
+def _variant_id(v):
+    return ",".join(f"{k[len('softmax_'):]}={x}" for k, x in v.items())
+
+
+@pytest.fixture
+def variant(request):
+    """The test runs under the knobs of its parameter; the fixture's value is their label."""
+    with gp.tuning.override(**request.param):
+        yield _variant_id(request.param)
+
+
+def test_variant_knobs_cpu():
     x = torch.randn(3, 50)
     ref = torch.ops.gpu_puzzles.softmax(x, -1, "auto")
-    for v in ROW_VARIANTS + COL_VARIANTS:
-        assert torch.equal(torch.ops.gpu_puzzles.softmax(x, -1, v), ref)
-    for v in ("auto:grid=1", "auto:grid=4,stages=1"):
-        assert torch.equal(torch.ops.gpu_puzzles.softmax(x, -1, v), ref)
-    for bad, word in (("auto:rows=bogus", "rows"), ("auto:cluster=3", "cluster"), ("auto:nope=1", "nope"),
-                      ("auto:rows", "key=value"), ("auto:grid=2", "grid")):
+    for v in ROW_VARIANTS + COL_VARIANTS + [_knobs(grid=1), _knobs(grid=4, stages=1), DEFAULT_KNOBS]:
+        with gp.tuning.override(**v):
+            assert {k: gp.tuning.knobs()[k][1] for k in v} == {k: str(x) for k, x in v.items()}
+            assert torch.equal(torch.ops.gpu_puzzles.softmax(x, -1, "auto"), ref)
+        assert all(gp.tuning.knobs()[k][1] is None for k in v)  # restored on exit
+    # An unknown value or knob names the knob; the algorithm string carries no tuning.
+    for bad, word in ((_knobs(rows="bogus"), "softmax_rows"), (_knobs(cluster=3), "softmax_cluster"),
+                      (_knobs(nope=1), "softmax_nope"), (_knobs(grid=2), "softmax_grid"),
+                      (_knobs(col_rows_fwd=2), "softmax_col_rows_fwd")):
         with pytest.raises(RuntimeError, match=word):
-            torch.ops.gpu_puzzles.softmax(x, -1, bad)
+            with gp.tuning.override(**bad):
+                pass
+    with pytest.raises(RuntimeError, match="algorithm"):
+        torch.ops.gpu_puzzles.softmax(x, -1, "auto:rows=new")
 
 
 def _variant_row_lengths(v):
@@ -491,7 +514,7 @@ def _variant_row_lengths(v):
 
 
 @requires_cuda
-@pytest.mark.parametrize("variant", ROW_VARIANTS)
+@pytest.mark.parametrize("variant", ROW_VARIANTS, ids=_variant_id, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_variants_rows(variant, dtype):
     torch.manual_seed(31)
@@ -500,18 +523,18 @@ def test_cuda_variants_rows(variant, dtype):
         kinds = kinds_for(j) if n < 150000 else ["softmax"]
         for kind in kinds:
             x = torch.randn(2 if n > 150000 else 3, n, device="cuda", dtype=dtype) * 3
-            _cuda_check(x, -1, kind, variant, dtype, f"{variant} {kind} ({x.shape[0]},{n}) {dtype}")
+            _cuda_check(x, -1, kind, "auto", dtype, f"{variant} {kind} ({x.shape[0]},{n}) {dtype}")
         if n < 150000 and not RACECHECK:
             base = torch.randn(2 * n + v, device="cuda", dtype=dtype)  # misaligned: the older kernels
-            _cuda_check(base[1:2 * n + 1].view(2, n), -1, "softmax", variant, dtype, f"{variant} misaligned {n}")
+            _cuda_check(base[1:2 * n + 1].view(2, n), -1, "softmax", "auto", dtype, f"{variant} misaligned {n}")
     # Many rows per resident cluster: every stage slot is reused many times, rows wrap.
     for rows, n in ((many(1000, 150), 40000 - 40000 % v), (many(300, 120), 131072)):
         x = torch.randn(rows, n, device="cuda", dtype=dtype)
-        _cuda_check(x, -1, "softmax", variant, dtype, f"{variant} ({rows},{n}) {dtype}")
+        _cuda_check(x, -1, "softmax", "auto", dtype, f"{variant} ({rows},{n}) {dtype}")
 
 
 @requires_cuda
-@pytest.mark.parametrize("variant", COL_VARIANTS)
+@pytest.mark.parametrize("variant", COL_VARIANTS, ids=_variant_id, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cuda_variants_columns(variant, dtype):
     torch.manual_seed(32)
@@ -522,19 +545,19 @@ def test_cuda_variants_columns(variant, dtype):
     for j, (o, n, i) in enumerate(shapes):
         for kind in kinds_for(j):
             x = torch.randn(o, n, i, device="cuda", dtype=dtype) * 3
-            _cuda_check(x, 1, kind, variant, dtype, f"{variant} {kind} cols ({o},{n},{i}) {dtype}")
+            _cuda_check(x, 1, kind, "auto", dtype, f"{variant} {kind} cols ({o},{n},{i}) {dtype}")
         if o * n * i < 2_000_000 and not RACECHECK:
             xm = make_tensor((o, n, i), dtype, "cuda", OFFSET, seed=n)
-            _cuda_check(xm, 1, "softmax", variant, dtype, f"{variant} misaligned ({o},{n},{i})")
+            _cuda_check(xm, 1, "softmax", "auto", dtype, f"{variant} misaligned ({o},{n},{i})")
     # Many tiles per resident cluster (stage slots reused, tiles wrap) and a 5-d middle dim.
     x = torch.randn(many(300, 60), 1500, 128, device="cuda", dtype=dtype)
-    _cuda_check(x, 1, "softmax", variant, dtype, f"{variant} cols ({x.shape[0]},1500,128)")
+    _cuda_check(x, 1, "softmax", "auto", dtype, f"{variant} cols ({x.shape[0]},1500,128)")
     x = torch.randn(2, 3, 1100, 8, 16, device="cuda", dtype=dtype)
-    _cuda_check(x, 2, "log_softmax", variant, dtype, f"{variant} 5-d dim=2")
+    _cuda_check(x, 2, "log_softmax", "auto", dtype, f"{variant} 5-d dim=2")
 
 
 @requires_cuda
-@pytest.mark.parametrize("variant", ROW_VARIANTS + COL_VARIANTS)
+@pytest.mark.parametrize("variant", ROW_VARIANTS + COL_VARIANTS, ids=_variant_id, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_variants_extremes(variant, dtype):
     # -inf, all -inf lines, whole warps / blocks / cluster ranks of -inf, +inf, NaN, huge negative
@@ -550,7 +573,7 @@ def test_cuda_variants_extremes(variant, dtype):
             for xx, dim in lines:
                 _poison_cache()
                 with sanitize_timing(f"extremes {kind} n={n}"):
-                    y = op(xx, dim, variant).cpu().double()
+                    y = op(xx, dim, "auto").cpu().double()
                 r = ref(xx.cpu().double(), dim)
                 assert torch.equal(torch.isnan(y), torch.isnan(r)), (variant, n, dim, dtype, kind)
                 tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -558,58 +581,49 @@ def test_cuda_variants_extremes(variant, dtype):
 
 
 @requires_cuda
-@pytest.mark.parametrize("variant", ROW_VARIANTS + COL_VARIANTS)
+@pytest.mark.parametrize("variant", ROW_VARIANTS + COL_VARIANTS, ids=_variant_id, indirect=True)
 def test_cuda_variants_deterministic(variant):
     # Fixed merge orders: the same input gives the same bits, forward and backward.
     torch.manual_seed(34)
+    fwd, bwd = torch.ops.gpu_puzzles.softmax, torch.ops.gpu_puzzles.softmax_backward
     for shape, dim in (((many(40, 12), 100000), -1), ((many(16, 4), 4096, 256), 1)):
         with sanitize_timing(f"deterministic {shape}"):
             x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
             g = torch.randn_like(x)
-            y = torch.ops.gpu_puzzles.softmax(x, dim, variant)
-            dx = torch.ops.gpu_puzzles.softmax_backward(g, y, dim, variant)
+            y = fwd(x, dim, "auto")
+            dx = bwd(g, y, dim, "auto")
             for _ in range(1 if RACECHECK else 2):  # racecheck: one repeat is the comparison
-                assert torch.equal(y, torch.ops.gpu_puzzles.softmax(x, dim, variant))
-                assert torch.equal(dx, torch.ops.gpu_puzzles.softmax_backward(g, y, dim, variant))
+                assert torch.equal(y, fwd(x, dim, "auto"))
+                assert torch.equal(dx, bwd(g, y, dim, "auto"))
 
 
 @requires_cuda
-def test_cuda_variant_environment(tmp_path):
-    # The environment picks the process default: a subprocess with the variables set gives the
-    # same bits as the per-call variant string.
-    import os
-    import subprocess
-    import sys
-    script = tmp_path / "child.py"
-    # Under the sanitizer each child is instrumented too: fewer rows, same paths.
-    rows, outer = many(64, 4), many(8, 2)
-    script.write_text(
-        "import sys, torch, gpu_puzzles\n"
-        "torch.manual_seed(0)\n"
-        f"x = torch.randn({rows}, 131072, device='cuda')\n"
-        f"c = torch.randn({outer}, 4096, 256, device='cuda', dtype=torch.bfloat16)\n"
-        "g = torch.randn_like(c)\n"
-        "v = sys.argv[1]\n"
-        "y = torch.ops.gpu_puzzles.softmax(c, 1, 'auto')\n"
-        "ok = [torch.equal(torch.ops.gpu_puzzles.softmax(x, -1, 'auto'), torch.ops.gpu_puzzles.softmax(x, -1, v)),\n"
-        "      torch.equal(y, torch.ops.gpu_puzzles.softmax(c, 1, v)),\n"
-        "      torch.equal(torch.ops.gpu_puzzles.softmax_backward(g, y, 1, 'auto'),\n"
-        "                  torch.ops.gpu_puzzles.softmax_backward(g, y, 1, v))]\n"
-        "print(ok)\n"
-        "sys.exit(0 if all(ok) else 1)\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for env, v in (({"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "old", "GPU_PUZZLES_SOFTMAX_COL_VARIANT": "old"},
-                    "auto:rows=old,cols=old"),
-                   ({"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "new", "GPU_PUZZLES_SOFTMAX_CLUSTER": "16",
-                     "GPU_PUZZLES_SOFTMAX_STAGES": "3", "GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD": "8",
-                     "GPU_PUZZLES_SOFTMAX_COL_ROWS_BWD": "4"},
-                    "auto:rows=new,cluster=16,stages=3,cols=new,col_rows_fwd=8,col_rows_bwd=4"),
-                   ({"GPU_PUZZLES_SOFTMAX_ROWS_VARIANT": "bulk", "GPU_PUZZLES_SOFTMAX_CLUSTER": "4"},
-                    "auto:rows=bulk,cluster=4")):
-        full = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
-        r = subprocess.run([sys.executable, str(script), v], env=full, capture_output=True, text=True,
-                           timeout=900 if SANITIZE else 300)
-        assert r.returncode == 0, (env, r.stdout, r.stderr[-2000:])
+def test_cuda_variant_override():
+    # An override holds for every call inside the block and is undone after it: the defaults
+    # spelled out as knobs give the bits of no override, and after each variant's block (nested
+    # inside another override, too) the plain call gives them again.
+    torch.manual_seed(0)
+    fwd, bwd = torch.ops.gpu_puzzles.softmax, torch.ops.gpu_puzzles.softmax_backward
+    x = torch.randn(many(64, 4), 131072, device="cuda")
+    c = torch.randn(many(8, 2), 4096, 256, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn_like(c)
+
+    def run():
+        y = fwd(c, 1, "auto")
+        return fwd(x, -1, "auto"), y, bwd(g, y, 1, "auto")
+
+    base = run()
+    with gp.tuning.override(**DEFAULT_KNOBS):
+        assert all(torch.equal(a, b) for a, b in zip(base, run()))
+    for v in (_knobs(rows="old", cols="old"),
+              _knobs(rows="new", cluster=16, stages=3, cols="new", col_rows_fwd=8, col_rows_bwd=4),
+              _knobs(rows="bulk", cluster=4)):
+        with gp.tuning.override(softmax_grid=1):
+            with gp.tuning.override(**v):
+                first = run()
+                assert all(torch.equal(a, b) for a, b in zip(first, run())), v
+            assert gp.tuning.knobs()["softmax_grid"][1] == "1"
+        assert all(torch.equal(a, b) for a, b in zip(base, run())), v
 
 
 # ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----

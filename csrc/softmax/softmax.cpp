@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <initializer_list>
 #include <limits>
 #include <string>
 
@@ -35,61 +34,34 @@ Dims canon(const at::Tensor& x, int64_t dim, const char* op, const char* name) {
   return r;
 }
 
-// "auto:key=value,...": the auto kernels with a variant for tuning sweeps and
-// tests (keys rows=old|new|smem|bulk, cluster=4|8|16, stages=1|2|3, cols=old|new,
-// col_rows_fwd=4|8|16, col_rows_bwd=4|8|16, grid=1|4; see SoftmaxTuning). Not a public
-// choice: the Python checks accept only the plain names.
-SoftmaxTuning parse_tuning(const std::string& algorithm, const char* op) {
-  SoftmaxTuning t;
-  if (algorithm.rfind("auto:", 0) != 0) return t;
-  std::string rest = algorithm.substr(5);
-  size_t pos = 0;
-  while (pos <= rest.size()) {
-    const size_t end = std::min(rest.find(',', pos), rest.size());
-    const std::string item = rest.substr(pos, end - pos);
-    const size_t eq = item.find('=');
-    TORCH_CHECK(eq != std::string::npos, op, ": algorithm variant item '", item, "' is not key=value");
-    const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
-    auto old_new = [&]() {
-      TORCH_CHECK(v == "old" || v == "new", op, ": algorithm variant ", k, " must be old or new, got '", v, "'");
-      return v == "old" ? 1 : 2;
-    };
-    auto one_of = [&](std::initializer_list<int> allowed) {
-      for (int x : allowed)
-        if (v == std::to_string(x)) return x;
-      TORCH_CHECK(false, op, ": algorithm variant ", k, " has an unsupported value '", v, "'");
-      return 0;
-    };
-    if (k == "rows") {
-      TORCH_CHECK(v == "old" || v == "new" || v == "smem" || v == "bulk", op,
-                  ": algorithm variant rows must be old, new, smem or bulk, got '", v, "'");
-      t.rows = v == "old" ? 1 : v == "new" ? 2 : v == "smem" ? 3 : 4;
-    }
-    else if (k == "cols") t.cols = old_new();
-    else if (k == "cluster") t.cluster = one_of({4, 8, 16});
-    else if (k == "stages") t.stages = one_of({1, 2, 3});
-    else if (k == "col_rows_fwd") t.col_rows_fwd = one_of({4, 8, 16});
-    else if (k == "col_rows_bwd") t.col_rows_bwd = one_of({4, 8, 16});
-    else if (k == "grid") t.grid = one_of({1, 4});
-    else TORCH_CHECK(false, op, ": unknown algorithm variant key '", k, "'");
-    pos = end + 1;
-  }
-  return t;
-}
-
+// The curriculum's variants; the Auto kernels' tuning comes from the knobs
+// (softmax_tuning()), never from this string.
 SoftmaxAlgo parse_algorithm(const std::string& algorithm, const char* op) {
   if (algorithm == "auto") return SoftmaxAlgo::Auto;
-  if (algorithm.rfind("auto:", 0) == 0) {
-    parse_tuning(algorithm, op);
-    return SoftmaxAlgo::Auto;
-  }
   if (algorithm == "tree") return SoftmaxAlgo::Tree;
   if (algorithm == "shuffle") return SoftmaxAlgo::Shuffle;
   if (algorithm == "online") return SoftmaxAlgo::Online;
   TORCH_CHECK(false, op, ": algorithm must be one of 'auto', 'tree', 'shuffle', 'online', got '", algorithm, "'");
 }
 
-void check_backward(const at::Tensor& grad_out, const at::Tensor& out, const char* op) {
+// The checked arguments of one call: the op's name for messages, the (outer,
+// N, inner) view and the algorithm.
+struct Call {
+  const char* op;
+  Dims d;
+  SoftmaxAlgo algo;
+};
+
+Call check_forward(const at::Tensor& x, int64_t dim, c10::string_view algorithm, bool log) {
+  const char* op = log ? "log_softmax" : "softmax";
+  check_float(x, log ? "log_softmax: x" : "softmax: x");
+  const Dims d = canon(x, dim, op, "x");
+  return Call{op, d, parse_algorithm(std::string(algorithm), op)};
+}
+
+Call check_backward(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim, c10::string_view algorithm,
+                    bool log) {
+  const char* op = log ? "log_softmax_backward" : "softmax_backward";
   const std::string g = std::string(op) + ": grad_out";
   const std::string o = std::string(op) + ": out";
   check_float(out, o.c_str());
@@ -97,6 +69,8 @@ void check_backward(const at::Tensor& grad_out, const at::Tensor& out, const cha
   check_same_device(grad_out, out, g.c_str(), "out");
   TORCH_CHECK(grad_out.sizes() == out.sizes(), op, ": grad_out has shape ", grad_out.sizes(), " but out has shape ",
               out.sizes());
+  const Dims d = canon(out, dim, op, "out");
+  return Call{op, d, parse_algorithm(std::string(algorithm), op)};
 }
 
 // ---- CPU kernels ---------------------------------------------------------------
@@ -150,47 +124,28 @@ void backward_cpu_kernel(const T* dy, const T* y, T* dx, const Dims& d, bool log
   });
 }
 
-at::Tensor forward_cpu(const at::Tensor& x, int64_t dim, c10::string_view algorithm, bool log) {
-  const char* op = log ? "log_softmax" : "softmax";
-  check_float(x, log ? "log_softmax: x" : "softmax: x");
-  const Dims d = canon(x, dim, op, "x");
-  parse_algorithm(std::string(algorithm), op);
+template <bool Log>
+at::Tensor forward_cpu(const at::Tensor& x, int64_t dim, c10::string_view algorithm) {
+  const Dims d = check_forward(x, dim, algorithm, Log).d;  // the CPU has one kernel for every algorithm
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "softmax_cpu", [&] {
-    forward_cpu_kernel<scalar_t>(xc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), d, log);
+    forward_cpu_kernel<scalar_t>(xc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), d, Log);
   });
   return y;
 }
 
-at::Tensor backward_cpu(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim, c10::string_view algorithm,
-                        bool log) {
-  const char* op = log ? "log_softmax_backward" : "softmax_backward";
-  check_backward(grad_out, out, op);
-  const Dims d = canon(out, dim, op, "out");
-  parse_algorithm(std::string(algorithm), op);
+template <bool Log>
+at::Tensor backward_cpu(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim, c10::string_view algorithm) {
+  const Dims d = check_backward(grad_out, out, dim, algorithm, Log).d;
   const at::Tensor g = grad_out.contiguous(), yc = out.contiguous();
   at::Tensor dx = at::empty(out.sizes(), out.options());
   if (out.numel() == 0) return dx;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "softmax_backward_cpu", [&] {
-    backward_cpu_kernel<scalar_t>(g.data_ptr<scalar_t>(), yc.data_ptr<scalar_t>(), dx.data_ptr<scalar_t>(), d, log);
+    backward_cpu_kernel<scalar_t>(g.data_ptr<scalar_t>(), yc.data_ptr<scalar_t>(), dx.data_ptr<scalar_t>(), d, Log);
   });
   return dx;
-}
-
-at::Tensor softmax_cpu(const at::Tensor& x, int64_t dim, c10::string_view algorithm) {
-  return forward_cpu(x, dim, algorithm, false);
-}
-at::Tensor log_softmax_cpu(const at::Tensor& x, int64_t dim, c10::string_view algorithm) {
-  return forward_cpu(x, dim, algorithm, true);
-}
-at::Tensor softmax_backward_cpu(const at::Tensor& g, const at::Tensor& y, int64_t dim, c10::string_view algorithm) {
-  return backward_cpu(g, y, dim, algorithm, false);
-}
-at::Tensor log_softmax_backward_cpu(const at::Tensor& g, const at::Tensor& y, int64_t dim,
-                                    c10::string_view algorithm) {
-  return backward_cpu(g, y, dim, algorithm, true);
 }
 
 #ifdef WITH_CUDA
@@ -199,7 +154,7 @@ at::Tensor log_softmax_backward_cpu(const at::Tensor& g, const at::Tensor& y, in
 bool needs_move(const Dims& d, SoftmaxAlgo algo) { return algo != SoftmaxAlgo::Auto && d.inner != 1; }
 
 at::Tensor run_cuda(const at::Tensor& a, const at::Tensor* b, const Dims& d0, SoftmaxAlgo algo, bool log,
-                    bool backward, const SoftmaxTuning& tune) {
+                    bool backward) {
   Dims d = d0;
   const bool move = needs_move(d, algo);
   at::Tensor ac = move ? a.movedim(d.dim, -1).contiguous() : a.contiguous();
@@ -209,7 +164,7 @@ at::Tensor run_cuda(const at::Tensor& a, const at::Tensor* b, const Dims& d0, So
   at::Tensor out = at::empty(ac.sizes(), ac.options());
   if (ac.numel() > 0) {
     SoftmaxArgs args{ac.data_ptr(), bc.defined() ? bc.data_ptr() : nullptr, out.data_ptr(), d.outer, d.N, d.inner,
-                     log, to_dtype(a.scalar_type()), tune};
+                     log, to_dtype(a.scalar_type()), softmax_tuning()};
     const int64_t wsb = softmax_workspace_bytes(args, algo, backward);
     at::Tensor ws = wsb > 0 ? at::empty({wsb}, a.options().dtype(at::kByte)) : at::Tensor();
     void* wp = ws.defined() ? ws.data_ptr() : nullptr;
@@ -219,56 +174,37 @@ at::Tensor run_cuda(const at::Tensor& a, const at::Tensor* b, const Dims& d0, So
   return move ? out.movedim(-1, d0.dim).contiguous() : out;
 }
 
-at::Tensor forward_cuda(const at::Tensor& x, int64_t dim, c10::string_view algorithm, bool log) {
-  const char* op = log ? "log_softmax" : "softmax";
-  check_float(x, log ? "log_softmax: x" : "softmax: x");
-  const Dims d = canon(x, dim, op, "x");
-  const SoftmaxAlgo algo = parse_algorithm(std::string(algorithm), op);
-  TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor for the CUDA kernel, got ", x.device());
+template <bool Log>
+at::Tensor forward_cuda(const at::Tensor& x, int64_t dim, c10::string_view algorithm) {
+  const Call c = check_forward(x, dim, algorithm, Log);
+  TORCH_CHECK(x.is_cuda(), c.op, ": x must be a CUDA tensor for the CUDA kernel, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  return run_cuda(x, nullptr, d, algo, log, false, parse_tuning(std::string(algorithm), op));
+  return run_cuda(x, nullptr, c.d, c.algo, Log, false);
 }
 
-at::Tensor backward_cuda(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim, c10::string_view algorithm,
-                         bool log) {
-  const char* op = log ? "log_softmax_backward" : "softmax_backward";
-  check_backward(grad_out, out, op);
-  const Dims d = canon(out, dim, op, "out");
-  const SoftmaxAlgo algo = parse_algorithm(std::string(algorithm), op);
+template <bool Log>
+at::Tensor backward_cuda(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim, c10::string_view algorithm) {
+  const Call c = check_backward(grad_out, out, dim, algorithm, Log);
   const c10::cuda::CUDAGuard guard(out.device());
-  return run_cuda(out, &grad_out, d, algo, log, true, parse_tuning(std::string(algorithm), op));
-}
-
-at::Tensor softmax_cuda(const at::Tensor& x, int64_t dim, c10::string_view algorithm) {
-  return forward_cuda(x, dim, algorithm, false);
-}
-at::Tensor log_softmax_cuda(const at::Tensor& x, int64_t dim, c10::string_view algorithm) {
-  return forward_cuda(x, dim, algorithm, true);
-}
-at::Tensor softmax_backward_cuda_op(const at::Tensor& g, const at::Tensor& y, int64_t dim, c10::string_view algorithm) {
-  return backward_cuda(g, y, dim, algorithm, false);
-}
-at::Tensor log_softmax_backward_cuda_op(const at::Tensor& g, const at::Tensor& y, int64_t dim,
-                                        c10::string_view algorithm) {
-  return backward_cuda(g, y, dim, algorithm, true);
+  return run_cuda(out, &grad_out, c.d, c.algo, Log, true);
 }
 #endif
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gpu_puzzles, CPU, m) {
-  m.impl("softmax", &softmax_cpu);
-  m.impl("log_softmax", &log_softmax_cpu);
-  m.impl("softmax_backward", &softmax_backward_cpu);
-  m.impl("log_softmax_backward", &log_softmax_backward_cpu);
+  m.impl("softmax", &forward_cpu<false>);
+  m.impl("log_softmax", &forward_cpu<true>);
+  m.impl("softmax_backward", &backward_cpu<false>);
+  m.impl("log_softmax_backward", &backward_cpu<true>);
 }
 
 #ifdef WITH_CUDA
 TORCH_LIBRARY_IMPL(gpu_puzzles, CUDA, m) {
-  m.impl("softmax", &softmax_cuda);
-  m.impl("log_softmax", &log_softmax_cuda);
-  m.impl("softmax_backward", &softmax_backward_cuda_op);
-  m.impl("log_softmax_backward", &log_softmax_backward_cuda_op);
+  m.impl("softmax", &forward_cuda<false>);
+  m.impl("log_softmax", &forward_cuda<true>);
+  m.impl("softmax_backward", &backward_cuda<false>);
+  m.impl("log_softmax_backward", &backward_cuda<true>);
 }
 #endif
 

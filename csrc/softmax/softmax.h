@@ -17,12 +17,9 @@ namespace gpu_puzzles {
 //   Online  : single-pass running (max, sum), then one write pass.
 enum class SoftmaxAlgo : int { Auto = 0, Tree = 1, Shuffle = 2, Online = 3 };
 
-// Kernel variants of the Auto forward / backward, for tuning sweeps. A field
-// left at 0 takes the process default: the environment, read once
-// (GPU_PUZZLES_SOFTMAX_ROWS_VARIANT=old|new|smem|bulk, GPU_PUZZLES_SOFTMAX_CLUSTER=4|8|16,
-// GPU_PUZZLES_SOFTMAX_STAGES=1|2|3, GPU_PUZZLES_SOFTMAX_COL_VARIANT=old|new,
-// GPU_PUZZLES_SOFTMAX_COL_ROWS_FWD / _BWD=4|8|16, GPU_PUZZLES_SOFTMAX_GRID=1|4), else the built-in choice.
-// Tests and sweeps override it per call with algorithm "auto:key=value,...".
+// Kernel variants of the Auto forward / backward. Each field is the value of
+// its knob (common/kernel_choice.h: softmax_rows, softmax_cluster, ...) when
+// overridden, else the default; softmax_tuning() decides both in one place.
 struct SoftmaxTuning {
   int rows = 0;      // long rows, forward: 1 old (cluster in registers), 2 new (staged, persistent),
                      // 3 smem (the slice in shared memory, cp.async), 4 bulk (the same, one bulk copy)
@@ -36,6 +33,10 @@ struct SoftmaxTuning {
                      // cluster, 1 (every cluster resident, looping) or 4 (blocks come and go)
 };
 
+// The tuning of this call: the knobs' overrides, else the built-in defaults.
+// Read once per op call, so the workspace size and the launch see the same plan.
+SoftmaxTuning softmax_tuning();
+
 struct SoftmaxArgs {
   const void* a;  // forward: x;     backward: y (the forward's output)
   const void* b;  // forward: null;  backward: dy
@@ -43,11 +44,8 @@ struct SoftmaxArgs {
   int64_t outer, N, inner;
   bool log;       // log_softmax instead of softmax
   DType dtype;
-  SoftmaxTuning tune = {};
+  SoftmaxTuning tune;  // softmax_tuning(), filled by the caller
 };
-
-// Fills the zero fields of `t` from the environment / built-in defaults.
-SoftmaxTuning softmax_resolve_tuning(SoftmaxTuning t);
 
 // Bytes of scratch the launch needs (the split path for very long rows keeps
 // per-chunk partial statistics there); 0 when none.

@@ -1,0 +1,522 @@
+// Long softmax rows on Hopper, a thread-block cluster per row, partial
+// statistics exchanged through distributed shared memory: the row in registers
+// (cluster_rows_kernel, forward and backward; cluster_fwd_kernel, forward), staged
+// through shared memory by persistent clusters (staged_rows_fwd_kernel), or the
+// row's slices held in shared memory (smem_rows_fwd_kernel).
+#include "common/bulk_copy.cuh"
+#include "common/cp_async.cuh"
+#include "softmax/softmax_kernels.cuh"
+
+namespace gpu_puzzles {
+namespace {
+
+using namespace softmax_detail;
+
+// ---- the row exchange of the one-barrier cluster kernels -----------------------
+// cluster_fwd_kernel, staged_rows_fwd_kernel and smem_rows_fwd_kernel reduce each
+// warp's values to a pair (shift, sum of exp(x - shift)) in wred, then merge the
+// pairs over the block and the cluster.
+
+
+// This warp's pair for its values v: shift = the warp's maximum, s = the sum of
+// exp(x - shift); softmax keeps e = exp(x - shift) in v. A warp of only -inf
+// (or padding) shifts by 0: exp(-inf) = 0, sum 0 (empty), while a NaN among
+// them still makes the sum NaN.
+template <bool LOG, typename T, int K, int V, typename A>
+__device__ __forceinline__ A warp_pair(A (&v)[K][V], A& shift) {
+  A mw = neg_inf<A>();
+#pragma unroll
+  for (int c = 0; c < K; ++c)
+#pragma unroll
+    for (int k = 0; k < V; ++k) mw = max_a(mw, v[c][k]);
+  mw = warp_max(mw);
+  shift = mw == neg_inf<A>() ? A(0) : mw;
+  const ExpShift<T> ex(shift);
+  A s = A(0);
+#pragma unroll
+  for (int c = 0; c < K; ++c)
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const A e = ex(v[c][k]);
+      s += e;
+      if (!LOG) v[c][k] = e;
+    }
+  return warp_sum(s);
+}
+
+// Warp 0 merges the block's nw warp pairs (a butterfly: every lane the same
+// bits) and publishes the block's pair in `part` for the cluster.
+template <typename A>
+__device__ __forceinline__ void publish_block_pair(const A (*wred)[2], A* part, int lane, int w, int nw) {
+  if (w == 0) {
+    A bm = lane < nw ? wred[lane][0] : A(0), bs = lane < nw ? wred[lane][1] : A(0);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const A m2 = __shfl_xor_sync(0xffffffffu, bm, o), s2 = __shfl_xor_sync(0xffffffffu, bs, o);
+      pair_merge(bm, bs, m2, s2);
+    }
+    if (lane == 0) { part[0] = bm; part[1] = bs; }
+  }
+}
+
+// After the cluster barrier: the row's pair (M, S) from every block's `part`,
+// merged in rank order (identical bits in every block).
+template <typename Cluster, typename A>  // Cluster: cg::cluster_group (sm_90 only)
+__device__ __forceinline__ void cluster_pair(Cluster& cluster, A* part, int CS, A& M, A& S) {
+  M = A(0);
+  S = A(0);
+  for (int r = 0; r < CS; ++r) {
+    const A* p = cluster.map_shared_rank(part, r);
+    pair_merge(M, S, p[0], p[1]);
+  }
+}
+
+// This thread's values from the row's (M, S): log_softmax keeps x and writes
+// (x - M) - log S; softmax keeps e = exp(x - shift) and scales it by
+// exp(shift - M) / S. S == 0 only for a row of all -inf: NaN there, as torch.
+// An empty warp (s == 0, shift 0) writes 0: exp(0 - M) would overflow for a
+// very negative M and make 0 * inf = NaN.
+template <bool LOG, int K, int V, typename A>
+__device__ __forceinline__ void finish_row(A (&v)[K][V], A M, A S, A s, A shift) {
+  const A nan = A(NAN);
+  if (LOG) {
+    const A ls = S == A(0) ? nan : log_a(S);
+#pragma unroll
+    for (int c = 0; c < K; ++c)
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[c][k] = (v[c][k] - M) - ls;
+  } else {
+    const A scale = S == A(0) ? nan : (s == A(0) ? A(0) : exp_a(shift - M) / S);
+#pragma unroll
+    for (int c = 0; c < K; ++c)
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[c][k] *= scale;
+  }
+}
+
+// ---- long rows on Hopper: a thread-block cluster per row -----------------------
+// CS blocks (2..8) of one cluster share a row, each holding its slice in
+// registers (16 elements per thread), so x is read once even for rows too long
+// for one block. Block partials are exchanged through distributed shared memory.
+// `part` is double-buffered by row parity: a block may start the next row while a
+// slower one still reads this row's partials.
+
+template <typename T, bool BWD>
+__global__ void __launch_bounds__(1024)
+cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
+                    bool log, bool vec) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  constexpr int V = 16 / sizeof(T);
+  constexpr int CH = kClusterElems / V;
+  __shared__ A red[33];
+  __shared__ A part[2][2];  // [parity][max, sum]
+  cg::cluster_group cluster = cg::this_cluster();
+  const int CS = int(cluster.num_blocks());
+  const int G = int(blockDim.x) * CS;
+  const int t = int(cluster.block_rank()) * int(blockDim.x) + int(threadIdx.x);
+  const int64_t step = gridDim.x / CS;
+  int parity = 0;
+  for (int64_t row = blockIdx.x / CS; row < rows; row += step, parity ^= 1) {
+    const T* ar = a + row * N;
+    T* outr = out + row * N;
+    A v[CH][V];
+    A s = A(0);
+    if constexpr (!BWD) {
+      A m = neg_inf<A>();
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, N, vec, neg_inf<A>());
+#pragma unroll
+        for (int k = 0; k < V; ++k) m = max_a(m, v[c][k]);
+      }
+      m = block_max(m, red);
+      if (threadIdx.x == 0) part[parity][0] = m;
+      cluster.sync();
+      for (int r = 0; r < CS; ++r) m = max_a(m, *cluster.map_shared_rank(&part[parity][0], r));
+#pragma unroll
+      for (int c = 0; c < CH; ++c)
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const A d = v[c][k] - m;
+          const A e = exp_a(d);
+          s += e;
+          v[c][k] = log ? d : e;
+        }
+      s = block_sum(s, red);
+      if (threadIdx.x == 0) part[parity][1] = s;
+      cluster.sync();
+      s = A(0);
+      for (int r = 0; r < CS; ++r) s += *cluster.map_shared_rank(&part[parity][1], r);  // same order everywhere
+      const A sub = log ? log_a(s) : A(0);
+      const A mul = log ? A(1) : A(1) / s;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[c][k] = log ? v[c][k] - sub : v[c][k] * mul;
+        store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, N, vec);
+      }
+    } else {
+      const T* br = b + row * N;
+      A g[CH][V];
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, N, vec, A(0));
+        load_chunk<T, V>(g[c], br, (int64_t(c) * G + t) * V, N, vec, A(0));
+#pragma unroll
+        for (int k = 0; k < V; ++k) s += log ? g[c][k] : g[c][k] * v[c][k];
+      }
+      s = block_sum(s, red);
+      if (threadIdx.x == 0) part[parity][1] = s;
+      cluster.sync();
+      s = A(0);
+      for (int r = 0; r < CS; ++r) s += *cluster.map_shared_rank(&part[parity][1], r);
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[c][k] = log ? g[c][k] - exp_a(v[c][k]) * s : v[c][k] * (g[c][k] - s);
+        store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, N, vec);
+      }
+    }
+  }
+  cluster.sync();  // no block exits while another may still read its `part`
+#endif
+}
+
+// ---- long rows, forward, on Hopper: a cluster per row, one cluster barrier -----
+// CS blocks (2..8) of up to 512 threads share a row; thread t of the cluster
+// holds CH chunks of V (32 elements) at (c * G + t) * V in registers. Each warp
+// reduces its values to a pair (shift, sum of exp(x - shift)) with its own
+// maximum as the shift, the block merges its warps' pairs, and the blocks swap
+// pairs through distributed shared memory once (one cluster barrier per row,
+// not two). 512 threads at <= 64 registers give 2 blocks per SM: one block's
+// loads overlap the other's barrier. Softmax keeps e = exp(x - shift) and
+// scales it by exp(shift - M) / S; log_softmax keeps x.
+
+template <typename T, bool LOG>
+__global__ void __launch_bounds__(kClusterFwdThreads, 2)
+cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, bool vec) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  constexpr int V = 16 / sizeof(T);
+  constexpr int CH = kClusterFwdElems / V;
+  __shared__ A wred[kClusterFwdThreads / 32][2];
+  __shared__ A part[2][2];  // [row parity][shift, sum]: a slower block may still read the last row's
+  cg::cluster_group cluster = cg::this_cluster();
+  const int CS = int(cluster.num_blocks());
+  const int G = int(blockDim.x) * CS;
+  const int t = int(cluster.block_rank()) * int(blockDim.x) + int(threadIdx.x);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int64_t step = gridDim.x / CS;
+  int parity = 0;
+  for (int64_t row = blockIdx.x / CS; row < rows; row += step, parity ^= 1) {  // cluster-uniform
+    // Rebased on this thread's first element: 32-bit chunk offsets (c G V <= N <=
+    // 131072), fewer live 64-bit addresses.
+    const T* ar = a + row * N + int64_t(t) * V;
+    T* outr = out + row * N + int64_t(t) * V;
+    const int64_t rem = N - int64_t(t) * V;
+    A v[CH][V];
+#pragma unroll
+    for (int c = 0; c < CH; ++c) load_chunk<T, V>(v[c], ar, int64_t(c * G * V), rem, vec, neg_inf<A>());
+    A shift;
+    const A s = warp_pair<LOG, T>(v, shift);
+    if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
+    __syncthreads();
+    publish_block_pair(wred, part[parity], lane, w, nw);
+    // Release/acquire across the cluster: every block's pair is visible after it;
+    // also orders this row's wred reads before the next row's wred writes.
+    cluster.sync();
+    A M, S;
+    cluster_pair(cluster, part[parity], CS, M, S);
+    finish_row<LOG>(v, M, S, s, shift);
+#pragma unroll
+    for (int c = 0; c < CH; ++c) store_chunk<T, V>(outr, v[c], int64_t(c * G * V), rem, vec);
+  }
+  cluster.sync();  // no block exits while another may still read its `part`
+#endif
+}
+
+// ---- long rows, forward, on Hopper: staged, persistent clusters (rows=new) -----
+// Why: in the register cluster kernel above, each
+// block lives for one row slice only (load, reduce, cluster barrier, store,
+// exit), so an SM's loads stop while its blocks reduce, wait at the barrier,
+// store and are replaced, and a new cluster of 8 needs 8 free slots in one GPC
+// at once. Here a grid of exactly the resident clusters loops over rows, and
+// each thread keeps the next `stages` rows of its slice in flight with cp.async
+// into shared memory: x is read once, the copies for later rows overlap this
+// row's reductions, barrier and stores. Thread t of the cluster owns vectors
+// (c G + t) V, c < K (each warp access a contiguous 512 bytes), staged at its
+// own shared-memory slots: only the thread that copied a slot reads it, after
+// its own cp.async.wait_group, and refills it only after a block barrier that
+// follows its use (no cross-thread hazard). Statistics as cluster_fwd_kernel:
+// per-warp (shift, sum) pairs, one DSMEM exchange per row.
+
+template <typename T, bool LOG, int K>
+__global__ void __launch_bounds__(kSrThreads, K <= 4 ? 2 : 1)
+staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, int stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  constexpr int V = 16 / sizeof(T);
+  extern __shared__ __align__(16) unsigned char sr_raw[];
+  uint4* buf = reinterpret_cast<uint4*>(sr_raw);
+  __shared__ A wred[kSrThreads / 32][2];
+  __shared__ A part[2][2];  // [row parity][shift, sum]
+  cg::cluster_group cluster = cg::this_cluster();
+  const int CS = int(cluster.num_blocks());
+  const int BT = int(blockDim.x), tid = int(threadIdx.x);
+  const int64_t G = int64_t(BT) * CS;
+  const int64_t t = int64_t(cluster.block_rank()) * BT + tid;
+  const int lane = tid & 31, w = tid >> 5, nw = BT >> 5;
+  const int64_t step = gridDim.x / CS;
+  const int64_t first = blockIdx.x / CS;
+  const int64_t rem = N - t * V;  // elements of a row from this thread's first
+  auto issue = [&](int64_t row, int st) {
+    if (row < rows) {
+      const T* ar = a + row * N + t * V;
+#pragma unroll
+      for (int c = 0; c < K; ++c)
+        if (int64_t(c) * G * V < rem) cp_async16(&buf[(st * K + c) * BT + tid], ar + int64_t(c) * G * V);
+    }
+    cp_async_commit();  // empty groups too: every thread counts the same groups
+  };
+  for (int st = 0; st < stages; ++st) issue(first + int64_t(st) * step, st);
+  int parity = 0, st = 0;
+  for (int64_t row = first; row < rows; row += step, parity ^= 1) {  // cluster-uniform
+    // `stages` groups are pending (this row's is the oldest): wait for the oldest.
+    if (stages >= 3) cp_async_wait<2>();
+    else cp_async_wait<1>();
+    A v[K][V];
+#pragma unroll
+    for (int c = 0; c < K; ++c) {
+      if (int64_t(c) * G * V < rem) {
+        Vec<T, V> r;
+        r.q[0] = buf[(st * K + c) * BT + tid];
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[c][k] = to_acc<A>(r.e[k]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[c][k] = neg_inf<A>();
+      }
+    }
+    A shift;
+    const A s = warp_pair<LOG, T>(v, shift);
+    if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
+    __syncthreads();
+    // This thread's slots of stage `st` are in registers and used: refill them
+    // with the row `stages` steps on.
+    issue(row + int64_t(stages) * step, st);
+    st = st + 1 == stages ? 0 : st + 1;
+    publish_block_pair(wred, part[parity], lane, w, nw);
+    cluster.sync();  // every block's pair visible; this row's wred reads done
+    A M, S;
+    cluster_pair(cluster, part[parity], CS, M, S);
+    T* outr = out + row * N + t * V;
+    finish_row<LOG>(v, M, S, s, shift);
+#pragma unroll
+    for (int c = 0; c < K; ++c) {
+      if (int64_t(c) * G * V < rem) {
+        Vec<T, V> y;
+#pragma unroll
+        for (int k = 0; k < V; ++k) y.e[k] = from_acc<T>(v[c][k]);
+        __stcs(reinterpret_cast<uint4*>(outr + int64_t(c) * G * V), y.q[0]);
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can remain; leave none behind
+  cluster.sync();      // no block exits while another may still read its `part`
+#endif
+}
+
+// ---- long rows, forward, on Hopper: the row slice in shared memory (rows=smem|bulk)
+// Why another one: the staged kernel above keeps its slice in registers (112 per
+// thread), so one 512-thread block fills an SM, and a cluster of 8 then needs 8
+// whole SMs of one GPC: SMs left over in a GPC stay idle.
+// Here the block's slice of the row (SV 16-byte vectors, SV 16 bytes of dynamic
+// shared memory, 64 KB for fp32 131072 over 8 blocks) is the only copy; threads
+// read it three times (max, sum, write) at shared-memory speed, need few
+// registers, and several blocks share an SM: one block's loads overlap another's
+// reductions and stores, and a cluster may spread over fewer SMs. BULK: thread 0
+// copies the slice with one bulk copy (TMA) completing on an mbarrier; else each
+// thread cp.asyncs its own vectors and reads back only those (no barrier needed
+// for them). Statistics as staged_rows_fwd_kernel: per-warp (shift, sum) pairs,
+// one DSMEM exchange per row. A grid of up to kMaxGrid blocks strides over rows.
+
+template <typename T, bool LOG, bool BULK>
+__global__ void __launch_bounds__(kSmThreads)
+smem_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, int64_t SV) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  constexpr int V = 16 / sizeof(T);
+  extern __shared__ __align__(128) unsigned char sm_raw[];
+  uint4* buf = reinterpret_cast<uint4*>(sm_raw);
+  __shared__ A wred[kSmThreads / 32][2];
+  __shared__ A part[2][2];  // [row parity][shift, sum]
+  __shared__ uint64_t bar;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int CS = int(cluster.num_blocks());
+  const int tid = int(threadIdx.x), lane = tid & 31, w = tid >> 5;
+  const int64_t v0 = int64_t(cluster.block_rank()) * SV;
+  const int64_t cnt = max(int64_t(0), min(SV, N / V - v0));  // vectors of this block's slice
+  const int64_t step = gridDim.x / CS, first = blockIdx.x / CS;
+  if (BULK && tid == 0) mbar_init(&bar);
+  __syncthreads();
+  unsigned phase = 0;
+  int parity = 0;
+  for (int64_t row = first; row < rows; row += step, parity ^= 1) {  // cluster-uniform
+    const T* src = a + row * N + v0 * V;
+    if constexpr (BULK) {
+      if (cnt > 0) {
+        if (tid == 0) {
+          mbar_arrive_expect(&bar, unsigned(cnt * 16));
+          bulk_load(buf, src, unsigned(cnt * 16), &bar);
+        }
+        mbar_wait(&bar, phase);
+        phase ^= 1u;
+      }
+    } else {
+      for (int64_t j = tid; j < cnt; j += kSmThreads) cp_async16(&buf[j], src + j * V);
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    A m = neg_inf<A>();
+#pragma unroll 4
+    for (int64_t j = tid; j < cnt; j += kSmThreads) {
+      Vec<T, V> r;
+      r.q[0] = buf[j];
+#pragma unroll
+      for (int k = 0; k < V; ++k) m = max_a(m, to_acc<A>(r.e[k]));
+    }
+    m = warp_max(m);
+    const A shift = m == neg_inf<A>() ? A(0) : m;  // an empty warp: see cluster_fwd_kernel
+    const ExpShift<T> ex(shift);
+    A s = A(0);
+#pragma unroll 4
+    for (int64_t j = tid; j < cnt; j += kSmThreads) {
+      Vec<T, V> r;
+      r.q[0] = buf[j];
+#pragma unroll
+      for (int k = 0; k < V; ++k) s += ex(to_acc<A>(r.e[k]));
+    }
+    s = warp_sum(s);
+    if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
+    __syncthreads();
+    publish_block_pair(wred, part[parity], lane, w, kSmThreads / 32);
+    cluster.sync();  // every block's pair visible; this row's wred reads done
+    A M, S;
+    cluster_pair(cluster, part[parity], CS, M, S);
+    const A nan = A(NAN);
+    const A mul = S == A(0) ? nan : (LOG ? log_a(S) : A(1) / S);  // an all -inf row: NaN, as torch
+    const ExpShift<T> exm(M);
+    T* dst = out + row * N + v0 * V;
+#pragma unroll 4
+    for (int64_t j = tid; j < cnt; j += kSmThreads) {
+      Vec<T, V> r, y;
+      r.q[0] = buf[j];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const A x = to_acc<A>(r.e[k]);
+        y.e[k] = from_acc<T>(LOG ? (x - M) - mul : exm(x) * mul);
+      }
+      __stcs(reinterpret_cast<uint4*>(dst + j * V), y.q[0]);
+    }
+    // The next row's copy overwrites the slice (BULK: every thread's part of it).
+    if (BULK) __syncthreads();
+  }
+  cluster.sync();  // no block exits while another may still read its `part`
+#endif
+}
+
+template <typename T, int K> auto staged_rows_kernel_for(bool log) {
+  return log ? staged_rows_fwd_kernel<T, true, K> : staged_rows_fwd_kernel<T, false, K>;
+}
+template <typename T> auto smem_rows_kernel_for(bool log, bool bulk) {
+  return log ? (bulk ? smem_rows_fwd_kernel<T, true, true> : smem_rows_fwd_kernel<T, true, false>)
+             : (bulk ? smem_rows_fwd_kernel<T, false, true> : smem_rows_fwd_kernel<T, false, false>);
+}
+
+template <typename T, bool BWD>
+cudaError_t launch_cluster_typed(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
+  const T* A_ = static_cast<const T*>(a.a);
+  const T* B_ = static_cast<const T*>(a.b);
+  T* O = static_cast<T*>(a.out);
+  const int64_t rows = a.outer, N = a.N;
+  const bool vec = vec_ok(a, BWD);
+  switch (p.kind) {
+    case Kind::ClusterRows:
+    case Kind::ClusterFwd: {
+      cudaLaunchConfig_t cfg{};
+      // Grid-stride over the rest.
+      const int64_t clusters = std::min<int64_t>(rows, p.kind == Kind::ClusterRows ? 4096 : kMaxGrid / kClusterMax);
+      cfg.gridDim = dim3(unsigned(clusters * p.S));
+      cfg.blockDim = dim3(unsigned(p.threads));
+      cfg.stream = st;
+      cudaLaunchAttribute attr[1] = {cluster_attr(p.S)};
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      if constexpr (sizeof(T) <= 4) {  // the plan never picks them for float64
+        if (p.kind == Kind::ClusterRows)
+          return cudaLaunchKernelEx(&cfg, cluster_rows_kernel<T, BWD>, A_, B_, O, rows, N, a.log, vec);
+        if constexpr (!BWD)
+          return cudaLaunchKernelEx(&cfg, a.log ? cluster_fwd_kernel<T, true> : cluster_fwd_kernel<T, false>, A_, O,
+                                    rows, N, vec);
+      }
+      return cudaErrorInvalidValue;  // ClusterFwd: forward, 2- and 4-byte types only
+    }
+    case Kind::StagedRows:
+      if constexpr (!BWD && sizeof(T) <= 4)
+        return p.ch == 8 ? launch_staged(staged_rows_kernel_for<T, 8>(a.log), p, rows, st, A_, O, rows, N, p.stages)
+                         : launch_staged(staged_rows_kernel_for<T, 4>(a.log), p, rows, st, A_, O, rows, N, p.stages);
+      return cudaErrorInvalidValue;  // forward, 2- and 4-byte types only
+    case Kind::SmemRows:
+      if constexpr (!BWD && sizeof(T) <= 4)
+        return launch_staged(smem_rows_kernel_for<T>(a.log, p.bulk), p, rows, st, A_, O, rows, N, p.sv);
+      return cudaErrorInvalidValue;  // forward, 2- and 4-byte types only
+    default:
+      break;
+  }
+  return cudaErrorInvalidValue;  // not a kernel of this file
+}
+
+}  // namespace
+
+namespace softmax_detail {
+
+cudaError_t launch_cluster_rows(const SoftmaxArgs& a, const Plan& p, cudaStream_t st, bool bwd) {
+  return dispatch_dtype(a.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return bwd ? launch_cluster_typed<T, true>(a, p, st) : launch_cluster_typed<T, false>(a, p, st);
+  });
+}
+
+const void* cluster_rows_kernel_handle(bool bwd) {
+  return bwd ? reinterpret_cast<const void*>(cluster_rows_kernel<float, true>)
+             : reinterpret_cast<const void*>(cluster_rows_kernel<float, false>);
+}
+
+const void* cluster_fwd_kernel_handle() { return reinterpret_cast<const void*>(cluster_fwd_kernel<float, false>); }
+
+const void* staged_rows_kernel_handle(DType dt, bool log, int K) {
+  return dispatch_dtype(dt, [&](auto tag) -> const void* {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) > 4) {
+      return nullptr;
+    } else {
+      return K == 8 ? reinterpret_cast<const void*>(staged_rows_kernel_for<T, 8>(log))
+                    : reinterpret_cast<const void*>(staged_rows_kernel_for<T, 4>(log));
+    }
+  });
+}
+
+const void* smem_rows_kernel_handle(DType dt, bool log, bool bulk) {
+  return dispatch_dtype(dt, [&](auto tag) -> const void* {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) > 4) {
+      return nullptr;
+    } else {
+      return reinterpret_cast<const void*>(smem_rows_kernel_for<T>(log, bulk));
+    }
+  });
+}
+
+}  // namespace softmax_detail
+}  // namespace gpu_puzzles
