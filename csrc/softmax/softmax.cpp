@@ -78,25 +78,29 @@ Call check_backward(const at::Tensor& grad_out, const at::Tensor& out, int64_t d
 // double statistics (a float running sum of a million terms drifts by ~1e-4):
 // this is the correctness oracle, not a speed target.
 
+// Calls f(base) for every line, in parallel; the line's elements are base + n * inner.
+template <typename F>
+void for_each_line(const Dims& d, F&& f) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, d.N));
+  at::parallel_for(0, d.outer * d.inner, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t l = begin; l < end; ++l) f((l / d.inner) * d.N * d.inner + l % d.inner);
+  });
+}
+
 template <typename T>
 void forward_cpu_kernel(const T* x, T* y, const Dims& d, bool log) {
   using A = double;
-  const int64_t lines = d.outer * d.inner;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, d.N));
-  at::parallel_for(0, lines, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t l = begin; l < end; ++l) {
-      const int64_t base = (l / d.inner) * d.N * d.inner + l % d.inner;
-      const T* p = x + base;
-      T* q = y + base;
-      A m = -std::numeric_limits<A>::infinity();
-      for (int64_t n = 0; n < d.N; ++n) m = std::max(m, static_cast<A>(p[n * d.inner]));  // NaN ignored here,
-      A s = 0;                                                                          // but poisons s below
-      for (int64_t n = 0; n < d.N; ++n) s += std::exp(static_cast<A>(p[n * d.inner]) - m);
-      const A ls = std::log(s);
-      for (int64_t n = 0; n < d.N; ++n) {
-        const A v = static_cast<A>(p[n * d.inner]) - m;
-        q[n * d.inner] = static_cast<T>(log ? v - ls : std::exp(v) / s);
-      }
+  for_each_line(d, [&](int64_t base) {
+    const T* p = x + base;
+    T* q = y + base;
+    A m = -std::numeric_limits<A>::infinity();
+    for (int64_t n = 0; n < d.N; ++n) m = std::max(m, static_cast<A>(p[n * d.inner]));  // NaN ignored here,
+    A s = 0;                                                                          // but poisons s below
+    for (int64_t n = 0; n < d.N; ++n) s += std::exp(static_cast<A>(p[n * d.inner]) - m);
+    const A ls = std::log(s);
+    for (int64_t n = 0; n < d.N; ++n) {
+      const A v = static_cast<A>(p[n * d.inner]) - m;
+      q[n * d.inner] = static_cast<T>(log ? v - ls : std::exp(v) / s);
     }
   });
 }
@@ -105,21 +109,16 @@ void forward_cpu_kernel(const T* x, T* y, const Dims& d, bool log) {
 template <typename T>
 void backward_cpu_kernel(const T* dy, const T* y, T* dx, const Dims& d, bool log) {
   using A = double;
-  const int64_t lines = d.outer * d.inner;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, d.N));
-  at::parallel_for(0, lines, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t l = begin; l < end; ++l) {
-      const int64_t base = (l / d.inner) * d.N * d.inner + l % d.inner;
-      A s = 0;
-      for (int64_t n = 0; n < d.N; ++n) {
-        const int64_t i = base + n * d.inner;
-        s += log ? static_cast<A>(dy[i]) : static_cast<A>(dy[i]) * static_cast<A>(y[i]);
-      }
-      for (int64_t n = 0; n < d.N; ++n) {
-        const int64_t i = base + n * d.inner;
-        const A g = static_cast<A>(dy[i]), v = static_cast<A>(y[i]);
-        dx[i] = static_cast<T>(log ? g - std::exp(v) * s : v * (g - s));
-      }
+  for_each_line(d, [&](int64_t base) {
+    A s = 0;
+    for (int64_t n = 0; n < d.N; ++n) {
+      const int64_t i = base + n * d.inner;
+      s += log ? static_cast<A>(dy[i]) : static_cast<A>(dy[i]) * static_cast<A>(y[i]);
+    }
+    for (int64_t n = 0; n < d.N; ++n) {
+      const int64_t i = base + n * d.inner;
+      const A g = static_cast<A>(dy[i]), v = static_cast<A>(y[i]);
+      dx[i] = static_cast<T>(log ? g - std::exp(v) * s : v * (g - s));
     }
   });
 }
