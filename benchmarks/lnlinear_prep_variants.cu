@@ -1,12 +1,14 @@
 // The fused LayerNorm+Linear's bandwidth-bound passes around its GEMMs, bf16, at the
 // issue's shapes: forward statistics + fold as two launches (layer_norm_forward_cuda with
-// y null, lnlinear_fold_weight_cuda) against one (lnlinear_prep_cuda); backward: the
+// y null, layernorm_linear_fold_weight_cuda) against one (layernorm_linear_prep_cuda); backward: the
 // LayerNorm backward without and with the xn output the fused backward's dW reads, and db
-// (lnlinear_bias_grad_cuda). The op's own kernels: this file includes its .cu.
+// (layernorm_linear_bias_grad_cuda). The op's own kernels: this file includes its .cu files.
 // Inputs rotated past L2, each timed call queued behind a GPU spin, median of 40.
 //   nvcc -gencode=arch=compute_90,code=sm_90 -O3 -std=c++17 -I csrc benchmarks/lnlinear_prep_variants.cu
 // Results: benchmarks/results/lnlinear_prep_variants_h100.txt.
-#include "../csrc/layernorm_linear/layernorm_linear_cuda.cu"
+#include "../csrc/layernorm_linear/layer_norm_backward.cu"
+#include "../csrc/layernorm_linear/layer_norm_forward.cu"
+#include "../csrc/layernorm_linear/layernorm_linear_fused.cu"
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +18,10 @@
 #include <vector>
 
 using namespace gpu_puzzles;
+
+// The knob table lives in the torch-side kernel_choice.cpp: here nothing is overridden.
+int gpu_puzzles::knob(Knob) { return 0; }
+
 using bf = __nv_bfloat16;
 #define CK(x)                                                                       \
   do {                                                                              \
@@ -25,6 +31,12 @@ using bf = __nv_bfloat16;
       exit(1);                                                                      \
     }                                                                               \
   } while (0)
+
+static int64_t bwd_blocks(int64_t M, int64_t H, DType dt, bool xn) {
+  int64_t g = 0;
+  CK(layer_norm_backward_blocks(M, H, dt, xn, g));
+  return g;
+}
 
 __global__ void spin(long long ns) {
   const long long t0 = clock64();
@@ -113,20 +125,20 @@ int main() {
     }
     CK(cudaMalloc(&db, N * 2));
     float* ws;
-    CK(cudaMalloc(&ws, lnlinear_bias_grad_workspace(M, N) * 4));
+    CK(cudaMalloc(&ws, layernorm_linear_bias_grad_workspace(M, N) * 4));
     const DType dt = DType::BFloat16;
     const double eps = 1e-5;
     auto old_fwd = [&](int i) {
       CK(layer_norm_forward_cuda(x[i % NS], g, be, nullptr, mean[0], rstd[0], M, H, eps, dt, 0));
-      CK(lnlinear_fold_weight_cuda(W[i % NS], g, be, b, wc[0], r[0], bp[0], N, H, dt, 0));
+      CK(layernorm_linear_fold_weight_cuda(W[i % NS], g, be, b, wc[0], r[0], bp[0], N, H, dt, 0));
     };
     auto new_fwd = [&](int i) {
-      CK(lnlinear_prep_cuda(x[i % NS], W[i % NS], g, be, b, mean[1], rstd[1], wc[1], r[1], bp[1], M, N, H, eps, dt, 0));
+      CK(layernorm_linear_prep_cuda(x[i % NS], W[i % NS], g, be, b, mean[1], rstd[1], wc[1], r[1], bp[1], M, N, H, eps, dt, 0));
     };
     const double fbytes = 2.0 * (M * H + 2 * N * H);
     float t0 = timeit(old_fwd), t1 = timeit(new_fwd);
     float ts = timeit([&](int i) { CK(layer_norm_forward_cuda(x[i % NS], g, be, nullptr, mean[0], rstd[0], M, H, eps, dt, 0)); });
-    float tf = timeit([&](int i) { CK(lnlinear_fold_weight_cuda(W[i % NS], g, be, b, wc[0], r[0], bp[0], N, H, dt, 0)); });
+    float tf = timeit([&](int i) { CK(layernorm_linear_fold_weight_cuda(W[i % NS], g, be, b, wc[0], r[0], bp[0], N, H, dt, 0)); });
     old_fwd(0);
     new_fwd(0);
     CK(cudaDeviceSynchronize());
@@ -139,7 +151,7 @@ int main() {
       float* lws;
       CK(cudaMalloc(&dg, H * 2));
       CK(cudaMalloc(&dbe, H * 2));
-      const int64_t G = std::max(layer_norm_backward_blocks(M, H, dt), layer_norm_backward_blocks(M, H, dt, true));
+      const int64_t G = std::max(bwd_blocks(M, H, dt, false), bwd_blocks(M, H, dt, true));
       CK(cudaMalloc(&lws, G * 2 * H * 4));
       const float tb = timeit([&](int i) {
         CK(layer_norm_backward_cuda(x[(i + 1) % NS], x[i % NS], g, mean[0], rstd[0], xn[i % 2], dg, dbe, lws, M, H,
@@ -179,9 +191,9 @@ int main() {
            maxdiff(down(mean[0], M), down(mean[1], M)), maxdiff(down(rstd[0], M), down(rstd[1], M)),
            maxdiff(down(r[0], N), down(r[1], N)), maxdiff(down(bp[0], N), down(bp[1], N)),
            ndiff_bf(down(wc[0], N * H), down(wc[1], N * H)), (long long)(N * H));
-    // backward's db: dy's column sums (lnlinear_bias_grad_cuda)
-    const float tdb = timeit([&](int i) { CK(lnlinear_bias_grad_cuda(dy[i % NS], db, ws, M, N, dt, 0)); });
-    CK(lnlinear_bias_grad_cuda(dy[0], db, ws, M, N, dt, 0));
+    // backward's db: dy's column sums (layernorm_linear_bias_grad_cuda)
+    const float tdb = timeit([&](int i) { CK(layernorm_linear_bias_grad_cuda(dy[i % NS], db, ws, M, N, dt, 0)); });
+    CK(layernorm_linear_bias_grad_cuda(dy[0], db, ws, M, N, dt, 0));
     // xn from the LayerNorm backward against the forward's y (same statistics, same normalise)
     {
       bf *dg, *dbe, *dx;
@@ -189,7 +201,7 @@ int main() {
       CK(cudaMalloc(&dg, H * 2));
       CK(cudaMalloc(&dbe, H * 2));
       CK(cudaMalloc(&dx, M * H * 2));
-      CK(cudaMalloc(&lws, layer_norm_backward_blocks(M, H, dt, true) * 2 * H * 4));
+      CK(cudaMalloc(&lws, bwd_blocks(M, H, dt, true) * 2 * H * 4));
       CK(layer_norm_forward_cuda(x[0], g, be, xn[0], mean[0], rstd[0], M, H, eps, dt, 0));
       CK(cudaMemset(xn[1], 0xff, M * H * 2));
       CK(layer_norm_backward_cuda(x[1], x[0], g, mean[0], rstd[0], dx, dg, dbe, lws, M, H, dt, 0, be, xn[1]));

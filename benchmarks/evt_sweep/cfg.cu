@@ -1,9 +1,9 @@
 // One configuration of the LayerNorm+Linear EVT GEMM (EvtGemm, the op's own type from
-// csrc/layernorm_linear/lnlinear_evt_sm90.cuh, bf16) per translation unit (-DCFG=n), for
+// csrc/layernorm_linear/layernorm_linear_evt_sm90.cuh, bf16) per translation unit (-DCFG=n), for
 // the tile/cluster sweep in main.cu; standalone (no torch) so ten configurations build in
 // parallel.
-#define NDEBUG  // as in lnlinear_evt_sm90.cu: CUTLASS's device asserts serialise the pipeline
-#include "layernorm_linear/lnlinear_evt_sm90.cuh"
+#define NDEBUG  // as in layernorm_linear_evt_sm90.cu: CUTLASS's device asserts serialise the pipeline
+#include "layernorm_linear/layernorm_linear_evt_sm90.cuh"
 using namespace gpu_puzzles;
 using Coop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using CoopE = cutlass::epilogue::TmaWarpSpecializedCooperative;

@@ -1,8 +1,8 @@
-// The op's EVT GEMM (EvtGemm, Big and Small configurations of lnlinear_evt_sm90.cu, bf16) and
+// The op's EVT GEMM (EvtGemm, Big and Small configurations of layernorm_linear_evt_sm90.cu, bf16) and
 // the same tile/cluster/schedule with CUTLASS's plain epilogue (D = acc), one per translation
 // unit (-DEVTV=0..3), for epilogue_cost.cu: what the EVT epilogue and its vector loads cost.
 #define NDEBUG
-#include "layernorm_linear/lnlinear_evt_sm90.cuh"
+#include "layernorm_linear/layernorm_linear_evt_sm90.cuh"
 using namespace gpu_puzzles;
 using bf = cutlass::bfloat16_t;
 using Coop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
