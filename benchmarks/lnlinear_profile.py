@@ -1,9 +1,12 @@
 """Where the LayerNorm+Linear time goes, per kernel (CUDA only).
 
-    python benchmarks/lnlinear_profile.py [fwd] [fwd+bwd]
+    python benchmarks/lnlinear_profile.py [fwd] [fwd+bwd] [knob=value ...]
 
-For each of the issue's shapes and each implementation (ours fused / unfused, eager,
-compile, F.linear alone), the bench's own cases (gpu_puzzles.bench.layernorm_linear):
+knob=value pairs (e.g. layernorm_linear_pdl=plain, layernorm_linear_evt=cublas) run the
+whole profile under gpu_puzzles.tuning.override, to compare a kernel choice with the default.
+
+For two transformer shapes (M, H, N = 8192x4096x4096, 16384x1024x4096) and each
+implementation (ours fused / unfused, eager, compile, F.linear alone), the bench's own cases (gpu_puzzles.bench.layernorm_linear):
 the bench's time per call (time_ms) and, from torch.profiler, every kernel's mean
 duration per call. The difference between the two is the time the GPU sat between
 kernels of one call.
@@ -11,6 +14,8 @@ kernels of one call.
 import sys
 
 import torch
+
+import gpu_puzzles as gp
 from torch.profiler import ProfilerActivity, profile
 
 from gpu_puzzles.bench import layernorm_linear as L
@@ -37,6 +42,12 @@ def kernel_table(fn, sets, reps=REPS):
 
 def main():
     dirs = tuple(a for a in sys.argv[1:] if a in ("fwd", "fwd+bwd")) or ("fwd", "fwd+bwd")
+    knobs = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+    with gp.tuning.override(**knobs):
+        profile_all(dirs)
+
+
+def profile_all(dirs):
     device = torch.device("cuda")
     for case in L.cases(device, SHAPES, directions=dirs):
         first = case.make()

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from . import ops
+from .ops.layernorm_linear import ALGORITHMS as _LN_ALGORITHMS, _EPS as _LN_EPS
 
 
 class Conv1d(nn.Module):
@@ -101,21 +102,24 @@ class LogSoftmax(Softmax):
 
 
 class LayerNormLinear(nn.Module):
-    """``Linear(LayerNorm(x))`` in one op: ``fused=True`` uses :func:`gpu_puzzles.fused_layernorm_linear`
-    (the normalised activation is never written), ``fused=False`` our LayerNorm then ``F.linear``.
+    """``Linear(LayerNorm(x))`` through :func:`gpu_puzzles.fused_layernorm_linear` with its
+    ``algorithm``: ``"auto"`` the fused op (the normalised activation is never written),
+    ``"unfused"`` our LayerNorm then ``F.linear``, ``"naive"`` the curriculum kernel (forward only).
 
     Parameters match ``nn.LayerNorm(in_features)`` (``ln_weight``, ``ln_bias``, initialised to
     ones/zeros) and ``nn.Linear(in_features, out_features)`` (``weight``, ``bias``, Kaiming-uniform).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, eps: float = 1e-5,
-                 fused: bool = True, device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, eps: float = _LN_EPS,
+                 algorithm: str = "auto", device=None, dtype=None):
         super().__init__()
         if in_features < 1 or out_features < 1:
             raise ValueError(f"LayerNormLinear: in_features and out_features must be >= 1, got "
                              f"{in_features}, {out_features}")
+        if algorithm not in _LN_ALGORITHMS:
+            raise ValueError(f"LayerNormLinear: algorithm must be one of {_LN_ALGORITHMS}, got {algorithm!r}")
         factory = {"device": device, "dtype": dtype}
-        self.in_features, self.out_features, self.eps, self.fused = in_features, out_features, eps, fused
+        self.in_features, self.out_features, self.eps, self.algorithm = in_features, out_features, eps, algorithm
         self.ln_weight = nn.Parameter(torch.empty(in_features, **factory))
         self.ln_bias = nn.Parameter(torch.empty(in_features, **factory))
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
@@ -132,7 +136,7 @@ class LayerNormLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     @classmethod
-    def from_modules(cls, layer_norm: nn.LayerNorm, linear: nn.Linear, fused: bool = True) -> "LayerNormLinear":
+    def from_modules(cls, layer_norm: nn.LayerNorm, linear: nn.Linear, algorithm: str = "auto") -> "LayerNormLinear":
         """Copy the parameters of an existing ``nn.LayerNorm`` + ``nn.Linear`` pair."""
         if not isinstance(layer_norm, nn.LayerNorm) or not isinstance(linear, nn.Linear):
             raise TypeError("LayerNormLinear.from_modules: expects (nn.LayerNorm, nn.Linear), got "
@@ -143,7 +147,7 @@ class LayerNormLinear(nn.Module):
                              f"in_features={linear.in_features}; need normalized_shape == ({linear.in_features},)")
         w = linear.weight
         m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, eps=layer_norm.eps,
-                fused=fused, device=w.device, dtype=w.dtype)
+                algorithm=algorithm, device=w.device, dtype=w.dtype)
         with torch.no_grad():
             if layer_norm.weight is not None:
                 m.ln_weight.copy_(layer_norm.weight)
@@ -155,12 +159,12 @@ class LayerNormLinear(nn.Module):
         return m
 
     def forward(self, x):
-        f = ops.fused_layernorm_linear if self.fused else ops.unfused_layernorm_linear
-        return f(x, self.ln_weight, self.ln_bias, self.weight, self.bias, self.eps)
+        return ops.fused_layernorm_linear(x, self.ln_weight, self.ln_bias, self.weight, self.bias, eps=self.eps,
+                                          algorithm=self.algorithm)
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, eps={self.eps}, "
-                f"fused={self.fused}")
+                f"algorithm={self.algorithm!r}")
 
 
 class Attention(nn.Module):

@@ -1,7 +1,7 @@
-"""layer_norm, fused_layernorm_linear, unfused_layernorm_linear: seed config, float64
-references, large-mean inputs, gradients, opcheck, compile, bad input."""
+"""layer_norm, fused_layernorm_linear (algorithms auto / unfused / naive): seed config,
+float64 references, large-mean inputs, gradients, opcheck, compile, bad input, and the
+CUDA kernel paths (chosen with gpu_puzzles.tuning.override where a test needs both)."""
 import functools
-import os
 
 import pytest
 import torch
@@ -11,7 +11,10 @@ import gpu_puzzles as gp
 
 from conftest import DEVICES, TOL, assert_close_ref, device_dtypes, many, poison_allocator, requires_cuda
 
-IMPLS = {"fused": gp.fused_layernorm_linear, "unfused": gp.unfused_layernorm_linear}
+unfused = functools.partial(gp.fused_layernorm_linear, algorithm="unfused")
+IMPLS = {"fused": gp.fused_layernorm_linear, "unfused": unfused}
+# The ops' default eps, as the schema writes it.
+EPS = next(a.default_value for a in torch.ops.gpu_puzzles.layer_norm.default._schema.arguments if a.name == "eps")
 
 def _params(H, N, device, dtype, bias=True, grad=False, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -23,7 +26,7 @@ def _params(H, N, device, dtype, bias=True, grad=False, seed=0):
     return [p.requires_grad_(grad) if p is not None else None for p in ps]
 
 
-def _assert_stats(x, mean, rstd, eps=1e-5):
+def _assert_stats(x, mean, rstd, eps=EPS):
     """The op's returned row statistics against float64 (biased variance)."""
     torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rstd.double(), (x.double().var(-1, unbiased=False) + eps).rsqrt(), rtol=1e-4, atol=1e-5)
@@ -37,7 +40,7 @@ def _assert_near_eager(y, y_ref, err_eager, dtype, what="output"):
     assert err <= 2 * err_eager + 4 * TOL[dtype] * scale, f"{what}: error {err:.3e} vs eager {err_eager:.3e}"
 
 
-def _ref(x, lw, lb, W, b, eps=1e-5):
+def _ref(x, lw, lb, W, b, eps=EPS):
     """float64 F.linear(F.layer_norm(x)) and its inputs as float64 leaves."""
     leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, lw, lb, W, b)]
     x64, lw64, lb64, W64, b64 = leaves
@@ -86,10 +89,10 @@ def test_layer_norm_forward(device, dtype, shape):
     x = (torch.randn(*lead, H, dtype=torch.float64) * 2 + 0.3).to(device, dtype)
     lw, lb, _, _ = _params(H, 1, device, dtype)
     y = gp.layer_norm(x, lw, lb)
-    y_ref = F.layer_norm(x.double(), (H,), lw.double(), lb.double(), 1e-5)
+    y_ref = F.layer_norm(x.double(), (H,), lw.double(), lb.double(), EPS)
     assert y.shape == x.shape and y.dtype == dtype
     assert_close_ref(y, y_ref, dtype, "layer_norm")
-    y2, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
+    y2, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, EPS)
     assert mean.shape == x.shape[:-1] and mean.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     _assert_stats(x, mean, rstd)
 
@@ -113,7 +116,7 @@ def test_fused_forward_statistics(device, dtype, shape):
     torch.manual_seed(H * 17 + N)
     x = (torch.randn(*lead, H, dtype=torch.float64) * 1.5 - 0.7).to(device, dtype)
     lw, lb, W, b = _params(H, N, device, dtype, bias=N % 2 == 0)
-    y, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, 1e-5)
+    y, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, EPS)
     assert y.shape == (*lead, N) and y.dtype == dtype
     assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, "fused forward")
     # the statistics the op returns are the backward's inputs
@@ -137,7 +140,7 @@ def test_backward_matches_reference(device, dtype, shape, impl):
     M = x.numel() // H
     # dx carries rstd = 1/sqrt(var + eps): at H = 1 (var 0) that is 316, and rounding
     # errors are amplified by it as well.
-    rstd_max = (x.detach().double().var(-1, unbiased=False) + 1e-5).rsqrt().max().item()
+    rstd_max = (x.detach().double().var(-1, unbiased=False) + EPS).rsqrt().max().item()
     for name, a, r in zip(("dx", "dln_weight", "dln_bias", "dlinear_weight", "dlinear_bias"), grads, refs):
         assert a.shape == r.shape and a.dtype == dtype, name
         # Parameter gradients sum over M rows (and dx over N outputs): scale by sqrt of that.
@@ -202,7 +205,7 @@ def test_gradcheck(device):
     lw, lb, W, b = _params(6, 5, device, torch.float64, grad=True)
     assert torch.autograd.gradcheck(gp.fused_layernorm_linear, (x, lw, lb, W, b))
     assert torch.autograd.gradcheck(lambda *a: gp.fused_layernorm_linear(*a, None), (x, lw, lb, W))
-    assert torch.autograd.gradcheck(gp.unfused_layernorm_linear, (x, lw, lb, W, b))
+    assert torch.autograd.gradcheck(unfused, (x, lw, lb, W, b))
     assert torch.autograd.gradcheck(gp.layer_norm, (x, lw, lb))
 
 
@@ -212,11 +215,11 @@ def test_opcheck(device, requires_grad):
     x = torch.randn(2, 3, 8, device=device, requires_grad=requires_grad)
     lw, lb, W, b = _params(8, 5, device, torch.float32, grad=requires_grad)
     ops = torch.ops.gpu_puzzles
-    torch.library.opcheck(ops.layer_norm.default, (x, lw, lb, 1e-5))
-    torch.library.opcheck(ops.fused_layernorm_linear.default, (x, lw, lb, W, b, 1e-5))
-    torch.library.opcheck(ops.fused_layernorm_linear.default, (x, lw, lb, W, None, 1e-5))
+    torch.library.opcheck(ops.layer_norm.default, (x, lw, lb, EPS))
+    torch.library.opcheck(ops.fused_layernorm_linear.default, (x, lw, lb, W, b, EPS))
+    torch.library.opcheck(ops.fused_layernorm_linear.default, (x, lw, lb, W, None, EPS))
     xd, lwd, lbd, Wd = (t.detach() for t in (x, lw, lb, W))
-    _, mean, rstd = ops.layer_norm(xd, lwd, lbd, 1e-5)
+    _, mean, rstd = ops.layer_norm(xd, lwd, lbd, EPS)
     torch.library.opcheck(ops.layer_norm_backward.default, (torch.randn_like(xd), xd, lwd, mean, rstd))
     torch.library.opcheck(ops.fused_layernorm_linear_backward.default,
                           (torch.randn(2, 3, 5, device=device), xd, lwd, lbd, Wd, mean, rstd))
@@ -232,7 +235,7 @@ def test_compile_forward_backward(device):
         fused.ln_bias.normal_(0, 0.3)
 
     def f(x):  # both ops in one graph: the fused op and our layer_norm (the unfused path)
-        return fused(x) + gp.unfused_layernorm_linear(x, fused.ln_weight, fused.ln_bias, fused.weight, fused.bias)
+        return fused(x) + unfused(x, fused.ln_weight, fused.ln_bias, fused.weight, fused.bias)
 
     fc = torch.compile(f, fullgraph=True, dynamic=True)
     params = (fused.ln_weight, fused.ln_bias, fused.weight, fused.bias)
@@ -248,15 +251,15 @@ def test_compile_forward_backward(device):
 
 # ---- module ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_module_from_modules_matches_pair(fused):
+@pytest.mark.parametrize("algorithm", ["auto", "unfused"])
+def test_module_from_modules_matches_pair(algorithm):
     torch.manual_seed(0)
     ln, lin = torch.nn.LayerNorm(10, eps=1e-6), torch.nn.Linear(10, 7)
     with torch.no_grad():
         ln.weight.normal_(1, 0.2)
         ln.bias.normal_(0, 0.2)
-    m = gp.nn.LayerNormLinear.from_modules(ln, lin, fused=fused)
-    assert m.eps == 1e-6 and m.fused == fused
+    m = gp.nn.LayerNormLinear.from_modules(ln, lin, algorithm=algorithm)
+    assert m.eps == 1e-6 and m.algorithm == algorithm
     x = torch.randn(3, 4, 10)
     torch.testing.assert_close(m(x), lin(ln(x)), rtol=1e-5, atol=1e-5)
     m.weight.sum().backward()  # parameters are leaves of their own
@@ -268,6 +271,9 @@ def test_module_from_modules_matches_pair(fused):
         gp.nn.LayerNormLinear.from_modules(torch.nn.LayerNorm(9), lin)
     with pytest.raises(ValueError, match="in_features"):
         gp.nn.LayerNormLinear(0, 3)
+    with pytest.raises(ValueError, match="algorithm"):
+        gp.nn.LayerNormLinear(10, 7, algorithm="fused")
+    assert gp.nn.LayerNormLinear(10, 7).eps == EPS  # the schema's default
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -351,9 +357,9 @@ def test_cuda_every_element_written(dtype, M, H, N):
     lw, lb, W, b = _params(H, N, "cuda", dtype, grad=True)
     x.requires_grad_()
     _poison_allocator()
-    for f in (gp.fused_layernorm_linear, gp.unfused_layernorm_linear):
+    for f in (gp.fused_layernorm_linear, unfused):
         y = f(x, lw, lb, W, b)
-        assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"{f.__name__} M={M} H={H} N={N}")
+        assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"{f} M={M} H={H} N={N}")
         _poison_allocator()
         grads = torch.autograd.grad(y, (x, lw, lb, W, b), torch.randn_like(y))
         for gr in grads:
@@ -372,7 +378,7 @@ def test_cuda_misaligned_views(dtype):
     lw = lwb[1:]
     lb = torch.randn(H, device="cuda", dtype=dtype)
     W = torch.randn(N, H, device="cuda", dtype=dtype) / 8
-    for f in (gp.fused_layernorm_linear, gp.unfused_layernorm_linear):
+    for f in (gp.fused_layernorm_linear, unfused):
         assert_close_ref(f(x, lw, lb, W, None), _ref(x, lw, lb, W, None)[0], dtype, "misaligned")
     assert_close_ref(gp.layer_norm(x, lw, lb), F.layer_norm(x.double(), (H,), lw.double(), lb.double()), dtype, "ln")
 
@@ -433,9 +439,9 @@ def test_cuda_layer_norm_short_rows(dtype, H):
     x = (torch.randn(M, H, dtype=torch.float64) * 2 + torch.randn(M, 1, dtype=torch.float64) * 3).to("cuda", dtype)
     lw, lb, _, _ = _params(H, 1, "cuda", dtype)
     _poison_allocator()
-    y, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
+    y, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, EPS)
     assert not torch.isnan(y).any() and not torch.isnan(mean).any() and not torch.isnan(rstd).any()
-    assert_close_ref(y, F.layer_norm(x.double(), (H,), lw.double(), lb.double(), 1e-5), dtype, f"ln H={H}")
+    assert_close_ref(y, F.layer_norm(x.double(), (H,), lw.double(), lb.double(), EPS), dtype, f"ln H={H}")
     _assert_stats(x, mean, rstd)
 
 
@@ -457,7 +463,7 @@ def test_cuda_fused_prep_statistics_and_fold(dtype, M, H, N):
     x = (torch.randn(M, H, dtype=torch.float64) * 2 + torch.randn(M, 1, dtype=torch.float64)).to("cuda", dtype)
     lw, lb, W, b = _params(H, N, "cuda", dtype, bias=N % 2 == 0)
     _poison_allocator()
-    y, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, 1e-5)
+    y, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, EPS)
     assert not torch.isnan(y).any() and not torch.isnan(mean).any() and not torch.isnan(rstd).any()
     assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"fused M={M} H={H} N={N}")
     _assert_stats(x, mean, rstd)
@@ -492,7 +498,7 @@ def test_cuda_fused_backward_all_paths(dtype, M, H, N):
     grads = torch.autograd.grad(gp.fused_layernorm_linear(x, lw, lb, W, b), (x, lw, lb, W, b), g)
     y_ref, leaves = _ref(x, lw, lb, W, b)
     refs = torch.autograd.grad(y_ref, leaves, g.double())
-    rstd_max = (x.detach().double().var(-1, unbiased=False) + 1e-5).rsqrt().max().item()
+    rstd_max = (x.detach().double().var(-1, unbiased=False) + EPS).rsqrt().max().item()
     for name, a, r in zip(("dx", "dln_weight", "dln_bias", "dW", "db"), grads, refs):
         assert not torch.isnan(a).any(), name
         k = (N ** 0.5 * max(1.0, rstd_max)) if name == "dx" else M ** 0.5
@@ -568,8 +574,8 @@ def test_cuda_layer_norm_grid_stride():
     x[:, 1] += 1.0
     lw, lb = torch.full((H,), 2.0, device="cuda"), torch.tensor([0.5, -0.25], device="cuda")
     _poison_allocator()
-    y, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
-    ref = F.layer_norm(x.double(), (H,), lw.double(), lb.double(), 1e-5)
+    y, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, EPS)
+    ref = F.layer_norm(x.double(), (H,), lw.double(), lb.double(), EPS)
     assert not torch.isnan(y).any()
     assert (y.double() - ref).abs().max().item() < 1e-3  # rstd up to 316 amplifies fp32 rounding of the mean
     torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-5, atol=1e-6)
@@ -588,29 +594,26 @@ def test_cuda_backward_deterministic():
 
 
 # ---- CUDA-only: the sm_90 one-GEMM forward (CUTLASS GEMM with the statistics in its epilogue) ----
-# Taken for bf16/fp16 on a compute capability 9.0 device when the build found CUTLASS, H and N
-# are multiples of 8 and x is 16-byte aligned (GPU_PUZZLES_LNLINEAR_EVT=0 turns it off);
-# everything else takes cuBLAS + the epilogue pass. The CUTLASS kernel is recognised by its
-# name in the profiler's kernel list.
+# Taken for bf16/fp16 on a compute capability 9.0 device when the build holds the sm_90a
+# file, H and N are multiples of 8 and x is 16-byte aligned (the knob layernorm_linear_evt=
+# cublas turns it off); everything else takes cuBLAS + the epilogue pass. The CUTLASS
+# kernel is recognised by its name in the profiler's kernel list.
 
-EVT_ENV = "GPU_PUZZLES_LNLINEAR_EVT"
+EVT_SOURCE = "csrc/layernorm_linear/layernorm_linear_evt_sm90.cu"
 # Our CUTLASS kernel's demangled name (cuBLAS kernels are named differently; the epilogue
 # node's name comes late in a very long name, in case the profiler shortens it).
 EVT_KERNEL_MARKS = ("cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal", "Sm90ColBroadcast")
 
 
-@functools.lru_cache(maxsize=None)
 def _evt_built():
-    """Whether the built library holds the CUTLASS forward (a marker string the build embeds)."""
-    with open(gp._C.__file__, "rb") as f:
-        data = f.read()
-    assert b"gpu_puzzles_lnlinear_evt_built=" in data, "build marker missing from the library"
-    return b"gpu_puzzles_lnlinear_evt_built=1" in data
+    """Whether the built library holds the CUTLASS forward (its sm_90a source was compiled in)."""
+    return EVT_SOURCE in gp.build_info()["sm90a_sources"]
 
 
 def _evt_expected():
+    """Whether the default plan takes the CUTLASS forward (bf16/fp16, shapes and alignment allowing)."""
     return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _evt_built()
-            and os.environ.get(EVT_ENV) != "0")
+            and gp.tuning.knobs()["layernorm_linear_evt"][1] in (None, "evt"))
 
 
 def _kernels(fn):
@@ -708,9 +711,9 @@ def test_statistics_far_first_element(device, dtype, H):
     xd[1] += 1e3  # and a large mean on top
     x = xd.to(device, dtype)
     lw, lb, W, b = _params(H, 8, device, dtype, seed=H)
-    _, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, 1e-5)
+    _, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, EPS)
     _assert_stats(x, mean, rstd)
-    _, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, 1e-5)
+    _, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, EPS)
     _assert_stats(x, mean, rstd)
 
 
@@ -739,7 +742,7 @@ def test_cuda_evt_statistics(dtype, M, H, N):
     x = xd.to("cuda", dtype)
     lw, lb, W, b = _params(H, N, "cuda", dtype, seed=N)
     _poison_allocator()
-    names, (y, mean, rstd) = _kernels(lambda: torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, 1e-5))
+    names, (y, mean, rstd) = _kernels(lambda: torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, EPS))
     assert not torch.isnan(mean).any() and not torch.isnan(rstd).any(), "a row's statistics were not written"
     assert not torch.isnan(y).any(), "an output element was not written"
     _assert_stats(x, mean, rstd)
@@ -799,38 +802,11 @@ def test_cuda_evt_fallback_conditions(dtype, case):
         assert not _ran_evt(names), f"{case} must not take the CUTLASS path, kernels: {names}"
 
 
-def _run_child(script, tensors, tmp_path, **env_vars):
-    """Run `script` (argv: input file, output file) in a fresh process with env_vars set:
-    the op reads its environment switches once per process. Returns what it saved."""
-    import subprocess
-    import sys
-    inp, out = tmp_path / "in.pt", tmp_path / "out.pt"
-    torch.save([t.cpu() for t in tensors], inp)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(gp.__file__)))
-    env = dict(os.environ, **env_vars)
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    subprocess.run([sys.executable, "-c", script, str(inp), str(out)], check=True, env=env, timeout=300)
-    return torch.load(out)
-
-
-_EVT_OFF_CHILD = r"""
-import sys, torch
-import gpu_puzzles as gp
-from torch.profiler import ProfilerActivity, profile
-x, lw, lb, W, b = [t.cuda() for t in torch.load(sys.argv[1])]
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    y = gp.fused_layernorm_linear(x, lw, lb, W, b)
-    torch.cuda.synchronize()
-names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-torch.save({"y": y.cpu(), "evt": any(m in n for n in names for m in %r)}, sys.argv[2])
-""" % (EVT_KERNEL_MARKS,)
-
-
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_evt_env_off_agrees(dtype, tmp_path):
-    # GPU_PUZZLES_LNLINEAR_EVT=0 (read once per process: a child process) takes cuBLAS + the
-    # epilogue pass; both paths agree within the dtype's tolerance and match float64.
+def test_cuda_evt_knob_off_agrees(dtype):
+    # layernorm_linear_evt=cublas takes cuBLAS + the epilogue pass; both paths agree within
+    # the dtype's tolerance and match float64.
     torch.manual_seed(3)
     M, H, N = 1030, 2048, 776
     x = _large_mean_x((M,), H, [0.0, 0.5, 1000.0, -3.0], "cuda", dtype, seed=9)
@@ -838,35 +814,26 @@ def test_cuda_evt_env_off_agrees(dtype, tmp_path):
     names, y = _kernels(lambda: gp.fused_layernorm_linear(x, lw, lb, W, b))
     if _evt_expected() and _profiler_sees_kernels():
         assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
-    res = _run_child(_EVT_OFF_CHILD, (x, lw, lb, W, b), tmp_path, **{EVT_ENV: "0"})
+    with gp.tuning.override(layernorm_linear_evt="cublas"):
+        names_off, y_off = _kernels(lambda: gp.fused_layernorm_linear(x, lw, lb, W, b))
     if _profiler_sees_kernels():
-        assert not res["evt"], "GPU_PUZZLES_LNLINEAR_EVT=0 still ran the CUTLASS GEMM"
-    y_off = res["y"].double()
+        assert not _ran_evt(names_off), "layernorm_linear_evt=cublas still ran the CUTLASS GEMM"
     y_ref, err_eager = _ref_and_eager_err(x, lw, lb, W, b)
-    y_ref = y_ref.cpu()
     scale = max(1.0, y_ref.abs().max().item())
-    for name, yy in (("evt", y.double().cpu()), ("off", y_off)):
+    for name, yy in (("evt", y), ("off", y_off)):
         _assert_near_eager(yy, y_ref, err_eager, dtype, name)
-    diff = (y.double().cpu() - y_off).abs().max().item()
-    assert diff <= 4 * TOL[dtype] * scale, f"EVT and EVT=0 differ by {diff:.3e}"
-
-
-_PDL_OFF_CHILD = r"""
-import sys, torch
-import gpu_puzzles as gp
-x, lw, lb, W, b = [t.cuda() for t in torch.load(sys.argv[1])]
-torch.save(gp.fused_layernorm_linear(x, lw, lb, W, b).cpu(), sys.argv[2])
-"""
+    diff = (y.double() - y_off.double()).abs().max().item()
+    assert diff <= 4 * TOL[dtype] * scale, f"EVT and cuBLAS paths differ by {diff:.3e}"
 
 
 @requires_cuda
 @pytest.mark.parametrize("M,H,N", [(8192, 1024, 4096), (4096, 4096, 2048)])  # both configs
-def test_cuda_evt_pdl_off_agrees(M, H, N, tmp_path):
+def test_cuda_evt_pdl_off_agrees(M, H, N):
     # The EVT GEMM is launched as a programmatic dependent of the prep launch, and the
     # large-mean fix-up as one of the GEMM (each waits for its predecessor on the device).
     # Large-mean rows sit in the last rows too, whose tiles the GEMM writes last: a fix-up
     # that did not wait would have its rows overwritten. The result must be bitwise the one
-    # of plain launches (GPU_PUZZLES_LNLINEAR_PDL=0, read once: a child process), and right.
+    # of plain launches (layernorm_linear_pdl=plain), and right.
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(M + H)
     big = torch.rand(M, generator=g) < 0.05
@@ -876,8 +843,10 @@ def test_cuda_evt_pdl_off_agrees(M, H, N, tmp_path):
     lw, lb, W, b = _params(H, N, "cuda", dtype, seed=H)
     _poison_allocator()
     y = gp.fused_layernorm_linear(x, lw, lb, W, b)
-    y_off = _run_child(_PDL_OFF_CHILD, (x, lw, lb, W, b), tmp_path, GPU_PUZZLES_LNLINEAR_PDL="0")
-    assert torch.equal(y.cpu(), y_off), f"PDL and plain launches differ by {(y.cpu().double() - y_off.double()).abs().max()}"
+    _poison_allocator()
+    with gp.tuning.override(layernorm_linear_pdl="plain"):
+        y_off = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    assert torch.equal(y, y_off), f"PDL and plain launches differ by {(y.double() - y_off.double()).abs().max()}"
     y_ref = _ref(x[-64:], lw, lb, W, b)[0]
     eager = F.linear(F.layer_norm(x[-64:], (H,), lw, lb), W, b).double()
     err = (y[-64:].double() - y_ref).abs().amax(-1)
@@ -916,13 +885,12 @@ def test_cuda_evt_graph_capture(K):
 
 
 @requires_cuda
-def test_cuda_evt_build_marker_present():
-    # The marker the EVT tests use to know whether CUTLASS was built in; on an sm_90 device
-    # a CUTLASS build must actually take the path (else the tests above silently test cuBLAS).
-    built = _evt_built()
+def test_cuda_evt_taken_when_built():
+    # build_info() tells the EVT tests whether CUTLASS was built in; on an sm_90 device a
+    # CUTLASS build must actually take the path (else the tests above silently test cuBLAS).
     if not _profiler_sees_kernels():
         pytest.skip("torch.profiler records no kernels here (CUPTI held by compute-sanitizer)")
-    if torch.cuda.get_device_capability() == (9, 0) and built and os.environ.get(EVT_ENV) != "0":
+    if _evt_expected():
         x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
         lw, lb, W, b = _params(512, 256, "cuda", torch.bfloat16)
         names, _ = _kernels(lambda: gp.fused_layernorm_linear(x, lw, lb, W, b))
@@ -935,9 +903,62 @@ def test_naive_curriculum_kernel(device, dtype):
     x = torch.randn(4, 4, 8, device=device, dtype=dtype) + 0.5
     lw, lb, W, b = _params(8, 16, device, dtype)
     for bias in (b, None):
-        y = torch.ops.gpu_puzzles.fused_layernorm_linear_naive(x, lw, lb, W, bias, 1e-5)
+        y = torch.ops.gpu_puzzles.fused_layernorm_linear_naive(x, lw, lb, W, bias, EPS)
         assert_close_ref(y, _ref(x, lw, lb, W, bias)[0], dtype, "naive")
-    torch.library.opcheck(torch.ops.gpu_puzzles.fused_layernorm_linear_naive.default, (x, lw, lb, W, b, 1e-5))
+    torch.library.opcheck(torch.ops.gpu_puzzles.fused_layernorm_linear_naive.default, (x, lw, lb, W, b, EPS))
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+def test_algorithm_naive_and_unfused(device, dtype):
+    # The curriculum variants behind the one public function: "naive" is the op
+    # fused_layernorm_linear_naive (forward only), "unfused" our layer_norm then F.linear.
+    torch.manual_seed(4)
+    x = torch.randn(3, 5, 24, device=device, dtype=dtype) + 0.5
+    lw, lb, W, b = _params(24, 10, device, dtype)
+    y_ref = _ref(x, lw, lb, W, b)[0]
+    y_naive = gp.fused_layernorm_linear(x, lw, lb, W, b, algorithm="naive")
+    assert torch.equal(y_naive, torch.ops.gpu_puzzles.fused_layernorm_linear_naive(x, lw, lb, W, b, EPS))
+    for algorithm in ("auto", "naive", "unfused"):
+        assert_close_ref(gp.fused_layernorm_linear(x, lw, lb, W, b, algorithm=algorithm), y_ref, dtype, algorithm)
+        assert_close_ref(gp.fused_layernorm_linear(x, None, None, W, algorithm=algorithm),
+                         _ref(x, torch.ones_like(lw), torch.zeros_like(lb), W, None)[0], dtype, algorithm)
+    eps = 0.5
+    assert_close_ref(gp.fused_layernorm_linear(x, lw, lb, W, b, eps=eps, algorithm="naive"),
+                     _ref(x, lw, lb, W, b, eps=eps)[0], dtype, "naive eps")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_algorithm_naive_forward_only_and_bad_name(device):
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    lw, lb, W, b = _params(8, 3, device, torch.float32)
+    with pytest.raises(RuntimeError, match="naive.*forward only"):
+        gp.fused_layernorm_linear(x, lw, lb, W, b, algorithm="naive")
+    with torch.no_grad():
+        y = gp.fused_layernorm_linear(x, lw, lb, W, b, algorithm="naive")
+    assert y.shape == (4, 3) and not y.requires_grad
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        gp.fused_layernorm_linear(x, lw, lb, W, b, algorithm="fused")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("knobs", [dict(layernorm_linear_evt="evt"), dict(layernorm_linear_evt="cublas"),
+                                   dict(layernorm_linear_pdl="plain")])
+def test_knobs_keep_results(device, knobs):
+    # The fused forward's knobs (the CPU path has one plan and ignores them): every setting
+    # gives a correct result, and the override is undone on exit.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(6)
+    x = torch.randn(130, 264, device=device, dtype=dtype) + 0.3
+    x[::9] += 1e3  # large-mean rows: the fix-up after the CUTLASS GEMM
+    lw, lb, W, b = _params(264, 136, device, dtype)
+    y_ref, err_eager = _ref_and_eager_err(x, lw, lb, W, b)
+    before = gp.tuning.knobs()
+    with gp.tuning.override(**knobs):
+        for name, value in knobs.items():
+            assert gp.tuning.knobs()[name][1] == value
+        y = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    assert gp.tuning.knobs() == before
+    _assert_near_eager(y, y_ref, err_eager, dtype)
 
 
 # ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
@@ -961,7 +982,7 @@ def _draw_x(device, data, max_H):
 
 def _check_grads(grads, refs, names, x, dtype, N):
     M = x.numel() // x.shape[-1]
-    rstd_max = (x.detach().double().var(-1, unbiased=False) + 1e-5).rsqrt().max().item() if M else 1.0
+    rstd_max = (x.detach().double().var(-1, unbiased=False) + EPS).rsqrt().max().item() if M else 1.0
     for name, a, r in zip(names, grads, refs):
         # dx is scaled by rstd and sums N outputs; parameter grads sum over M rows
         if name == "dx":
@@ -982,7 +1003,7 @@ def test_property_layer_norm(device, data):
     y = gp.layer_norm(x, lw, lb)
     assert y.shape == x.shape and y.dtype == dtype
     leaves = [t.detach().double().requires_grad_() for t in (x, lw, lb)]
-    y_ref = F.layer_norm(leaves[0], (H,), leaves[1], leaves[2], 1e-5)
+    y_ref = F.layer_norm(leaves[0], (H,), leaves[1], leaves[2], EPS)
     assert_close_ref(y, y_ref, dtype, "layer_norm")
     g = make_tensor(x.shape, dtype, device, seed=seed + 3)
     grads = torch.autograd.grad(y, (x, lw, lb), g)

@@ -10,22 +10,22 @@
 // Centring Wc removes the mu * sum(W*gamma) term from the GEMM, so x's mean does
 // not cancel catastrophically there; r corrects the rounding of the centring.
 // What is left grows like |mu| * rstd * eps_acc * sqrt(H); rows with
-// |mu| * rstd > kLnLinearMaxMeanRatio are recomputed normalise-first in the
+// |mu| * rstd > kLayerNormLinearMaxMeanRatio are recomputed normalise-first in the
 // epilogue (decided per row on the device: no host sync, graph-safe).
 // The GEMM goes to at::mm (cuBLAS on CUDA); the normalised x is never written.
 // It moves more bytes than normalising first (2*N*H for the fold + 2*M*N for the
 // epilogue's pass over z, against 2*M*H for writing and re-reading xn): at N >= H
-// only a GEMM with the epilogue inside it can beat eager; the rule (never
-// write the normalised activation) keeps this form. On sm_90 (bf16/fp16, built with
-// CUTLASS, see use_evt) that GEMM is a CUTLASS kernel whose epilogue applies the
-// statistics (lnlinear_evt_sm90.cu); a fix-up pass then recomputes the large-mean
-// rows only. Elsewhere: cuBLAS + the separate epilogue pass.
+// only a GEMM with the epilogue inside it can beat eager. On sm_90a (bf16/fp16, built
+// with CUTLASS) that GEMM is a CUTLASS kernel whose epilogue applies the statistics
+// (layernorm_linear_evt_sm90.cu); a fix-up pass then recomputes the large-mean rows
+// only. Elsewhere: cuBLAS + the separate epilogue pass. Which one:
+// layernorm_linear_plan (layernorm_linear_plan.h; knobs layernorm_linear_evt/_pdl).
 // Before the GEMM, the statistics and the fold share one launch on CUDA where a row fits
-// in registers (lnlinear_prep_cuda).
+// in registers (layernorm_linear_prep_cuda).
 // Backward: xn = gamma*xhat + beta is materialised (backward only) for
 // dW = dy^T xn; d(xn) = dy W; our LayerNorm backward gives dx, dgamma, dbeta. On CUDA
 // that LayerNorm backward also writes xn (it reads x anyway), and db (dy's column
-// sums) is its own launch (lnlinear_bias_grad_cuda), after the dW GEMM.
+// sums) is its own launch (layernorm_linear_bias_grad_cuda), after the dW GEMM.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -34,7 +34,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -42,12 +41,16 @@
 #include "common/checks.h"
 #include "common/cuda_launch.h"
 #include "layernorm_linear/layernorm_linear.h"
+#include "layernorm_linear/layernorm_linear_plan.h"
 
 namespace gpu_puzzles {
 namespace {
 
 using Tensor = at::Tensor;
 using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
+using layernorm_linear::layernorm_linear_plan;
+using layernorm_linear::Plan;
+using layernorm_linear::Stage;
 
 at::ScalarType stat_type(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
@@ -215,7 +218,7 @@ void epilogue_cpu(T* z, const T* x, const T* g, const T* be, const T* W, const T
     for (int64_t m = lo; m < hi; ++m) {
       const A mu = mean[m], rs = rstd[m];
       T* zr = z + m * N;
-      if (std::abs(mu) * rs > A(kLnLinearMaxMeanRatio)) {  // normalise first (see the file comment)
+      if (std::abs(mu) * rs > A(kLayerNormLinearMaxMeanRatio)) {  // normalise first (see the file comment)
         for (int64_t h = 0; h < H; ++h)
           xn[h] = (static_cast<A>(x[m * H + h]) - mu) * rs * static_cast<A>(g[h]) + static_cast<A>(be[h]);
         for (int64_t n = 0; n < N; ++n) {
@@ -289,7 +292,8 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
   if (cuda) {
 #ifdef WITH_CUDA
     const bool want_xn = xn != nullptr;
-    const int64_t G = layer_norm_backward_blocks(M, H, to_dtype(x.scalar_type()), want_xn);
+    int64_t G = 0;
+    GP_CUDA_CHECK_STATUS(layer_norm_backward_blocks(M, H, to_dtype(x.scalar_type()), want_xn, G));
     Tensor ws = at::empty({2 * G * H}, x.options().dtype(stat_type(x)));
     GP_CUDA_CHECK_STATUS(layer_norm_backward_cuda(
         dy.data_ptr(), x.data_ptr(), g.data_ptr(), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dg.data_ptr(),
@@ -305,53 +309,6 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
   }
   return {dx, dg, db};
 }
-
-#ifdef WITH_CUDA
-// Marker for tests (they search the built library for it): whether this build
-// holds the CUTLASS EVT forward.
-#ifdef GPU_PUZZLES_WITH_SM90A
-[[gnu::used]] const char kEvtBuildMarker[] = "gpu_puzzles_lnlinear_evt_built=1";
-#else
-[[gnu::used]] const char kEvtBuildMarker[] = "gpu_puzzles_lnlinear_evt_built=0";
-#endif
-
-#ifdef GPU_PUZZLES_WITH_SM90A
-// On unless the environment variable is "0". Each switch below reads it once: tests and
-// benchmarks compare both settings in separate processes.
-bool env_not_zero(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || std::string(v) != "0";
-}
-
-// GPU_PUZZLES_LNLINEAR_EVT=0 turns the EVT forward off.
-bool evt_enabled_by_env() {
-  static const bool on = env_not_zero("GPU_PUZZLES_LNLINEAR_EVT");
-  return on;
-}
-
-// GPU_PUZZLES_LNLINEAR_PDL=0 launches the EVT GEMM and the fix-up after it as plain
-// launches instead of programmatic dependent ones.
-bool pdl_enabled_by_env() {
-  static const bool on = env_not_zero("GPU_PUZZLES_LNLINEAR_PDL");
-  return on;
-}
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
-// The one-GEMM forward (lnlinear_evt_sm90.cu) needs: a CUTLASS build, a compute
-// capability 9.0 device running the sm_90a kernels, bf16/fp16, TMA-legal rows
-// (H and N multiples of 8 elements, 16-byte aligned bases) and int-sized M, N, H.
-bool use_evt(const Tensor& x, const Tensor& wc, int64_t M, int64_t N, int64_t H, DType dt) {
-  const int64_t kIntMax = 2147483647LL;
-  return (dt == DType::BFloat16 || dt == DType::Float16) && M >= 1 && M <= kIntMax && N >= 1 && N <= kIntMax &&
-         H <= kIntMax && H % 8 == 0 && N % 8 == 0 && aligned16(x.data_ptr()) && aligned16(wc.data_ptr()) &&
-         evt_enabled_by_env() && lnlinear_evt_available(dt);
-}
-#else
-bool use_evt(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, DType) { return false; }
-bool pdl_enabled_by_env() { return false; }
-#endif
-#endif
 
 Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const Tensor& W_,
                            const c10::optional<Tensor>& b_, double eps, bool cuda) {
@@ -372,33 +329,34 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
     const DType dt = to_dtype(x.scalar_type());
     const cudaStream_t s = current_stream();
     // Statistics and fold: one launch (two when a row does not fit in registers or is unaligned).
-    GP_CUDA_CHECK_STATUS(lnlinear_prep_cuda(x.data_ptr(), W.data_ptr(), g.data_ptr(), be.data_ptr(),
+    GP_CUDA_CHECK_STATUS(layernorm_linear_prep_cuda(x.data_ptr(), W.data_ptr(), g.data_ptr(), be.data_ptr(),
                                             b ? b->data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(),
                                             wc.data_ptr(), r.data_ptr(), bp.data_ptr(), M, N, H, eps, dt, s));
-    if (use_evt(x, wc, M, N, H, dt)) {
+    const Plan plan = layernorm_linear_plan(
+        Stage::kGemm, H, 8, true, layernorm_linear_evt_possible(x.data_ptr(), wc.data_ptr(), M, N, H, dt));
+    if (plan.evt) {
       // sm_90a: one CUTLASS GEMM with the statistics applied in its epilogue, then
-      // only the large-mean rows are recomputed (see lnlinear_evt_sm90.cu).
+      // only the large-mean rows are recomputed (see layernorm_linear_evt_sm90.cu).
       z = at::empty({M, N}, x.options());
-      const size_t ws_bytes = lnlinear_evt_workspace_bytes(M, N, H, dt);
+      const size_t ws_bytes = layernorm_linear_evt_workspace_bytes(M, N, H, dt);
       Tensor ws;
       if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
       const LaunchStatus st =
-          lnlinear_evt_gemm_cuda(x.data_ptr(), wc.data_ptr(), mean.data_ptr(), rstd.data_ptr(), r.data_ptr(),
-                                 bp.data_ptr(), z.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H, dt, s,
-                                 pdl_enabled_by_env());
+          layernorm_linear_evt_gemm_cuda(x.data_ptr(), wc.data_ptr(), mean.data_ptr(), rstd.data_ptr(), r.data_ptr(),
+                                         bp.data_ptr(), z.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H,
+                                         dt, s, plan.pdl);
       if (st == cudaErrorNotSupported) {
         z.reset();  // CUTLASS refused this problem (nothing was launched): the general path below
       } else {
         GP_CUDA_CHECK_STATUS(st);
-        GP_CUDA_CHECK_STATUS(lnlinear_large_mean_fixup_cuda(z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(),
-                                                            W.data_ptr(), b ? b->data_ptr() : nullptr,
-                                                            mean.data_ptr(), rstd.data_ptr(), M, N, H, dt, s,
-                                                            pdl_enabled_by_env()));
+        GP_CUDA_CHECK_STATUS(layernorm_linear_large_mean_fixup_cuda(
+            z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(), b ? b->data_ptr() : nullptr,
+            mean.data_ptr(), rstd.data_ptr(), M, N, H, dt, s, plan.pdl));
       }
     }
     if (!z.defined()) {
       z = at::mm(x.view({M, H}), wc.t()).contiguous();  // cuBLAS
-      GP_CUDA_CHECK_STATUS(lnlinear_epilogue_cuda(z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(),
+      GP_CUDA_CHECK_STATUS(layernorm_linear_epilogue_cuda(z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(),
                                                   W.data_ptr(), b ? b->data_ptr() : nullptr, mean.data_ptr(),
                                                   rstd.data_ptr(), r.data_ptr(), bp.data_ptr(), M, N, H, dt, s));
     }
@@ -445,10 +403,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
     Tensor dW = at::mm(dy.t(), xn);  // (N, H)
     xn.reset();
     // db: dy's column sums, in a fixed order; last, so that it starts on the rows of dy
-    // the dW GEMM left in L2 (see lnlinear_colsum).
+    // the dW GEMM left in L2 (see layernorm_linear_colsum).
     Tensor db = at::empty({N}, x.options());
-    Tensor ws = at::empty({lnlinear_bias_grad_workspace(M, N)}, x.options().dtype(stat_type(x)));
-    GP_CUDA_CHECK_STATUS(lnlinear_bias_grad_cuda(dy.data_ptr(), db.data_ptr(), ws.data_ptr(), M, N,
+    Tensor ws = at::empty({layernorm_linear_bias_grad_workspace(M, N)}, x.options().dtype(stat_type(x)));
+    GP_CUDA_CHECK_STATUS(layernorm_linear_bias_grad_cuda(dy.data_ptr(), db.data_ptr(), ws.data_ptr(), M, N,
                                                  to_dtype(x.scalar_type()), current_stream()));
     return {dx, dg, dbeta, dW, db};
 #endif
@@ -477,7 +435,7 @@ Tensor naive_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const 
   Tensor y = at::empty(out_shape(x, N), x.options());
   if (cuda) {
 #ifdef WITH_CUDA
-    GP_CUDA_CHECK_STATUS(lnlinear_naive_cuda(x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(),
+    GP_CUDA_CHECK_STATUS(layernorm_linear_naive_cuda(x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(),
                                              b ? b->data_ptr() : nullptr, y.data_ptr(), M, N, H, eps,
                                              to_dtype(x.scalar_type()), current_stream()));
 #endif
@@ -506,78 +464,64 @@ Tensor naive_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const 
   return y;
 }
 
-Tensor naive_cpu(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
+// The registered kernels, CPU = false / CUDA = true. The dispatcher picks the CUDA
+// kernel when any argument is on the GPU, x maybe not. The *_impl checks compare every
+// argument's device with x's and name the odd one; a plain DeviceGuard lets them run
+// first (a CUDAGuard would reject a CPU x with a message about x alone).
+template <bool CUDA> struct OnXDevice {
+  explicit OnXDevice(const Tensor& x) {
+    if (CUDA) guard.reset_device(x.device());
+  }
+  c10::OptionalDeviceGuard guard;
+};
+
+template <bool CUDA>
+Tensor naive_op(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
+                double eps) {
+  const OnXDevice<CUDA> on(x);
+  return naive_impl(x, lw, lb, W, b, eps, CUDA);
+}
+template <bool CUDA> Tensor3 layer_norm_op(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
+  const OnXDevice<CUDA> on(x);
+  return layer_norm_impl(x, w, b, eps, CUDA);
+}
+template <bool CUDA>
+Tensor3 layer_norm_backward_op(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& m, const Tensor& r) {
+  const OnXDevice<CUDA> on(x);
+  return layer_norm_backward_impl(g, x, w, m, r, CUDA);
+}
+template <bool CUDA>
+Tensor3 fused_op(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
                  double eps) {
-  return naive_impl(x, lw, lb, W, b, eps, false);
+  const OnXDevice<CUDA> on(x);
+  return fused_forward_impl(x, lw, lb, W, b, eps, CUDA);
 }
-
-Tensor3 layer_norm_cpu(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
-  return layer_norm_impl(x, w, b, eps, false);
+template <bool CUDA>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_op(const Tensor& g, const Tensor& x,
+                                                                     const Tensor& lw, const Tensor& lb,
+                                                                     const Tensor& W, const Tensor& m,
+                                                                     const Tensor& r) {
+  const OnXDevice<CUDA> on(x);
+  return fused_backward_impl(g, x, lw, lb, W, m, r, CUDA);
 }
-Tensor3 layer_norm_backward_cpu(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& m, const Tensor& r) {
-  return layer_norm_backward_impl(g, x, w, m, r, false);
-}
-Tensor3 fused_cpu(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
-                  double eps) {
-  return fused_forward_impl(x, lw, lb, W, b, eps, false);
-}
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_cpu(const Tensor& g, const Tensor& x, const Tensor& lw,
-                                                                      const Tensor& lb, const Tensor& W, const Tensor& m,
-                                                                      const Tensor& r) {
-  return fused_backward_impl(g, x, lw, lb, W, m, r, false);
-}
-
-#ifdef WITH_CUDA
-// The dispatcher picks the CUDA kernel when any argument is on the GPU, x maybe
-// not. The *_impl checks compare every argument's device with x's and name the odd
-// one; a plain DeviceGuard lets them run first (a CUDAGuard would reject a CPU x
-// with a message about x alone).
-Tensor naive_cuda(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
-                  double eps) {
-  const c10::DeviceGuard guard(x.device());
-  return naive_impl(x, lw, lb, W, b, eps, true);
-}
-
-Tensor3 layer_norm_cuda(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
-  const c10::DeviceGuard guard(x.device());
-  return layer_norm_impl(x, w, b, eps, true);
-}
-Tensor3 layer_norm_backward_cuda_op(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& m,
-                                    const Tensor& r) {
-  const c10::DeviceGuard guard(x.device());
-  return layer_norm_backward_impl(g, x, w, m, r, true);
-}
-Tensor3 fused_cuda(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W,
-                   const c10::optional<Tensor>& b, double eps) {
-  const c10::DeviceGuard guard(x.device());
-  return fused_forward_impl(x, lw, lb, W, b, eps, true);
-}
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_cuda(const Tensor& g, const Tensor& x,
-                                                                       const Tensor& lw, const Tensor& lb,
-                                                                       const Tensor& W, const Tensor& m,
-                                                                       const Tensor& r) {
-  const c10::DeviceGuard guard(x.device());
-  return fused_backward_impl(g, x, lw, lb, W, m, r, true);
-}
-#endif
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gpu_puzzles, CPU, m) {
-  m.impl("layer_norm", &layer_norm_cpu);
-  m.impl("layer_norm_backward", &layer_norm_backward_cpu);
-  m.impl("fused_layernorm_linear", &fused_cpu);
-  m.impl("fused_layernorm_linear_backward", &fused_backward_cpu);
-  m.impl("fused_layernorm_linear_naive", &naive_cpu);
+  m.impl("layer_norm", &layer_norm_op<false>);
+  m.impl("layer_norm_backward", &layer_norm_backward_op<false>);
+  m.impl("fused_layernorm_linear", &fused_op<false>);
+  m.impl("fused_layernorm_linear_backward", &fused_backward_op<false>);
+  m.impl("fused_layernorm_linear_naive", &naive_op<false>);
 }
 
 #ifdef WITH_CUDA
 TORCH_LIBRARY_IMPL(gpu_puzzles, CUDA, m) {
-  m.impl("layer_norm", &layer_norm_cuda);
-  m.impl("layer_norm_backward", &layer_norm_backward_cuda_op);
-  m.impl("fused_layernorm_linear", &fused_cuda);
-  m.impl("fused_layernorm_linear_backward", &fused_backward_cuda);
-  m.impl("fused_layernorm_linear_naive", &naive_cuda);
+  m.impl("layer_norm", &layer_norm_op<true>);
+  m.impl("layer_norm_backward", &layer_norm_backward_op<true>);
+  m.impl("fused_layernorm_linear", &fused_op<true>);
+  m.impl("fused_layernorm_linear_backward", &fused_backward_op<true>);
+  m.impl("fused_layernorm_linear_naive", &naive_op<true>);
 }
 #endif
 

@@ -1,5 +1,6 @@
-// Torch-free interface between layernorm_linear.cpp (ATen side) and
-// layernorm_linear_cuda.cu. Rows are contiguous (M, H); statistics (mean, rstd)
+// Torch-free interface between layernorm_linear.cpp (ATen side) and the CUDA files
+// (layer_norm_forward.cu, layer_norm_backward.cu, layernorm_linear_fused.cu,
+// layernorm_linear_evt_sm90.cu). Rows are contiguous (M, H); statistics (mean, rstd)
 // and the folded vectors are in the accumulate type: float, or double for float64.
 #pragma once
 #include <cuda_runtime_api.h>
@@ -13,7 +14,7 @@ namespace gpu_puzzles {
 
 // Rows whose |mean| * rstd exceeds this are recomputed normalise-first by the
 // fused forward (the folded rewrite loses ~ratio * eps_acc * sqrt(H) there).
-constexpr double kLnLinearMaxMeanRatio = 16.0;
+constexpr double kLayerNormLinearMaxMeanRatio = 16.0;
 
 // mean/rstd of every row; y = (x - mean) * rstd * gamma + beta when y != null.
 LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y,
@@ -21,8 +22,9 @@ LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const voi
                                      DType dtype, cudaStream_t stream);
 
 // Blocks of the backward (each owns one row of partial dgamma/dbeta sums);
-// the workspace holds 2 * blocks * H accumulate-type elements.
-int64_t layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, bool xn = false);
+// the workspace holds 2 * blocks * H accumulate-type elements. An error when a device
+// query fails.
+LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, bool xn, int64_t& blocks);
 
 // dx, dgamma, dbeta from dy (grad of the LayerNorm output). Deterministic:
 // per-block partials reduced in a fixed order. With xn (and beta) non-null it also
@@ -38,58 +40,59 @@ LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void*
 //   wc[n,:] = W[n,:]*gamma - mean_h(W[n,:]*gamma)   (stored in T: the GEMM operand)
 //   r[n]    = sum_h wc[n,h] as stored (the centring's rounding residual)
 //   bp[n]   = b[n] + sum_h W[n,h]*beta[h]            (b may be null)
-LaunchStatus lnlinear_fold_weight_cuda(const void* W, const void* gamma, const void* beta,
+LaunchStatus layernorm_linear_fold_weight_cuda(const void* W, const void* gamma, const void* beta,
                                        const void* b, void* wc, void* r, void* bp, int64_t N,
                                        int64_t H, DType dtype, cudaStream_t stream);
 
 // The statistics (as layer_norm_forward_cuda with y null) and the fold (as
-// lnlinear_fold_weight_cuda) in one launch when a row fits registers (16-byte vectors;
+// layernorm_linear_fold_weight_cuda) in one launch when a row fits registers (16-byte vectors;
 // a warp per row up to H*sizeof(T) = 2 KiB, a block per row up to 32 KiB); otherwise
 // the two launches.
-LaunchStatus lnlinear_prep_cuda(const void* x, const void* W, const void* gamma, const void* beta,
+LaunchStatus layernorm_linear_prep_cuda(const void* x, const void* W, const void* gamma, const void* beta,
                                 const void* b, void* mean, void* rstd, void* wc, void* r, void* bp,
                                 int64_t M, int64_t N, int64_t H, double eps, DType dtype,
                                 cudaStream_t stream);
 
 // The fused backward's db[n] = sum_m dy[m,n] (fp32 partials in the workspace, then
 // summed in a fixed order: deterministic; M == 0 gives zeros). The workspace holds
-// lnlinear_bias_grad_workspace(M, N) accumulate-type elements (possibly 0).
-int64_t lnlinear_bias_grad_workspace(int64_t M, int64_t N);
-LaunchStatus lnlinear_bias_grad_cuda(const void* dy, void* db, void* workspace, int64_t M, int64_t N,
+// layernorm_linear_bias_grad_workspace(M, N) accumulate-type elements (possibly 0).
+int64_t layernorm_linear_bias_grad_workspace(int64_t M, int64_t N);
+LaunchStatus layernorm_linear_bias_grad_cuda(const void* dy, void* db, void* workspace, int64_t M, int64_t N,
                                      DType dtype, cudaStream_t stream);
 
 // In place on z = x @ wc^T (M, N): y = rstd*(z - mean*r) + bp; then rows with
-// |mean|*rstd > kLnLinearMaxMeanRatio are recomputed as (normalised x) @ W^T + b.
-LaunchStatus lnlinear_epilogue_cuda(void* z, const void* x, const void* gamma, const void* beta,
+// |mean|*rstd > kLayerNormLinearMaxMeanRatio are recomputed as (normalised x) @ W^T + b.
+LaunchStatus layernorm_linear_epilogue_cuda(void* z, const void* x, const void* gamma, const void* beta,
                                     const void* W, const void* b, const void* mean,
                                     const void* rstd, const void* r, const void* bp, int64_t M,
                                     int64_t N, int64_t H, DType dtype, cudaStream_t stream);
 
-// After lnlinear_evt_gemm_cuda: recompute only the rows with |mean|*rstd >
-// kLnLinearMaxMeanRatio in y (M, N), as lnlinear_epilogue_cuda does; other rows
+// After layernorm_linear_evt_gemm_cuda: recompute only the rows with |mean|*rstd >
+// kLayerNormLinearMaxMeanRatio in y (M, N), as layernorm_linear_epilogue_cuda does; other rows
 // are left untouched (only their mean/rstd are read). pdl: launched as a programmatic
 // dependent of the GEMM before it (sm_90; the kernel waits for that GEMM itself).
-LaunchStatus lnlinear_large_mean_fixup_cuda(void* y, const void* x, const void* gamma, const void* beta,
+LaunchStatus layernorm_linear_large_mean_fixup_cuda(void* y, const void* x, const void* gamma, const void* beta,
                                             const void* W, const void* b, const void* mean, const void* rstd,
                                             int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream,
                                             bool pdl = false);
 
-// sm_90a only (lnlinear_evt_sm90.cu, built with CUTLASS): one GEMM x @ wc^T (x (M, K),
+// sm_90a only (layernorm_linear_evt_sm90.cu, built with CUTLASS): one GEMM x @ wc^T (x (M, K),
 // wc (N, K), both row-major) whose epilogue writes y = rstd*(acc - mean*r) + bp
 // (fp32 statistics and vectors). bf16 / fp16.
-// Available: built with CUTLASS, the current device is compute capability 9.0 and
-// runs the real sm_90a kernels. The caller also needs N % 8 == 0, K % 8 == 0,
-// 16-byte aligned x, wc, y and M, N, K < 2^31; otherwise cudaErrorNotSupported.
-bool lnlinear_evt_available(DType dtype);
-size_t lnlinear_evt_workspace_bytes(int64_t M, int64_t N, int64_t K, DType dtype);
+// Possible: built with CUTLASS, the current device is compute capability 9.0 and runs
+// the real sm_90a kernels, N % 8 == 0, K % 8 == 0, 16-byte aligned x and wc, and
+// 1 <= M, N, K < 2^31. The GEMM returns cudaErrorNotSupported, launching nothing, for a
+// problem CUTLASS refuses (y unaligned, say).
+bool layernorm_linear_evt_possible(const void* x, const void* wc, int64_t M, int64_t N, int64_t K, DType dtype);
+size_t layernorm_linear_evt_workspace_bytes(int64_t M, int64_t N, int64_t K, DType dtype);
 // pdl: a programmatic dependent launch (the kernel waits for the launch before it).
-LaunchStatus lnlinear_evt_gemm_cuda(const void* x, const void* wc, const void* mean, const void* rstd,
+LaunchStatus layernorm_linear_evt_gemm_cuda(const void* x, const void* wc, const void* mean, const void* rstd,
                                     const void* r, const void* bp, void* y, void* workspace, int64_t M,
                                     int64_t N, int64_t K, DType dtype, cudaStream_t stream, bool pdl = false);
 
 // The curriculum's fused kernel (puzzle 20): one thread per row computes the
 // statistics and then all N outputs. Kept for the notebook's comparison only.
-LaunchStatus lnlinear_naive_cuda(const void* x, const void* gamma, const void* beta, const void* W,
+LaunchStatus layernorm_linear_naive_cuda(const void* x, const void* gamma, const void* beta, const void* W,
                                  const void* b, void* y, int64_t M, int64_t N, int64_t H, double eps,
                                  DType dtype, cudaStream_t stream);
 

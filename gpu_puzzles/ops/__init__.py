@@ -2,9 +2,9 @@
 from .attention import attention, attention_unfused
 from .conv1d import conv1d
 from .embedding import embedding
-from .layernorm_linear import fused_layernorm_linear, layer_norm, unfused_layernorm_linear
+from .layernorm_linear import fused_layernorm_linear, layer_norm
 from .softmax import log_softmax, softmax
 
 __all__ = ["conv1d", "embedding", "softmax", "log_softmax",
-           "layer_norm", "fused_layernorm_linear", "unfused_layernorm_linear",
+           "layer_norm", "fused_layernorm_linear",
            "attention", "attention_unfused"]

@@ -1,11 +1,10 @@
 // The LayerNorm+Linear EVT GEMM: one CUTLASS sm_90a warp-specialized GEMM
 // z = x @ Wc^T whose epilogue visitor tree applies the row statistics,
 //   y[i,j] = rstd_i * (acc_ij - mean_i * r_j) + bp_j,
-// templated on tile, cluster and schedules. lnlinear_evt_sm90.cu instantiates two
+// templated on tile, cluster and schedules. layernorm_linear_evt_sm90.cu instantiates two
 // configurations; benchmarks/evt_sweep times ten with this same type.
-// Include only in a CUTLASS build, after defining NDEBUG (see lnlinear_evt_sm90.cu).
-// The anonymous namespace keeps the kernels internal to the including file, as when
-// this type lived in lnlinear_evt_sm90.cu.
+// Include only in a CUTLASS build, after defining NDEBUG (see layernorm_linear_evt_sm90.cu).
+// The anonymous namespace keeps the kernels internal to the including file.
 #pragma once
 
 #include <cstdint>

@@ -3,19 +3,17 @@
 // statistics before the store:
 //   y[i,j] = rstd_i * (acc_ij - mean_i * r_j) + bp_j
 // acc in fp32, stats and folded vectors in fp32, one rounding to T at the store.
-// This replaces cuBLAS + the separate in-place epilogue pass (lnlinear_epilogue),
-// which reads and writes z once more. Rows with a large mean are still
-// recomputed afterwards by lnlinear_large_mean_fixup_cuda (host side decides).
-// The same structure as the old epilogue, except that acc is not rounded to T
-// before the statistics are applied (one rounding instead of two).
+// This saves the separate in-place epilogue pass of the cuBLAS path
+// (layernorm_linear_epilogue), which reads and writes z once more, and rounds acc to T
+// once instead of twice. Rows with a large mean are still recomputed afterwards by
+// layernorm_linear_large_mean_fixup_cuda.
 //
 // Built only with GPU_PUZZLES_WITH_SM90A (setup.py finds the CUTLASS headers);
 // the kernels exist only in the sm_90a image: other architectures get CUTLASS's
-// empty stubs, and lnlinear_evt_available() says false there.
+// empty stubs, and evt_available() says false there.
 
 // NDEBUG, for this translation unit only: CUTLASS/CuTe keep device-side assert()s
-// without it, and ptxas then serialises the wgmma pipeline (measured on the
-// prototype). Safe here: this file includes no torch headers and nothing else in
+// without it, and ptxas then serialises the wgmma pipeline. Safe here: this file includes no torch headers and nothing else in
 // the project includes CUTLASS, so no inline function is compiled both ways.
 #ifndef NDEBUG
 #define NDEBUG
@@ -31,13 +29,14 @@
 #include "layernorm_linear/layernorm_linear.h"
 
 #ifdef GPU_PUZZLES_WITH_SM90A
+#include "common/align.h"
 #include "common/func_attr.h"  // device_sm_count
-#include "layernorm_linear/lnlinear_evt_sm90.cuh"  // EvtGemm
+#include "layernorm_linear/layernorm_linear_evt_sm90.cuh"  // EvtGemm
 
 // A plain sm_90 image of this file would hold stubs that print an error and write
 // nothing; setup.py maps 9.0 to 9.0a, and this makes any other build loud.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "lnlinear_evt_sm90.cu must be built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a), not sm_90"
+#error "layernorm_linear_evt_sm90.cu must be built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a), not sm_90"
 #endif
 #endif
 
@@ -48,16 +47,12 @@ namespace {
 
 using namespace cute;
 
-// Two configurations. Prototype (H200, bf16, vs cuBLAS): the big tile is as fast
-// as cuBLAS at M=8192,N=4096,K=4096 but slow at M=16384,N=4096,K=1024, where the
-// short K leaves its long epilogue unhidden; ping-pong overlaps one warp group's
-// epilogue with the other's MMAs. Hence: Big for K >= 2048, Small below.
-// H100 sweep of ten configurations (benchmarks/evt_sweep, results in
-// benchmarks/results/lnlinear_evt_sweep_h100.txt), ms, cuBLAS plain GEMM in brackets:
-//   M=8192,N=4096,K=4096:  Big 0.355, the best (256x128 1x2 cooperative) 0.355 [0.340]
-//   M=16384,N=4096,K=1024: Small with a 2x1 cluster 0.181, with 1x2 (before) 0.210 [0.190]
-// With a 2x1 cluster the two CTAs of a pair (rows m, m+1, same columns) share each W
-// tile through one TMA multicast.
+// Two configurations: the cooperative 128x256 tile (Big) for K >= 2048, ping-pong
+// 128x128 (Small) below, where a short K leaves the big tile's long epilogue unhidden
+// and ping-pong overlaps one warp group's epilogue with the other's MMAs. A 2x1
+// cluster: the two CTAs of a pair (rows m, m+1, same columns) share each W tile through
+// one TMA multicast. Chosen from the sweep in benchmarks/evt_sweep (results:
+// benchmarks/results/lnlinear_evt_sweep_h100.txt).
 template <class T>
 using Big = EvtGemm<T, Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                     cutlass::epilogue::TmaWarpSpecializedCooperative>;
@@ -96,10 +91,8 @@ bool shapes_ok(int64_t M, int64_t N, int64_t K, DType dt) {
          K <= kMax && N % 8 == 0 && K % 8 == 0;
 }
 
-}  // namespace
-
-bool lnlinear_evt_available(DType dt) {
-  if (dt != DType::BFloat16 && dt != DType::Float16) return false;
+// The sm_90a kernels run on the current device (cached per device).
+bool evt_available() {
   int dev = 0, sms = 0;
   if (!current_device(dev, sms)) return false;
   int st = g_avail[dev].load(std::memory_order_relaxed);
@@ -117,7 +110,13 @@ bool lnlinear_evt_available(DType dt) {
   return st == 1;
 }
 
-size_t lnlinear_evt_workspace_bytes(int64_t M, int64_t N, int64_t K, DType dt) {
+}  // namespace
+
+bool layernorm_linear_evt_possible(const void* x, const void* wc, int64_t M, int64_t N, int64_t K, DType dt) {
+  return shapes_ok(M, N, K, dt) && aligned16(x) && aligned16(wc) && evt_available();
+}
+
+size_t layernorm_linear_evt_workspace_bytes(int64_t M, int64_t N, int64_t K, DType dt) {
   int dev = 0, sms = 0;
   if (!shapes_ok(M, N, K, dt) || !current_device(dev, sms)) return 0;
   return dispatch(dt, K, [&](auto g) {
@@ -125,11 +124,11 @@ size_t lnlinear_evt_workspace_bytes(int64_t M, int64_t N, int64_t K, DType dt) {
   });
 }
 
-LaunchStatus lnlinear_evt_gemm_cuda(const void* x, const void* wc, const void* mean, const void* rstd, const void* r,
+LaunchStatus layernorm_linear_evt_gemm_cuda(const void* x, const void* wc, const void* mean, const void* rstd, const void* r,
                                     const void* bp, void* y, void* workspace, int64_t M, int64_t N, int64_t K,
                                     DType dt, cudaStream_t stream, bool pdl) {
   int dev = 0, sms = 0;
-  if (!shapes_ok(M, N, K, dt) || !lnlinear_evt_available(dt) || !current_device(dev, sms))
+  if (!shapes_ok(M, N, K, dt) || !evt_available() || !current_device(dev, sms))
     return cudaErrorNotSupported;
   return dispatch(dt, K, [&](auto g) {
     return decltype(g)::run(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), x, wc, mean, rstd, r, bp,
@@ -139,9 +138,9 @@ LaunchStatus lnlinear_evt_gemm_cuda(const void* x, const void* wc, const void* m
 
 #else  // no CUTLASS: the host never takes this path
 
-bool lnlinear_evt_available(DType) { return false; }
-size_t lnlinear_evt_workspace_bytes(int64_t, int64_t, int64_t, DType) { return 0; }
-LaunchStatus lnlinear_evt_gemm_cuda(const void*, const void*, const void*, const void*, const void*, const void*,
+bool layernorm_linear_evt_possible(const void*, const void*, int64_t, int64_t, int64_t, DType) { return false; }
+size_t layernorm_linear_evt_workspace_bytes(int64_t, int64_t, int64_t, DType) { return 0; }
+LaunchStatus layernorm_linear_evt_gemm_cuda(const void*, const void*, const void*, const void*, const void*, const void*,
                                     void*, void*, int64_t, int64_t, int64_t, DType, cudaStream_t, bool) {
   return cudaErrorNotSupported;
 }
