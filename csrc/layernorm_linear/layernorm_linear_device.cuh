@@ -20,7 +20,7 @@ namespace {
 
 using namespace layernorm_linear;  // the plan's constants (kCache, kFwdMaxThreads, ...)
 
-// Programmatic dependent launch (PDL, sm_90; the host's GPU_PUZZLES_LNLINEAR_PDL=0 turns
+// Programmatic dependent launch (PDL, sm_90; the knob layernorm_linear_pdl=plain turns
 // it off): the forward's prep kernels let the GEMM after them launch as their last
 // blocks start (its prologue overlaps their tail; the CUTLASS GEMM waits for them before
 // reading anything), and the large-mean fix-up is launched early behind the GEMM and
