@@ -1,5 +1,5 @@
 """Functional API: one module per op, each registering its fake kernel and autograd."""
-from .attention import attention, attention_unfused
+from .attention import attention
 from .conv1d import conv1d
 from .embedding import embedding, embedding_2d
 from .layernorm_linear import fused_layernorm_linear, layer_norm, unfused_layernorm_linear
@@ -7,4 +7,4 @@ from .softmax import log_softmax, softmax
 
 __all__ = ["conv1d", "embedding", "embedding_2d", "softmax", "log_softmax",
            "layer_norm", "fused_layernorm_linear", "unfused_layernorm_linear",
-           "attention", "attention_unfused"]
+           "attention"]
