@@ -122,8 +122,9 @@ attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     // Online softmax on rows g (e = 0, 1) and g + 8 (e = 2, 3).
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      online_softmax_step<false, NKT, NDT>([&](int nt, int e) -> float& { return s[nt][e]; },
-                                           [&](int dt, int e) -> float& { return acc[dt][e]; }, m_r[h], l_r[h], h);
+      online_softmax_step<false, true, NKT, NDT>([&](int nt, int e) -> float& { return s[nt][e]; },
+                                                 [&](int dt, int e) -> float& { return acc[dt][e]; }, m_r[h], l_r[h],
+                                                 h);
 
     __syncthreads();  // every warp is done reading K(j)
     if (j + 1 < n_tiles) load_tile_async<kFwdBN, D, LDS, NT>(Ks, kb, n0 + kFwdBN, Sk, tid);
@@ -307,9 +308,9 @@ attn_fwd_tc2(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        online_softmax_step<true, NKT, NDT>([&](int nt, int e) -> float& { return s[mi][nt][e]; },
-                                            [&](int dt, int e) -> float& { return acc[mi][dt][e]; }, m_r[mi][h],
-                                            l_r[mi][h], h);
+        online_softmax_step<true, true, NKT, NDT>([&](int nt, int e) -> float& { return s[mi][nt][e]; },
+                                                  [&](int dt, int e) -> float& { return acc[mi][dt][e]; },
+                                                  m_r[mi][h], l_r[mi][h], h);
   };
 
   // O += P V for the BN keys at Vt; P comes straight from the S accumulators.

@@ -227,9 +227,9 @@ __device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const 
     // Online softmax; value i is in row half h = (i >> 1) & 1, n-tile i / 4.
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      online_softmax_step<true, BN / 8, D / 8>([&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
-                                               [&](int nb, int e) -> float& { return tOrO(4 * nb + e); }, m_r[h],
-                                               l_r[h], h);
+      online_softmax_step<true, false, BN / 8, D / 8>(
+          [&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
+          [&](int nb, int e) -> float& { return tOrO(4 * nb + e); }, m_r[h], l_r[h], h);
     // P to 16-bit pairs (value 2i low half, 2i + 1 high half: one A register each).
     Tensor tOrP32 = recast<uint32_t>(tOrP);
 #pragma unroll

@@ -32,8 +32,10 @@ template <bool kFtz> __device__ __forceinline__ float online_exp2(float x) {
 // (masked ones -inf), o(dt, e) the NO n-tiles of the output accumulator; m is the
 // running max (log2 domain), l this lane's partial running sum. On return s holds the
 // unnormalised probabilities 2^(s - m), and o and l are rescaled to the new max.
-// kFtz: exp2_ftz instead of exp2f.
-template <bool kFtz, int NS, int NO, class S, class O>
+// kFtz: exp2_ftz instead of exp2f. kPairs: an n-tile's two values are added to each other,
+// then to the sum (the mma.sync kernels), else one at a time (the wgmma kernel); the same
+// to rounding, kept per kernel so that each compiles to the code it was validated with.
+template <bool kFtz, bool kPairs, int NS, int NO, class S, class O>
 __device__ __forceinline__ void online_softmax_step(S&& s, O&& o, float& m, float& l, int h) {
   float mx = m;
 #pragma unroll
@@ -46,8 +48,13 @@ __device__ __forceinline__ void online_softmax_step(S&& s, O&& o, float& m, floa
 #pragma unroll
   for (int nt = 0; nt < NS; ++nt) {
     s(nt, 2 * h) = online_exp2<kFtz>(s(nt, 2 * h) - base);
+    if constexpr (!kPairs) sum += s(nt, 2 * h);
     s(nt, 2 * h + 1) = online_exp2<kFtz>(s(nt, 2 * h + 1) - base);
-    sum += s(nt, 2 * h) + s(nt, 2 * h + 1);
+    if constexpr (kPairs) {
+      sum += s(nt, 2 * h) + s(nt, 2 * h + 1);
+    } else {
+      sum += s(nt, 2 * h + 1);
+    }
   }
   l = l * alpha + sum;
 #pragma unroll
