@@ -1,32 +1,36 @@
-"""Sweep the fused attention forward's tensor-core configurations (GPU_PUZZLES_ATTN_FWD_CFG).
+"""Sweep the fused attention forward's kernels (the attention_fwd knob, gpu_puzzles.tuning).
 
-Each configuration runs in its own subprocess (the variable is read once per process):
-it first checks correctness against float64 SDPA at small odd shapes (output, lse, and the
-gradients of the backward that consumes the lse), then times the forward with CUDA events
-(warm-up, median of --reps) at the issue's shapes or (--shapes small) at short sequences. One table at the end.
+For each configuration, in this process: first a correctness check against float64 SDPA at
+small odd shapes (output, lse, and the gradients of the backward that consumes the lse), then
+the forward timed with CUDA events (warm-up, median of --reps) at the four benchmark shapes or
+(--shapes small) at short sequences. One table at the end; each cell names the kernel that ran.
 
     PYTHONPATH=$PWD python benchmarks/attention_sweep.py            # every config
-    PYTHONPATH=$PWD python benchmarks/attention_sweep.py --configs old r32_bn32_w4_s2 --reps 50
+    PYTHONPATH=$PWD python benchmarks/attention_sweep.py --configs mma mma_r32 --reps 50
     PYTHONPATH=$PWD python benchmarks/attention_sweep.py --shapes small --json /tmp/small.json
 
 FLOPs: 4*B*H*Sq*Sk*D (half when causal), as in gpu_puzzles/bench/attention.py.
 
-"wgmma" / "wgmma3" are the sm_90a kernel (csrc/attention/attention_fwd_sm90.cu) with 2 / 3
-warpgroups per CTA; where it cannot run (no
-CUTLASS headers at build time, not a 9.x GPU) the default runs instead. The children run with
-GPU_PUZZLES_ATTN_TRACE=1 (stderr to a scratch file) and the table's "wgmma" column counts the
-forward calls that took the wgmma kernel, so a fallback shows.
+Configs: "auto" (the default heuristic, attention_fwd_plan in csrc/attention/attention_plan.cu)
+and the attention_fwd knob's values: "mma" (attn_fwd_tc), "mma_r32" (attn_fwd_tc2), "wgmma" /
+"wgmma3" (the sm_90a kernel of csrc/attention/attention_fwd_sm90.cu with 2 / 3 warpgroups per
+CTA). Where a forced kernel cannot run (no CUTLASS headers at build time, not a 9.x GPU) the
+heuristic's fallback runs, and its cells say so. The names older results files use, "old" and
+"r32_bn32_w4_s2", are taken for "mma" and "mma_r32".
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
 
-CONFIGS = ["auto", "old", "r32_bn32_w4_s2", "wgmma", "wgmma3"]
+import torch
+import torch.nn.functional as F
+
+import gpu_puzzles as gp
+from gpu_puzzles.bench.attention import forward_kernels
+
+CONFIGS = ["auto", "mma", "mma_r32", "wgmma", "wgmma3"]
+ALIASES = {"old": "mma", "r32_bn32_w4_s2": "mma_r32"}
 # (label, B, H, S, D, causal)
 SHAPES = [("4x32x4096x128", 4, 32, 4096, 128, False), ("4x32x4096x128 causal", 4, 32, 4096, 128, True),
           ("8x16x2048x64", 8, 16, 2048, 64, False), ("8x16x2048x64 causal", 8, 16, 2048, 64, True)]
@@ -41,28 +45,9 @@ CHECK_SHAPES = [((2, 3), 1, 1, 64, False), ((2,), 17, 5, 128, True), ((2,), 31, 
                 ((1,), 1000, 1001, 64, True)]
 
 
-def child(reps: int, shapes: list) -> dict:
-    # The wgmma launcher's trace lines (one per call) go to a scratch file, counted at the end.
-    trace = tempfile.TemporaryFile()
-    saved = os.dup(2)
-    os.dup2(trace.fileno(), 2)
-    try:
-        res = _child(reps, shapes)
-    finally:
-        os.dup2(saved, 2)  # errors reach the parent's table
-    trace.seek(0)
-    res["wgmma_calls"] = trace.read().decode(errors="replace").count("attention forward wgmma sm90")
-    return res
-
-
-def _child(reps: int, shapes: list) -> dict:
-    import torch
-    import torch.nn.functional as F
-
-    import gpu_puzzles  # noqa: F401  (registers the ops)
-
+def check(res: dict) -> None:
+    """Correctness at CHECK_SHAPES (bf16 and fp16) into res["max_err"] / res["fail"]."""
     ops = torch.ops.gpu_puzzles
-    res = {"cfg": os.environ.get("GPU_PUZZLES_ATTN_FWD_CFG", "auto"), "max_err": 0.0, "fail": []}
     g = torch.Generator(device="cpu").manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):
         tol = 6e-2 if dtype == torch.bfloat16 else 1e-2
@@ -85,8 +70,11 @@ def _child(reps: int, shapes: list) -> dict:
                 res["max_err"] = max(res["max_err"], e) if e == e else float("nan")
                 if not e <= tol:  # NaN fails too
                     res["fail"].append(f"{dtype} {lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {n} err={e:.3g}")
-    # Busy the GPU for half a second first: the first child otherwise times its short shapes
-    # while the clocks still ramp up from idle (it read up to 1.5x slower than a later one).
+
+
+def warm_up_gpu() -> None:
+    """Busy the GPU for half a second, so that short shapes are not timed while the clocks
+    still ramp up from idle."""
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t0 = torch.cuda.Event(enable_timing=True)
     t0.record()
@@ -98,74 +86,75 @@ def _child(reps: int, shapes: list) -> dict:
         t1.synchronize()
         if t0.elapsed_time(t1) > 500:
             break
-    del x
-    for label, B, H, S, D, causal in shapes:
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        fn = lambda: ops.attention(q, k, v, None, causal)  # noqa: E731
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        # `inner` calls between the events: a call of a few microseconds would otherwise time the
-        # launch gap, not the kernel.
-        inner = 10
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(inner):
+
+
+def run_config(cfg: str, reps: int, shapes: list) -> dict:
+    """Check and time one configuration under the attention_fwd knob."""
+    ops = torch.ops.gpu_puzzles
+    res = {"cfg": cfg, "max_err": 0.0, "fail": [], "kernel": {}}
+    with gp.tuning.override(attention_fwd=None if cfg == "auto" else cfg):
+        check(res)
+        warm_up_gpu()
+        for label, B, H, S, D, causal in shapes:
+            q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            fn = lambda: ops.attention(q, k, v, None, causal)  # noqa: E731
+            ran = forward_kernels(fn)
+            res["kernel"][label] = "?" if not ran else "+".join(sorted(set(ran)))
+            for _ in range(5):
                 fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / inner)
-        times.sort()
-        ms = times[len(times) // 2]
-        flops = 4 * B * H * S * S * D // (2 if causal else 1)
-        res[label] = flops / (ms * 1e-3) / 1e12
+            torch.cuda.synchronize()
+            # `inner` calls between the events: a call of a few microseconds would otherwise time the
+            # launch gap, not the kernel.
+            inner = 10
+            times = []
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(inner):
+                    fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / inner)
+            times.sort()
+            ms = times[len(times) // 2]
+            flops = 4 * B * H * S * S * D // (2 if causal else 1)
+            res[label] = flops / (ms * 1e-3) / 1e12
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", nargs="*", default=CONFIGS)
+    ap.add_argument("--configs", nargs="*", default=CONFIGS,
+                    help="auto and attention_fwd knob values: " + ", ".join(CONFIGS[1:]))
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", choices=("issue", "small"), default="issue",
-                    help="issue: the issue's four shapes; small: B=1..8, H=16, S=256..2048 (few CTAs)")
+                    help="issue: the four benchmark shapes; small: B=1..8, H=16, S=256..2048 (few CTAs)")
     ap.add_argument("--json", help="write the rows here too")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shapes = SHAPES if args.shapes == "issue" else SMALL_SHAPES
-    if args.child:
-        print("RESULT " + json.dumps(child(args.reps, shapes)))
-        return
     rows = []
     for cfg in args.configs:
-        env = dict(os.environ, GPU_PUZZLES_ATTN_FWD_CFG=cfg, GPU_PUZZLES_ATTN_TRACE="1")
-        cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--shapes", args.shapes]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if r.returncode != 0 or line is None:
-            rows.append({"cfg": cfg, "error": (r.stderr or r.stdout).strip().splitlines()[-1:]})
-        else:
-            rows.append(json.loads(line[len("RESULT "):]))
+        cfg = ALIASES.get(cfg, cfg)
+        try:
+            rows.append(run_config(cfg, args.reps, shapes))
+        except Exception as e:  # noqa: BLE001  (a config that fails is reported in the table)
+            rows.append({"cfg": cfg, "error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shapes": [s[0] for s in shapes], "rows": rows}, f, indent=1)
     # One row per shape, one column per config (errors and failed checks listed below).
     good = [r for r in rows if "error" not in r]
-    print("forward TFLOP/s (bf16, median over reps of CUDA-event time / 10 calls)")
-    print(f"{'shape':<22} " + " ".join(f"{r['cfg']:>15}" for r in good))
+    w = 22
+    print("forward TFLOP/s (bf16, median over reps of CUDA-event time / 10 calls) and the kernel that ran")
+    print(f"{'shape':<22} " + " ".join(f"{r['cfg']:>{w}}" for r in good))
     print(f"{'check (max err)':<22} " + " ".join(
-        f"{('ok' if not r['fail'] else 'FAIL') + ' ' + format(r['max_err'], '.1e'):>15}" for r in good))
-    print(f"{'wgmma calls':<22} " + " ".join(f"{r['wgmma_calls']:>15}" for r in good))
+        f"{('ok' if not r['fail'] else 'FAIL') + ' ' + format(r['max_err'], '.1e'):>{w}}" for r in good))
     for s in shapes:
-        print(f"{s[0]:<22} " + " ".join(f"{r[s[0]]:>15.1f}" for r in good))
+        print(f"{s[0]:<22} " + " ".join(f"{format(r[s[0]], '.1f') + ' ' + r['kernel'][s[0]]:>{w}}" for r in good))
     for r in rows:
         if "error" in r:
             print(f"{r['cfg']}: ERROR {r['error']}")
     for r in rows:
-        if r["cfg"].startswith("wgmma") and r.get("wgmma_calls") == 0:
-            print(f"  {r['cfg']}: no call took the wgmma kernel (built without CUTLASS, or not a 9.x GPU): "
-                  "its row measures the default kernel")
         for f in r.get("fail", [])[:10]:
             print(f"  {r['cfg']}: {f}")
 

@@ -74,7 +74,7 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, float? scale=None, bool causal=False) -> (Tensor, Tensor)");
   // -> (dq, dk, dv)
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? scale, bool causal) -> (Tensor, Tensor, Tensor)");
-  // The curriculum's chain (attention_unfused in Python): our transpose, our
+  // The curriculum's chain (attention(..., algorithm="unfused") in Python): our transpose, our
   // tiled matmul, the softmax op, our matmul. matmul is batched (..., M, K) @
   // (..., K, N) times alpha; causal_mask writes -inf where col > row.
   m.def("transpose_last2(Tensor x) -> Tensor");

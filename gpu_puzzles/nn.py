@@ -173,19 +173,19 @@ class Attention(nn.Module):
     ``x`` is ``(B, S, embed_dim)`` or ``(S, embed_dim)``. One ``nn.Linear(embed_dim, 3 *
     embed_dim)`` makes q, k and v (in that order along its output), each split into
     ``num_heads`` heads of ``embed_dim // num_heads``; the heads go through
-    :func:`gpu_puzzles.attention` (``fused=True``) or :func:`gpu_puzzles.attention_unfused`
-    (``fused=False``) with scale ``1/sqrt(head_dim)``, then ``out_proj``. ``causal`` masks
-    future keys as SDPA's ``is_causal``.
+    :func:`gpu_puzzles.attention` with scale ``1/sqrt(head_dim)`` and ``algorithm``
+    (``"auto"``: fused, ``"unfused"``: the curriculum's chain), then ``out_proj``.
+    ``causal`` masks future keys as SDPA's ``is_causal``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, causal: bool = False,
-                 fused: bool = True, device=None, dtype=None):
+                 algorithm: str = "auto", device=None, dtype=None):
         super().__init__()
         if embed_dim < 1 or num_heads < 1 or embed_dim % num_heads:
             raise ValueError(f"Attention: embed_dim ({embed_dim}) must be a positive multiple of num_heads "
                              f"({num_heads})")
         factory = {"device": device, "dtype": dtype}
-        self.embed_dim, self.num_heads, self.causal, self.fused = embed_dim, num_heads, causal, fused
+        self.embed_dim, self.num_heads, self.causal, self.algorithm = embed_dim, num_heads, causal, algorithm
         self.head_dim = embed_dim // num_heads
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -200,11 +200,10 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         qkv = self.qkv(x).view(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, H, S, Dh) each
-        f = ops.attention if self.fused else ops.attention_unfused
-        o = f(q, k, v, causal=self.causal)
+        o = ops.attention(q, k, v, causal=self.causal, algorithm=self.algorithm)
         o = self.out_proj(o.transpose(1, 2).reshape(B, S, self.embed_dim))
         return o.squeeze(0) if unbatched else o
 
     def extra_repr(self):
         return (f"{self.embed_dim}, num_heads={self.num_heads}, bias={self.qkv.bias is not None}, "
-                f"causal={self.causal}, fused={self.fused}")
+                f"causal={self.causal}, algorithm={self.algorithm!r}")

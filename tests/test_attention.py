@@ -1,9 +1,7 @@
 """attention: seed vector example, SDPA float64 references, gradients, opcheck, compile, bad input,
-the unfused chain, nn.Attention; CUDA: every dtype at many shapes, poisoned memory, linear memory."""
+the unfused chain (algorithm="unfused"), nn.Attention; CUDA: every dtype at many shapes, poisoned
+memory, linear memory, each forward kernel (the attention_fwd knob) and the default's choice."""
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import gpu_puzzles as gp
+from gpu_puzzles.bench.attention import forward_kernels
 
 from conftest import DEVICES, HAS_CUDA, many, poison_allocator, requires_cuda
 from strategies import OFFSET, make_tensor
@@ -65,8 +64,8 @@ def make_qkv(lead, Sq, Sk, D, Dv, device, dtype, grad=False, seed=0):
 # ---- the seed ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fn", ["fused", "unfused"])
-def test_seed_vector_example(device, fn):
+@pytest.mark.parametrize("algorithm", ["auto", "unfused"])
+def test_seed_vector_example(device, algorithm):
     np.random.seed(42)  # the seed's inputs: q of 16, K and V of 16x16, scale 1.0
     q = (np.random.randn(16) * 0.1).astype(np.float32)
     K = (np.random.randn(16, 16) * 0.1).astype(np.float32)
@@ -75,8 +74,7 @@ def test_seed_vector_example(device, fn):
     w = np.exp(s - s.max())
     expected = (w / w.sum()) @ V
     np.testing.assert_allclose(expected[:5], [-0.00935538, -0.0243433, 0.00306551, 0.02346884, 0.019306], atol=1e-7)
-    f = gp.attention if fn == "fused" else gp.attention_unfused
-    out = f(*(torch.from_numpy(a).to(device) for a in (q, K, V)), scale=1.0)
+    out = gp.attention(*(torch.from_numpy(a).to(device) for a in (q, K, V)), scale=1.0, algorithm=algorithm)
     assert out.shape == (16,)
     np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=1e-5, atol=1e-7)
 
@@ -154,8 +152,8 @@ def test_gradcheck(device):
             q, k, v = make_qkv(lead, Sq, Sk, 3, 4, device, torch.float64, grad=True, seed=Sq)
             assert torch.autograd.gradcheck(lambda a, b, c: gp.attention(a, b, c, causal=causal), (q, k, v))
         q, k, v = make_qkv((1,), 4, 5, 3, 2, device, torch.float64, grad=True)
-        assert torch.autograd.gradcheck(lambda a, b, c: gp.attention_unfused(a, b, c, causal=causal, scale=0.7),
-                                        (q, k, v))
+        assert torch.autograd.gradcheck(
+            lambda a, b, c: gp.attention(a, b, c, causal=causal, scale=0.7, algorithm="unfused"), (q, k, v))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -176,21 +174,18 @@ def test_opcheck(device, requires_grad):
     torch.library.opcheck(OPS.attention_backward.default, (g, q.detach(), k.detach(), v.detach(), out, lse, None, True))
 
 
-@pytest.mark.parametrize("fn", ["fused", "unfused"])
-def test_compile_forward_backward(fn):
+@pytest.mark.parametrize("algorithm", ["auto", "unfused"])
+def test_compile_forward_backward(algorithm):
     # fullgraph + dynamic: no graph break, one graph for both lengths. On the CPU the
     # chain runs under aot_eager (the same tracing: fake kernels, autograd) to keep CI short.
     device = "cuda" if HAS_CUDA else "cpu"
     torch._dynamo.reset()
 
-    if fn == "fused":
-        def f(q, k, v):
-            return gp.attention(q, k, v, causal=True) * 2 + gp.attention(q, k, v, scale=0.5)
-    else:
-        def f(q, k, v):
-            return gp.attention_unfused(q, k, v, causal=True) * 2 + gp.attention_unfused(q, k, v, scale=0.5)
+    def f(q, k, v):
+        return (gp.attention(q, k, v, causal=True, algorithm=algorithm) * 2
+                + gp.attention(q, k, v, scale=0.5, algorithm=algorithm))
 
-    backend = "aot_eager" if (fn == "unfused" and not HAS_CUDA) else "inductor"
+    backend = "aot_eager" if (algorithm == "unfused" and not HAS_CUDA) else "inductor"
     fc = torch.compile(f, fullgraph=True, dynamic=True, backend=backend)
     for S in (16, 23):
         q, k, v = make_qkv((2, 2), S, S, 16, 16, device, torch.float32, grad=True, seed=S)
@@ -208,7 +203,7 @@ def test_unfused_matches_fused(device):
         for causal in (False, True):
             q, k, v = make_qkv(lead, Sq, Sk, D, Dv, device, torch.float64, grad=True)
             g = torch.randn(*lead, Sq, Dv, device=device, dtype=torch.float64)
-            a, b = gp.attention(q, k, v, causal=causal), gp.attention_unfused(q, k, v, causal=causal)
+            a, b = gp.attention(q, k, v, causal=causal), gp.attention(q, k, v, causal=causal, algorithm="unfused")
             _assert_close(b, a, torch.float64, "unfused vs fused")
             ga, gb = torch.autograd.grad(a, (q, k, v), g), torch.autograd.grad(b, (q, k, v), g)
             for x, y in zip(gb, ga):
@@ -242,8 +237,8 @@ def _reference_mha(mod, x):
 @pytest.mark.parametrize("causal", [False, True])
 def test_module_matches_reference(device, causal):
     torch.manual_seed(1)
-    for fused in (True, False):
-        mod = gp.nn.Attention(32, 4, causal=causal, fused=fused, device=device, dtype=torch.float64)
+    for algorithm in ("auto", "unfused"):
+        mod = gp.nn.Attention(32, 4, causal=causal, algorithm=algorithm, device=device, dtype=torch.float64)
         x = torch.randn(2, 13, 32, device=device, dtype=torch.float64, requires_grad=True)
         y, r = mod(x), _reference_mha(mod, x)
         torch.testing.assert_close(y, r)
@@ -252,7 +247,7 @@ def test_module_matches_reference(device, causal):
         for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(r, params, g)):
             torch.testing.assert_close(a, b)
         torch.testing.assert_close(mod(x[0]), r[0])  # unbatched (S, E)
-    assert "num_heads=4" in repr(mod)
+    assert "num_heads=4" in repr(mod) and "algorithm='unfused'" in repr(mod)
     with pytest.raises(ValueError, match="multiple of num_heads"):
         gp.nn.Attention(30, 4)
 
@@ -272,7 +267,8 @@ def test_bad_input(device):
         (lambda: gp.attention(torch.ones(2, 5, 8, dtype=torch.int32, device=device), r(2, 6, 8), r(2, 6, 8)),
          "q must be a float"),
         (lambda: gp.attention(r(2, 5, 0), r(2, 6, 0), r(2, 6, 8)), "head dim >= 1"),
-        (lambda: gp.attention_unfused(r(2, 5, 8), r(2, 6, 7), r(2, 6, 8)), "attention_unfused: k has head dim"),
+        (lambda: gp.attention(r(2, 5, 8), r(2, 6, 7), r(2, 6, 8), algorithm="unfused"), "attention: k has head dim"),
+        (lambda: gp.attention(r(2, 5, 8), r(2, 6, 8), r(2, 6, 8), algorithm="fused"), "algorithm must be one of"),
         (lambda: OPS.matmul(r(2, 5, 8), r(2, 7, 3)), "b has 7 rows but a has 8 columns"),
         (lambda: OPS.transpose_last2(r(5)), "at least 2 dims"),
     ]
@@ -419,7 +415,7 @@ def test_cuda_unfused_chain(dtype):
             q, k, v = make_qkv(lead, Sq, Sk, D, D, "cuda", dtype, grad=True)
             g = torch.randn(*lead, Sq, D, device="cuda", dtype=dtype)
             _poison_cache()
-            out = gp.attention_unfused(q, k, v, causal=causal)
+            out = gp.attention(q, k, v, causal=causal, algorithm="unfused")
             leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
             ref = ref_attention(*leaves, causal=causal)
             _assert_close(out, ref, dtype, "unfused")
@@ -548,61 +544,91 @@ def test_cuda_online_softmax_rescaling(dtype):
     _assert_close(gp.attention(q, k, v, causal=True)[:, 0], v[:, 0].double(), dtype, "causal Sq=1")
 
 
-# ---- forward tensor-core configurations (GPU_PUZZLES_ATTN_FWD_CFG, read once per process) -------
-# Each configuration runs the checks below in a child pytest process with the variable set.
-# "wgmma" / "wgmma3": the sm_90a kernel (attention_fwd_sm90.cu) with 2 / 3 warpgroups (auto takes
-# the wgmma kernel on a 9.x GPU at D = 128, test_cuda_auto_forward_kernel); its child also sets GPU_PUZZLES_ATTN_TRACE=1 and checks that every forward call took that kernel.
-FWD_CFGS = ["old", "r32_bn32_w4_s2", "wgmma", "wgmma3"]
+# ---- each forward kernel (the attention_fwd knob) and the default's choice -----------------
+# The knob forces a kernel for fp16/bf16 at D = Dv in {64, 128} (gpu_puzzles.tuning.override);
+# torch.profiler's kernel names show which one ran (gpu_puzzles.bench.attention.forward_kernels;
+# that check is left out where the profiler records no kernels, as under compute-sanitizer).
+# "wgmma" / "wgmma3": the sm_90a kernel (attention_fwd_sm90.cu) with 2 / 3 warpgroups.
+# (attention_fwd, attention_fwd_warps) -> the label forward_kernel gives the kernel that runs.
+FWD_KNOBS = [("mma", "4"), ("mma", "8"), ("mma_r32", None), ("wgmma", None), ("wgmma3", None)]
+_FWD_LABEL = {("mma", "4"): "mma/w4", ("mma", "8"): "mma/w8", ("mma_r32", None): "mma_r32",
+              ("wgmma", None): "wgmma", ("wgmma3", None): "wgmma3"}
 # (lead, Sq, Sk, D): S < BN (32/64), lengths not multiples of BM (64/128/256) or BN, exact
 # multiples, Sq != Sk both ways (causal stays top-left aligned), one query, one key.
 CFG_SHAPES = [((1,), 1, 1, 64), ((2,), 5, 17, 128), ((2, 3), 31, 33, 64), ((2,), 33, 129, 128),
               ((1, 4), 129, 33, 64), ((2,), 127, 255, 128), ((1, 2), 255, 127, 64), ((2,), 128, 128, 64),
               ((2,), 256, 256, 128), ((1, 2), 257, 257, 128), ((1, 2), 300, 700, 64), ((1,), 700, 300, 128),
               ((1,), 1000, 1000, 128), ((1,), 1, 300, 64), ((1,), 300, 1, 128), ((2,), 513, 511, 64)]
-_CFG_CHILD = os.environ.get("GP_TEST_ATTN_CFG_CHILD") == "1"
-
-
-@requires_cuda
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("cfg", FWD_CFGS)
-def test_cuda_forward_configs(cfg, dtype):
-    if _CFG_CHILD:
-        pytest.skip("already in a child")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, GPU_PUZZLES_ATTN_FWD_CFG=cfg, GP_TEST_ATTN_CFG_CHILD="1", GP_TEST_ATTN_CFG_DTYPE=dtype,
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    if cfg.startswith("wgmma"):
-        env["GPU_PUZZLES_ATTN_TRACE"] = "1"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider",
-                        f"{os.path.abspath(__file__)}::test_cuda_forward_config_child"],
-                       env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
-    if r.returncode == 0 and "1 skipped" in r.stdout and "SKIP-WGMMA" in r.stdout:
-        pytest.skip(r.stdout.split("SKIP-WGMMA", 1)[1].splitlines()[0].strip(" :"))
-    assert r.returncode == 0 and "1 passed" in r.stdout, f"{cfg} {dtype}:\n{r.stdout[-6000:]}\n{r.stderr[-2000:]}"
+# wgmma (64 query rows per warpgroup, BM = 128 or 192 per CTA, BN = 64 or 128 keys per tile):
+# lengths around the warpgroup, CTA and tile edges, one row/key, several tiles; every pair, so
+# Sq != Sk both ways.
+WGMMA_LENS = [1, 63, 65, 127, 129, 193, 257, 1000]
 
 
 def _built_with_sm90_attn():
-    """Whether the loaded extension contains the wgmma forward (its launcher's symbol)."""
-    with open(gp._C.__file__, "rb") as f:
-        return b"attention_forward_sm90_supported" in f.read()
+    """Whether the loaded extension contains the wgmma forward."""
+    return "csrc/attention/attention_fwd_sm90.cu" in gp.build_info()["sm90a_sources"]
+
+
+def _skip_unless_wgmma():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma forward needs a compute capability 9.x device")
+    if not _built_with_sm90_attn():
+        pytest.skip("extension built without the CUTLASS headers (no wgmma forward)")
+
+
+def _assert_forward_kernel(fn, want, what):
+    """fn() launches exactly one attention forward kernel, the one labelled `want`."""
+    ran = forward_kernels(fn)
+    if ran is not None:  # None: the profiler records no kernels here
+        assert ran == [want], f"{what}: forward kernels {ran}, want [{want!r}]"
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("knobs", FWD_KNOBS, ids=lambda k: k[0] + (f"-w{k[1]}" if k[1] else ""))
+def test_cuda_forward_configs(knobs, dtype):
+    # Output, lse (directly and through the backward's gradients) vs float64, on poisoned memory,
+    # with the forward forced to one kernel; every call must have run that kernel.
+    fwd, warps = knobs
+    want = _FWD_LABEL[knobs]
+    wgmma = fwd.startswith("wgmma")
+    if wgmma:
+        _skip_unless_wgmma()
+
+    def check(lead, Sq, Sk, D, causal, what, scale=None):
+        _assert_forward_kernel(lambda: _cuda_check(lead, Sq, Sk, D, D, causal, dtype, what, scale=scale), want,
+                               what)
+
+    with gp.tuning.override(attention_fwd=fwd, attention_fwd_warps=warps):
+        for lead, Sq, Sk, D in CFG_SHAPES:
+            for causal in (False, True):
+                check(lead, Sq, Sk, D, causal, f"{lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
+        check((2,), 70, 90, 128, True, "scale=1.0", scale=1.0)
+        check((1, 2), 4100, 4100, 128, True, "S=4100 D=128 causal")
+        if wgmma:
+            for i, Sq in enumerate(WGMMA_LENS):
+                for j, Sk in enumerate(WGMMA_LENS):
+                    lead = (2,) if (i + j) % 2 == 0 else (1, 3)
+                    for D in (64, 128):
+                        for causal in (False, True):
+                            check(lead, Sq, Sk, D, causal, f"wgmma {lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
+            # Sk = 0 is answered on the host (o = 0, lse = -inf) without any kernel.
+            q, k, v = make_qkv((2,), 65, 0, 64, 64, "cuda", dtype)
+            _poison_cache()
+            out, lse = OPS.attention(q, k, v, None, False)
+            assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+        test_cuda_online_softmax_rescaling(dtype)
 
 
 # (BH, S, D, causal) for the default's kernel choice: D = 64 (mma.sync), D = 128 tiny, few CTAs
 # (2 warpgroups fill the waves better on a 132-SM H100/H200) and many (3 warpgroups).
 AUTO_CASES = [(2, 300, 64, False), (2, 300, 64, True), (2, 300, 128, False), (2, 300, 128, True),
               (16, 1024, 128, False), (16, 1024, 128, True), (128, 2048, 128, False)]
-_AUTO_CHILD = """
-import sys, torch, gpu_puzzles as gp
-for BH, S, D, causal in %r:
-    q, k, v = (torch.randn(BH, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    gp.attention(q, k, v, causal=causal)
-    torch.cuda.synchronize()
-    print(f"called BH={BH} S={S} D={D} causal={int(causal)}", flush=True)
-""" % (AUTO_CASES,)
 
 
 def _auto_warpgroups(BH, S, sms):
-    """The documented default (sm90_warpgroups, attention_cuda.cu): 3 warpgroups (192 rows per
+    """The documented default (attention_fwd_plan, attention_plan.cu): 3 warpgroups (192 rows per
     CTA) unless 2 (128 rows) fill the waves of one-CTA-per-SM grids better by more than 1.075x."""
     def fill(ctas):
         return ctas / (-(-ctas // sms) * sms)
@@ -611,72 +637,39 @@ def _auto_warpgroups(BH, S, sms):
 
 @requires_cuda
 def test_cuda_auto_forward_kernel():
-    # Which forward kernel the default (no GPU_PUZZLES_ATTN_FWD_CFG) takes: on a 9.x GPU in a
-    # CUTLASS build, the wgmma one at D = 128 with the warpgroups above, the mma.sync one at D = 64.
-    if torch.cuda.get_device_capability()[0] != 9 or not _built_with_sm90_attn():
-        pytest.skip("needs a 9.x GPU and an extension built with the wgmma forward")
+    # Which forward kernel the default (no knob set) takes: on a 9.x GPU in a CUTLASS build, the
+    # wgmma one at D = 128 with the warpgroups above, the mma.sync one with 8 warps at D = 64.
+    _skip_unless_wgmma()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "GPU_PUZZLES_ATTN_FWD_CFG"}
-    env.update(GPU_PUZZLES_ATTN_TRACE="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _AUTO_CHILD], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("called") == len(AUTO_CASES), r.stdout
-    lines = [ln for ln in r.stderr.splitlines() if "wgmma sm90" in ln]
-    want = [f"wgmma sm90 BH={BH} Sq={S} Sk={S} D={D} causal={int(c)} wg={_auto_warpgroups(BH, S, sms)}"
-            for BH, S, D, c in AUTO_CASES if D == 128]
-    assert [ln.split("forward ", 1)[1] for ln in lines] == want, r.stderr[-3000:]
+    with gp.tuning.override(attention_fwd=None, attention_fwd_warps=None):
+        for BH, S, D, causal in AUTO_CASES:
+            q, k, v = (torch.randn(BH, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            want = ("wgmma3" if _auto_warpgroups(BH, S, sms) == 3 else "wgmma") if D == 128 else "mma/w8"
+            _assert_forward_kernel(lambda: gp.attention(q, k, v, causal=causal), want,
+                                   f"BH={BH} S={S} D={D} causal={causal}")
     if sms == 132:  # H100 SXM / H200: the cases take both variants
         assert {_auto_warpgroups(BH, S, sms) for BH, S, D, _ in AUTO_CASES if D == 128} == {2, 3}
 
 
-# wgmma (64 query rows per warpgroup, BM = 128 or 192 per CTA, BN = 64 or 128 keys per tile):
-# lengths around the warpgroup, CTA and tile edges, one row/key, several tiles; every pair, so
-# Sq != Sk both ways.
-WGMMA_LENS = [1, 63, 65, 127, 129, 193, 257, 1000]
-
-
-@pytest.mark.skipif(not _CFG_CHILD, reason="runs inside test_cuda_forward_configs' child process")
 @requires_cuda
-def test_cuda_forward_config_child(capfd):
-    # Output, lse (directly and through the backward's gradients) vs float64, on poisoned memory.
-    dtype = getattr(torch, os.environ["GP_TEST_ATTN_CFG_DTYPE"])
-    cfg = os.environ.get("GPU_PUZZLES_ATTN_FWD_CFG")
-    wgmma = cfg in ("wgmma", "wgmma3")
-    if wgmma:
-        if torch.cuda.get_device_capability()[0] != 9:
-            pytest.skip("SKIP-WGMMA: the wgmma forward needs a compute capability 9.x device")
-        if not _built_with_sm90_attn():
-            pytest.skip("SKIP-WGMMA: extension built without the CUTLASS headers (no wgmma forward)")
-        assert os.environ.get("GPU_PUZZLES_ATTN_TRACE") == "1"
-    capfd.readouterr()
-
-    def check(lead, Sq, Sk, D, causal, what, scale=None):
-        _cuda_check(lead, Sq, Sk, D, D, causal, dtype, what, scale=scale)
-        if wgmma:  # the one forward call of _cuda_check went through the wgmma kernel
-            err = capfd.readouterr().err
-            bh = math.prod(lead)
-            line = f"wgmma sm90 BH={bh} Sq={Sq} Sk={Sk} D={D} causal={int(causal)} wg={3 if cfg == 'wgmma3' else 2}\n"
-            assert err.count(line) == 1, f"{what}: wgmma path not taken (stderr: {err[-500:]!r})"
-
-    for lead, Sq, Sk, D in CFG_SHAPES:
-        for causal in (False, True):
-            check(lead, Sq, Sk, D, causal, f"{lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
-    check((2,), 70, 90, 128, True, "scale=1.0", scale=1.0)
-    check((1, 2), 4100, 4100, 128, True, "S=4100 D=128 causal")
-    if wgmma:
-        for i, Sq in enumerate(WGMMA_LENS):
-            for j, Sk in enumerate(WGMMA_LENS):
-                lead = (2,) if (i + j) % 2 == 0 else (1, 3)
-                for D in (64, 128):
-                    for causal in (False, True):
-                        check(lead, Sq, Sk, D, causal, f"wgmma {lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
-        # Sk = 0 is answered on the host (o = 0, lse = -inf) without any kernel.
-        q, k, v = make_qkv((2,), 65, 0, 64, 64, "cuda", dtype)
-        _poison_cache()
-        out, lse = OPS.attention(q, k, v, None, False)
-        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
-        capfd.readouterr()
-    test_cuda_online_softmax_rescaling(dtype)
-    if wgmma:
-        assert "wgmma sm90" in capfd.readouterr().err
+def test_cuda_forward_kernel_fallbacks():
+    # What the tensor-core kernels do not take runs the SIMT kernel whatever the knob says
+    # (fp32, D != Dv, D = 96, a misaligned base); the default at D = 128 off a 9.x GPU (or in a
+    # build without the wgmma kernel) is mma_r32, and a forced wgmma falls back to it there.
+    q, k, v = make_qkv((2,), 40, 40, 64, 64, "cuda", torch.float32)
+    for fwd in (None, "mma", "wgmma"):
+        with gp.tuning.override(attention_fwd=fwd):
+            _assert_forward_kernel(lambda: gp.attention(q, k, v), "simt", f"fp32 attention_fwd={fwd}")
+    for D, Dv in ((64, 32), (96, 96)):
+        q, k, v = make_qkv((2,), 40, 40, D, Dv, "cuda", torch.bfloat16)
+        with gp.tuning.override(attention_fwd="mma_r32"):
+            _assert_forward_kernel(lambda: gp.attention(q, k, v), "simt", f"D={D} Dv={Dv}")
+    q = make_tensor((2, 40, 64), torch.bfloat16, "cuda", OFFSET)  # contiguous, misaligned base
+    k, v = (torch.randn(2, 40, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with gp.tuning.override(attention_fwd="mma"):
+        _assert_forward_kernel(lambda: OPS.attention(q, k, v, None, False), "mma/w8", "misaligned q (copied)")
+    if torch.cuda.get_device_capability()[0] != 9 or not _built_with_sm90_attn():
+        q, k, v = make_qkv((2,), 300, 300, 128, 128, "cuda", torch.bfloat16)
+        for fwd in (None, "wgmma", "wgmma3"):
+            with gp.tuning.override(attention_fwd=fwd):
+                _assert_forward_kernel(lambda: gp.attention(q, k, v), "mma_r32", f"attention_fwd={fwd}")

@@ -150,10 +150,11 @@ OPS = [
            ("float",) * 3, _attn_ref,
            [("k head dim 15", lambda q, k, v: gp.attention(q, k[..., 1:], v), "k"),
             ("v length 10", lambda q, k, v: gp.attention(q, k, v[..., 1:, :]), "v"),
-            ("k leading dims", lambda q, k, v: gp.attention(q, k[:1], v[:1]), "k")]),
-    OpCase("attention_unfused", lambda q, k, v: gp.attention_unfused(q, k, v, causal=True), _attn_make,
-           ("q", "k", "v"), ("float",) * 3, _attn_ref,
-           [("k head dim 15", lambda q, k, v: gp.attention_unfused(q, k[..., 1:], v), "k")]),
+            ("k leading dims", lambda q, k, v: gp.attention(q, k[:1], v[:1]), "k"),
+            ("algorithm", lambda q, k, v: gp.attention(q, k, v, algorithm="flash"), "algorithm")]),
+    OpCase("attention_unfused", lambda q, k, v: gp.attention(q, k, v, causal=True, algorithm="unfused"),
+           _attn_make, ("q", "k", "v"), ("float",) * 3, _attn_ref,
+           [("k head dim 15", lambda q, k, v: gp.attention(q, k[..., 1:], v, algorithm="unfused"), "k")]),
 ]
 GRAD_OPS = [c for c in OPS if c.differentiable]
 

@@ -92,9 +92,11 @@ at::Tensor as_3d(const at::Tensor& t, int64_t BH, int64_t S, int64_t D) {
   return c;
 }
 
-void check_backward_extra(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
-                          const at::Tensor& q, const AttnShape& s) {
+// The backward's arguments: q, k, v as the forward's, then grad_out, out and lse.
+AttnShape check_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& out, const at::Tensor& lse) {
   const char* op = "attention_backward";
+  AttnShape s = check_qkv(q, k, v, op);
   TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(s.out_shape), op, ": grad_out has shape ", grad_out.sizes(),
               " but the output has shape ", at::IntArrayRef(s.out_shape));
   TORCH_CHECK(out.sizes() == at::IntArrayRef(s.out_shape), op, ": out has shape ", out.sizes(),
@@ -108,6 +110,13 @@ void check_backward_extra(const at::Tensor& grad_out, const at::Tensor& out, con
   check_same_device(grad_out, q, "attention_backward: grad_out", "q");
   check_same_device(out, q, "attention_backward: out", "q");
   check_same_device(lse, q, "attention_backward: lse", "q");
+  return s;
+}
+
+// dq, dk, dv as contiguous (BH, S, D) tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_grads(const at::Tensor& q, const AttnShape& s) {
+  return {at::empty({s.BH, s.Sq, s.D}, q.options()), at::empty({s.BH, s.Sk, s.D}, q.options()),
+          at::empty({s.BH, s.Sk, s.Dv}, q.options())};
 }
 
 // ---- CPU kernels: fused attention -------------------------------------------
@@ -233,15 +242,13 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, c10::optional<double> scale, bool causal) {
-  const AttnShape s = check_qkv(q, k, v, "attention_backward");
-  check_backward_extra(grad_out, out, lse, q, s);
+  const AttnShape s = check_backward(grad_out, q, k, v, out, lse);
   const double sc = resolve_scale(scale, s.D);
   const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BH, s.Sk, s.D), vc = as_3d(v, s.BH, s.Sk, s.Dv);
   const at::Tensor gc = as_3d(grad_out, s.BH, s.Sq, s.Dv), oc = as_3d(out, s.BH, s.Sq, s.Dv);
   const at::Tensor lc = lse.reshape({s.BH, s.Sq}).contiguous();
-  at::Tensor dq = at::empty({s.BH, s.Sq, s.D}, q.options());
-  at::Tensor dk = at::empty({s.BH, s.Sk, s.D}, q.options());
-  at::Tensor dv = at::empty({s.BH, s.Sk, s.Dv}, q.options());
+  at::Tensor dq, dk, dv;
+  std::tie(dq, dk, dv) = empty_grads(q, s);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_backward_cpu", [&] {
     attention_bwd_cpu<scalar_t>(gc.data_ptr<scalar_t>(), qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(),
                                 vc.data_ptr<scalar_t>(), oc.data_ptr<scalar_t>(), lc.data_ptr<scalar_t>(),
@@ -389,13 +396,11 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, c10::optional<double> scale, bool causal) {
-  const AttnShape s = check_qkv(q, k, v, "attention_backward");
-  check_backward_extra(grad_out, out, lse, q, s);
+  const AttnShape s = check_backward(grad_out, q, k, v, out, lse);
   const c10::cuda::CUDAGuard guard(q.device());
   const double sc = resolve_scale(scale, s.D);
-  at::Tensor dq = at::empty({s.BH, s.Sq, s.D}, q.options());
-  at::Tensor dk = at::empty({s.BH, s.Sk, s.D}, q.options());
-  at::Tensor dv = at::empty({s.BH, s.Sk, s.Dv}, q.options());
+  at::Tensor dq, dk, dv;
+  std::tie(dq, dk, dv) = empty_grads(q, s);
   if (s.BH * s.Sq == 0 || s.Sk == 0 || s.Dv == 0) {  // every gradient is zero (dP = 0 when Dv = 0)
     dq.zero_();
     dk.zero_();

@@ -1,5 +1,6 @@
 // Torch-free interface between attention.cpp (ATen side: checks, reshapes, CPU
-// kernels, the unfused chain) and attention_cuda.cu (the fused CUDA kernels).
+// kernels, the unfused chain) and the fused CUDA kernels (attention_plan.cu picks
+// and launches them; the families: attention_plan.h).
 //
 // Layout: every tensor contiguous, leading dims flattened into BH:
 //   q (BH, Sq, D), k (BH, Sk, D), v (BH, Sk, Dv), o / dout (BH, Sq, Dv),

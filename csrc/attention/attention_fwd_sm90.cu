@@ -1,10 +1,11 @@
 // Attention forward for Hopper with warpgroup MMA (wgmma, sm_90a), via CuTe.
 //
-// Why: mma.sync kernels (attention_cuda.cu) top out near 255 TFLOP/s on an H100;
-// wgmma reads both operands of S = Q K^T straight from swizzled shared memory and
-// runs 64 x N x 16 per instruction per warpgroup, asynchronously.
+// Why: wgmma reads both operands of S = Q K^T straight from swizzled shared memory
+// and runs 64 x N x 16 per instruction per warpgroup, asynchronously; the mma.sync
+// kernels (attention_fwd_sm80.cu) stay well below it at D = 128
+// (benchmarks/results/attention_sweep_h100.txt).
 //
-// Design (first version, no warp specialisation):
+// Design (no warp specialisation):
 //  * CTA = NWG = 2 (or 3) consumer warpgroups; warpgroup w owns query rows
 //    [m0 + 64 w, m0 + 64 w + 64) (wgmma M = 64). BM = 64 NWG query rows per CTA.
 //  * Q tile (BM x D) in shared memory, K-major, 128-byte swizzle (GMMA layout).
@@ -14,9 +15,9 @@
 //    generic proxy and wgmma reads through the async proxy, so every thread fences
 //    (fence.proxy.async.shared::cta) after its copies land, before the barrier.
 //  * S = Q K^T: SS wgmma (both K-major), fp32 accumulators in registers.
-//  * Online softmax on the accumulator fragment (exp2, log2(e) * scale folded in;
-//    running max and per-thread partial sums; a row's values live in the 4 lanes of
-//    a quad, see CLayout_64xN below).
+//  * Online softmax on the accumulator fragment (common/online_softmax.cuh: exp2,
+//    log2(e) * scale folded in; running max and per-thread partial sums; a row's values
+//    live in the 4 lanes of a quad, see CLayout_64xN below).
 //  * P -> fp16/bf16 in registers, reused as the register A operand of O += P V (RS
 //    wgmma). V stays as loaded (keys x D, D contiguous), which as the B operand
 //    (N = D, K = keys) is MN-major: allowed for 16-bit types.
@@ -46,8 +47,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -56,17 +55,16 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "attention/attention_common.cuh"
 #include "common/cp_async.cuh"
 #include "common/device.cuh"
 #include "common/func_attr.h"
+#include "common/online_softmax.cuh"
 
 namespace gpu_puzzles {
 namespace {
 
 using namespace cute;
-
-constexpr float kLog2ef = 1.4426950408889634f;
-constexpr int64_t kMaxGridYsm90 = 65535;
 
 template <class Elem, int D_, int BN_, int NWG_> struct Sm90FwdCfg {
   static constexpr int D = D_, BN = BN_, NWG = NWG_;
@@ -108,8 +106,6 @@ template <class Elem, int D_, int BN_, int NWG_> struct Sm90FwdCfg {
 
 // Device code below is compiled for sm_90a only (the other targets get the trap stub).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-constexpr float kLn2f = 0.6931471805599453f;
-
 template <class Elem> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   uint32_t r;
   if constexpr (std::is_same<Elem, cutlass::bfloat16_t>::value) {
@@ -120,12 +116,6 @@ template <class Elem> __device__ __forceinline__ uint32_t pack2(float lo, float 
     std::memcpy(&r, &h, 4);
   }
   return r;
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 template <class Cfg, class Elem>
@@ -234,32 +224,12 @@ __device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const 
       }
       tSrS(i) = x;
     }
-    // Online softmax; value i is in row half h = (i >> 1) & 1.
+    // Online softmax; value i is in row half h = (i >> 1) & 1, n-tile i / 4.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = m_r[h];
-#pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb) mx = fmaxf(mx, fmaxf(tSrS(4 * nb + 2 * h), tSrS(4 * nb + 2 * h + 1)));
-      mx = quad_max(mx);
-      const float base = mx == -INFINITY ? 0.f : mx;  // row still fully masked
-      const float alpha = exp2_approx(m_r[h] - base);  // old max -inf -> 0
-      m_r[h] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = exp2_approx(tSrS(4 * nb + 2 * h + e) - base);
-          tSrS(4 * nb + 2 * h + e) = p;
-          sum += p;
-        }
-      l_r[h] = l_r[h] * alpha + sum;
-#pragma unroll
-      for (int nb = 0; nb < D / 8; ++nb) {
-        tOrO(4 * nb + 2 * h) *= alpha;
-        tOrO(4 * nb + 2 * h + 1) *= alpha;
-      }
-    }
+    for (int h = 0; h < 2; ++h)
+      online_softmax_step<true, false, BN / 8, D / 8>(
+          [&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
+          [&](int nb, int e) -> float& { return tOrO(4 * nb + e); }, m_r[h], l_r[h], h);
     // P to 16-bit pairs (value 2i low half, 2i + 1 high half: one A register each).
     Tensor tOrP32 = recast<uint32_t>(tOrP);
 #pragma unroll
@@ -292,7 +262,7 @@ __device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const 
         const int c = get<1>(tOcO(i));  // even; value i + 1 is column c + 1
         *reinterpret_cast<uint32_t*>(orow + c) = pack2<Elem>(tOrO(i) * inv, tOrO(i + 1) * inv);
       }
-      if (get<1>(tOcO(0)) == 0) lse[bh * Sq + row] = l > 0.f ? (m_r[h] + log2f(l)) * kLn2f : -INFINITY;
+      if (get<1>(tOcO(0)) == 0) lse[bh * Sq + row] = l > 0.f ? (m_r[h] + log2f(l)) * kLn2 : -INFINITY;
     }
   }
 }
@@ -307,7 +277,7 @@ attn_fwd_sm90(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   fwd_sm90_body<Cfg, Elem>(q, k, v, o, lse, bh0, Sq, Sk, scale_log2, causal);
 #elif defined(__CUDA_ARCH__)
-  __trap();  // not sm_90a: the host never launches this image (attention_forward_sm90_supported)
+  __trap();  // not sm_90a: the host never launches this image (attention_forward_sm90_available)
 #endif
 }
 
@@ -315,7 +285,7 @@ attn_fwd_sm90(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem
 //  2 warpgroups ("wgmma"): BM = 128, BN = 128; 221 regs / 160 KiB smem (D = 128), 166 / 80 KiB (D = 64).
 //  3 warpgroups ("wgmma3"): BM = 192 (a third less K/V traffic from L2 per FLOP, 12 warps to hide
 //    latency), BN = 64 at D = 128 (141 regs, 112 KiB; BN = 128 would pass the 168-register cap of
-//    384 threads) and BN = 128 at D = 64 (160 regs, 88 KiB). Which is faster is for the GPU sweep.
+//    384 threads) and BN = 128 at D = 64 (160 regs, 88 KiB).
 template <class Elem, int D> using FwdCfgSm90 = Sm90FwdCfg<Elem, D, 128, 2>;
 template <class Elem, int D> using FwdCfgSm90W3 = Sm90FwdCfg<Elem, D, D == 128 ? 64 : 128, 3>;
 
@@ -324,16 +294,12 @@ template <class Cfg, class Elem> cudaError_t launch_sm90(const AttentionFwdArgs&
   cudaError_t e = set_smem<kern>(dev, Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
   const unsigned gx = static_cast<unsigned>((a.Sq + Cfg::BM - 1) / Cfg::BM);
-  const float sl = a.scale * kLog2ef;
-  for (int64_t bh0 = 0; bh0 < a.BH; bh0 += kMaxGridYsm90) {
-    const unsigned nbh = static_cast<unsigned>(std::min<int64_t>(kMaxGridYsm90, a.BH - bh0));
+  const float sl = a.scale * kLog2e;
+  return for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
     kern<<<dim3(gx, nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         static_cast<const Elem*>(a.q), static_cast<const Elem*>(a.k), static_cast<const Elem*>(a.v),
         static_cast<Elem*>(a.o), static_cast<float*>(a.lse), bh0, a.Sq, a.Sk, sl, a.causal);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  });
 }
 
 template <class Elem>
@@ -345,25 +311,12 @@ cudaError_t launch_sm90_d(const AttentionFwdArgs& a, int warpgroups, int dev, cu
                    : launch_sm90<FwdCfgSm90<Elem, 128>, Elem>(a, dev, stream);
 }
 
-bool trace_on() {
-  static const bool on = [] {
-    const char* e = std::getenv("GPU_PUZZLES_ATTN_TRACE");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-  }();
-  return on;
-}
-
-bool aligned16_sm90(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 }  // namespace
 
-bool attention_forward_sm90_supported(const AttentionFwdArgs& a, int dev, cudaError_t& err) {
+bool attention_forward_sm90_available(int dev, cudaError_t& err) {
   err = cudaSuccess;
-  if (a.dtype != DType::Float16 && a.dtype != DType::BFloat16) return false;
-  if (a.D != a.Dv || (a.D != 64 && a.D != 128)) return false;
-  if (!aligned16_sm90(a.q) || !aligned16_sm90(a.k) || !aligned16_sm90(a.v) || !aligned16_sm90(a.o)) return false;
-  // Per device: 0 unknown, 1 yes, 2 no. The image check: a 9.x device, and the kernel's
-  // loaded code compiled from compute_90(a) (a JIT from older PTX would run the trap stub).
+  // Per device: 0 unknown, 1 yes, 2 no. A 9.x device, and the kernel's loaded code
+  // compiled from compute_90(a) (a JIT from older PTX would run the trap stub).
   static std::atomic<int> state[kMaxCachedDevices];
   const bool cache = cacheable_device(dev);
   int s = cache ? state[dev].load(std::memory_order_relaxed) : 0;
@@ -372,21 +325,16 @@ bool attention_forward_sm90_supported(const AttentionFwdArgs& a, int dev, cudaEr
     err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     if (err != cudaSuccess) return false;
     bool ok = false;
-    int ptx = -1, bin = -1;
     if (major == 9) {
       cudaFuncAttributes fa;
       const cudaError_t fe = cudaFuncGetAttributes(
           &fa, attn_fwd_sm90<FwdCfgSm90<cutlass::half_t, 64>, cutlass::half_t>);
       if (fe == cudaSuccess) {
-        ptx = fa.ptxVersion, bin = fa.binaryVersion;
-        ok = ptx >= 90 && ptx < 100 && bin >= 90 && bin < 100;
+        ok = fa.ptxVersion >= 90 && fa.ptxVersion < 100 && fa.binaryVersion >= 90 && fa.binaryVersion < 100;
       } else {
-        (void)cudaGetLastError();  // no image for this device: not supported, not an error
+        (void)cudaGetLastError();  // no image for this device: not available, not an error
       }
     }
-    if (!ok && trace_on())  // why the default kernels run instead (once per device)
-      std::fprintf(stderr, "gpu_puzzles: attention forward wgmma unavailable on device %d: cc major %d, "
-                   "kernel ptxVersion %d binaryVersion %d (needs 9.x and an sm_90a image)\n", dev, major, ptx, bin);
     s = ok ? 1 : 2;
     if (cache) state[dev].store(s, std::memory_order_relaxed);
   }
@@ -395,10 +343,6 @@ bool attention_forward_sm90_supported(const AttentionFwdArgs& a, int dev, cudaEr
 
 cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, int dev, cudaStream_t stream) {
   warpgroups = warpgroups == 3 ? 3 : 2;
-  if (trace_on())
-    std::fprintf(stderr, "gpu_puzzles: attention forward wgmma sm90 BH=%lld Sq=%lld Sk=%lld D=%lld causal=%d wg=%d\n",
-                 static_cast<long long>(a.BH), static_cast<long long>(a.Sq), static_cast<long long>(a.Sk),
-                 static_cast<long long>(a.D), a.causal ? 1 : 0, warpgroups);
   return a.dtype == DType::BFloat16 ? launch_sm90_d<cutlass::bfloat16_t>(a, warpgroups, dev, stream)
                                     : launch_sm90_d<cutlass::half_t>(a, warpgroups, dev, stream);
 }

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) attention forward with warpgroup MMA (wgmma), attention_fwd_sm90.cu.
 // Built only when setup.py finds the CUTLASS/CuTe headers (it then defines
-// GPU_PUZZLES_WITH_SM90A and compiles this file for sm_90a). attention_cuda.cu
-// calls it by default on 9.x GPUs at D = 128 (sm90_warpgroups there), or under GPU_PUZZLES_ATTN_FWD_CFG=wgmma|wgmma3.
+// GPU_PUZZLES_WITH_SM90A and compiles this file for sm_90a). attention_fwd_plan
+// (attention_plan.cu) decides when it runs.
 // Same contract as attention_forward_cuda (attention.h): o in the input dtype,
 // lse float32 natural-log log-sum-exp; lse = -inf and o = 0 when Sk == 0.
 #pragma once
@@ -11,15 +11,13 @@
 
 namespace gpu_puzzles {
 
-// True when this build holds sm_90a code for the kernel, device dev is a 9.x GPU and
-// a fits the kernel: fp16/bf16, D == Dv in {64, 128}, q/k/v/o 16-byte aligned.
+// True when device dev is a 9.x GPU and this build holds the kernel's sm_90a code for it.
 // Errors from CUDA queries are returned in err (then false).
-bool attention_forward_sm90_supported(const AttentionFwdArgs& a, int dev, cudaError_t& err);
+bool attention_forward_sm90_available(int dev, cudaError_t& err);
 
-// Launches the wgmma forward (asynchronous); call only when supported() said true.
-// warpgroups: 2 (BM = 128 query rows per CTA) or 3 (BM = 192); see the .cu for the tilings.
-// GPU_PUZZLES_ATTN_TRACE=1 (read once) prints one line to stderr per launch, so tests
-// can check that this path ran.
+// Launches the wgmma forward (asynchronous) on a call of fp16/bf16, D == Dv in {64, 128},
+// q/k/v/o 16-byte aligned; only where available() said true. warpgroups: 2 (BM = 128
+// query rows per CTA) or 3 (BM = 192); see the .cu for the tilings.
 cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, int dev, cudaStream_t stream);
 
 }  // namespace gpu_puzzles

@@ -116,34 +116,35 @@ bool grid_fits(int64_t M, int64_t N, int64_t tile) {
   return (M + tile - 1) / tile <= 65535 && (N + tile - 1) / tile <= 2147483647LL;
 }
 
+// launch(T{}, grid, block) over tile x tile output tiles of B (M, N) matrices: grid.x
+// along N, grid.y along M, grid.z the batch (the kernels loop past 65535).
+template <typename F>
+LaunchStatus launch_tiled(int64_t B, int64_t M, int64_t N, int64_t tile, dim3 block, DType dt, F&& launch) {
+  if (B == 0 || M == 0 || N == 0) return 0;
+  if (!grid_fits(M, N, tile)) return static_cast<LaunchStatus>(cudaErrorInvalidConfiguration);
+  const dim3 grid(ceil_div_u(N, tile), ceil_div_u(M, tile), static_cast<unsigned>(B < 65535 ? B : 65535));
+  dispatch_dtype(dt, [&](auto tag) { launch(tag, grid, block); });
+  return static_cast<LaunchStatus>(cudaGetLastError());
+}
+
 }  // namespace
 
 LaunchStatus transpose_last2_cuda(const void* x, void* out, int64_t B, int64_t M, int64_t N, DType dt,
                                   cudaStream_t stream) {
-  if (B == 0 || M == 0 || N == 0) return 0;
-  if (!grid_fits(M, N, kTile)) return static_cast<LaunchStatus>(cudaErrorInvalidConfiguration);
-  const dim3 grid(ceil_div_u(N, kTile), ceil_div_u(M, kTile), static_cast<unsigned>(B < 65535 ? B : 65535));
-  const dim3 block(kTile, kRows);
-  dispatch_dtype(dt, [&](auto tag) {
+  return launch_tiled(B, M, N, kTile, dim3(kTile, kRows), dt, [&](auto tag, dim3 grid, dim3 block) {
     using T = decltype(tag);
     transpose_kernel<T><<<grid, block, 0, stream>>>(static_cast<const T*>(x), static_cast<T*>(out), B, M, N);
   });
-  return static_cast<LaunchStatus>(cudaGetLastError());
 }
 
 LaunchStatus matmul_cuda(const void* a, const void* b, void* c, int64_t B, int64_t M, int64_t N, int64_t K,
                          double alpha, bool causal_mask, DType dt, cudaStream_t stream) {
-  if (B == 0 || M == 0 || N == 0) return 0;
-  if (!grid_fits(M, N, kMT)) return static_cast<LaunchStatus>(cudaErrorInvalidConfiguration);
-  const dim3 grid(ceil_div_u(N, kMT), ceil_div_u(M, kMT), static_cast<unsigned>(B < 65535 ? B : 65535));
-  const dim3 block(kTh, kTh);
-  dispatch_dtype(dt, [&](auto tag) {
+  return launch_tiled(B, M, N, kMT, dim3(kTh, kTh), dt, [&](auto tag, dim3 grid, dim3 block) {
     using T = decltype(tag);
     matmul_kernel<T><<<grid, block, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b),
-                                                 static_cast<T*>(c), B, M, N, K,
-                                                 static_cast<acc_t<T>>(alpha), causal_mask);
+                                                 static_cast<T*>(c), B, M, N, K, static_cast<acc_t<T>>(alpha),
+                                                 causal_mask);
   });
-  return static_cast<LaunchStatus>(cudaGetLastError());
 }
 
 }  // namespace gpu_puzzles

@@ -5,10 +5,12 @@ curriculum's chain), forward and forward+backward, in TFLOP/s; plus peak extra m
 Labels: "ours", "eager" (F.scaled_dot_product_attention), "compile" (torch.compile of it),
 "ours unfused" (skipped where its O(S^2) buffers would not fit in free memory).
 
-FLOPs (the issue's convention): forward 4*B*H*Sq*Sk*D, half when causal; backward 2.5x the
+FLOPs (as FlashAttention counts them): forward 4*B*H*Sq*Sk*D, half when causal; backward 2.5x the
 forward (the backward rows are derived as fwd+bwd minus fwd, see bench/__main__.py).
 """
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +50,46 @@ def impls(device, causal, B, H, Sq, Sk, dtype, backward, compile_=True, unfused=
     if compile_:
         out["compile"] = torch.compile(lambda q, k, v: sdpa(q, k, v, causal), dynamic=False)
     if unfused and _unfused_fits(device, B, H, Sq, Sk, dtype, backward):
-        out["ours unfused"] = lambda q, k, v: gp.attention_unfused(q, k, v, causal=causal)
+        out["ours unfused"] = lambda q, k, v: gp.attention(q, k, v, causal=causal, algorithm="unfused")
     return out
+
+
+# ---- which forward kernel ran (tests and benchmarks/attention_sweep.py) -----------------
+# The kernels are told apart by their demangled names in the profiler; the labels are the
+# values of the attention_fwd knob, with the warps for "mma".
+_SM90 = re.compile(r"attn_fwd_sm90<.*?Sm90FwdCfg<[^<>]*?,\s*\d+,\s*\d+,\s*(\d+)>")  # D, BN, warpgroups
+_TC = re.compile(r"attn_fwd_tc<[^<>]*?,\s*\d+,\s*(\d+)>")  # T, D, warps
+
+
+def forward_kernel(name):
+    """The label of the attention forward kernel with demangled name ``name``: "wgmma" / "wgmma3"
+    (the sm_90a kernel with 2 / 3 warpgroups), "mma_r32", "mma/w4" / "mma/w8", "simt"; None
+    for any other kernel."""
+    m = _SM90.search(name)
+    if m:
+        return "wgmma3" if m.group(1) == "3" else "wgmma"
+    if "attn_fwd_tc2<" in name:
+        return "mma_r32"
+    m = _TC.search(name)
+    if m:
+        return f"mma/w{m.group(1)}"
+    if "attn_fwd_simt<" in name:
+        return "simt"
+    return None
+
+
+def forward_kernels(fn):
+    """The labels (:func:`forward_kernel`) of the attention forward kernels that ``fn()`` launches,
+    in order, from torch.profiler; None where the profiler records no CUDA kernels at all (as
+    under compute-sanitizer, which holds the profiling interface)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not names:
+        return None
+    return [k for k in map(forward_kernel, names) if k is not None]
 
 
 def inputs(B, H, Sq, Sk, D, dtype, device, grad=False):
@@ -128,8 +168,8 @@ def tour_check(device):
         y64 = sdpa(*leaves, causal)
         refs = torch.autograd.grad(y64, leaves, g.double())
         key = f"({B},{H},{Sq},{Sk},{D}){' causal' if causal else ''}"
-        for label, f in (("fused", gp.attention), ("unfused", gp.attention_unfused)):
-            y = f(q, k, v, causal=causal)
+        for label, algorithm in (("fused", "auto"), ("unfused", "unfused")):
+            y = gp.attention(q, k, v, causal=causal, algorithm=algorithm)
             grads = torch.autograd.grad(y, (q, k, v), g)
             errs[f"fwd {label} {key}"] = (y.double() - y64).abs().max().item()
             errs[f"bwd {label} {key}"] = max((a.double() - r).abs().max().item() / max(1.0, r.abs().max().item())

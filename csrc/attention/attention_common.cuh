@@ -1,0 +1,40 @@
+// Internal to the attention .cu files: what the kernel families share on the host and the
+// device. The kernels' layout and masking contract is in attention.h.
+//
+// Masking: key j of query i is visible iff j < Sk and (!causal || j <= i) (SDPA
+// is_causal, top-left aligned). Tiles wholly above the diagonal are skipped, so a
+// causal run does about half the work. Tails of Sq/Sk are zero-filled on load and
+// masked to -inf; rows past Sq are computed on zeros and never stored.
+// All global offsets are 64-bit. Launchers are async: no syncs, no allocations.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace gpu_puzzles {
+namespace {  // one copy per .cu file: nothing here is shared across files at link time
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int64_t kMaxGridY = 65535;
+
+template <typename T> constexpr bool is_half_type() {
+  return std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value;
+}
+
+// Call f(bh0, nbh) for chunks of at most 65535 (grid.y limit).
+template <typename F> cudaError_t for_bh_chunks(int64_t BH, F&& f) {
+  for (int64_t bh0 = 0; bh0 < BH; bh0 += kMaxGridY) {
+    f(bh0, static_cast<unsigned>(std::min<int64_t>(kMaxGridY, BH - bh0)));
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+}  // namespace gpu_puzzles

@@ -1,0 +1,154 @@
+// Fused (flash-style) attention on CUDA: out = softmax(q k^T * scale) v.
+//
+// Never materialises the S x S scores: keys/values stream through shared memory in
+// tiles, the softmax is computed online (running max m and running sum l per query
+// row), and the forward writes lse = m + log(l) per row so the backward can recompute
+// the probabilities P = exp(s - lse) tile by tile. Extra memory: O(S).
+//
+// This file holds the one choice of kernel per call (attention_fwd_plan,
+// attention_bwd_plan) and the entry points of attention.h that launch the choice; the
+// kernel families live in the files listed in attention_plan.h.
+#include "attention/attention_plan.h"
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#include "common/align.h"
+#include "common/func_attr.h"
+#include "common/kernel_choice.h"
+#if defined(GPU_PUZZLES_WITH_SM90A)
+#include "attention/attention_fwd_sm90.h"
+#endif
+
+namespace gpu_puzzles {
+namespace {
+
+bool device_has_sm80(int dev, cudaError_t& err) {
+  static std::atomic<int> major_plus1[kMaxCachedDevices];  // 0: not queried yet
+  err = cudaSuccess;
+  int major = cacheable_device(dev) ? major_plus1[dev].load(std::memory_order_relaxed) - 1 : -1;
+  if (major < 0) {
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (err != cudaSuccess) return false;
+    if (cacheable_device(dev)) major_plus1[dev].store(major + 1, std::memory_order_relaxed);
+  }
+  return major >= 8;
+}
+
+bool half_type(DType t) { return t == DType::Float16 || t == DType::BFloat16; }
+
+// The tensor-core kernels' shapes: one head dim, 64 or 128, for q/k and v.
+bool tc_head_dims(int64_t D, int64_t Dv) { return D == Dv && (D == 64 || D == 128); }
+
+#if defined(GPU_PUZZLES_WITH_SM90A)
+// Share of the SM slots a grid of `ctas` one-CTA-per-SM blocks keeps busy over its waves.
+double wave_fill(int64_t ctas, int sms) {
+  const int64_t waves = (ctas + sms - 1) / sms;
+  return static_cast<double>(ctas) / static_cast<double>(waves * sms);
+}
+#endif
+
+}  // namespace
+
+// Default, fp16/bf16 with D == Dv in {64, 128} and 16-byte aligned operands (else SIMT):
+//  * D = 128 on a 9.x GPU (sm_90a build): the wgmma kernel. 3 warpgroups (192 query
+//    rows per CTA) run about 1.075x faster per CTA than 2 (128 rows), so 3 unless 2
+//    fill the waves of the one-CTA-per-SM grid better by more than that: with few
+//    CTAs (small batch x heads, short sequences) 192-row CTAs leave SMs idle.
+//    benchmarks/results/attention_sweep_h100.txt, attention_small_sweep_h100.txt.
+//  * D = 128 elsewhere: attn_fwd_tc2 at 32 rows per warp, 32-key tiles, 4 warps
+//    (mma_r32); the other tilings measured slower (attention_sweep_h200.txt). 32-row
+//    tiles with 64-key tiles spill at D = 128.
+//  * D = 64: attn_fwd_tc ("mma"), also on 9.x GPUs: it ties wgmma3 on long sequences and
+//    leads on shorter ones or few heads, causal too (attention_small_sweep_h100.txt).
+//    8 warps; 4 at D = 128 when forced to mma (attention_fwd_warps overrides both).
+AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& err) {
+  err = cudaSuccess;
+  const AttnFwdPlan simt{AttnFwdKernel::Simt, 0, 0};
+  const bool tc = half_type(a.dtype) && tc_head_dims(a.D, a.Dv) && aligned16(a.q) && aligned16(a.k) &&
+                  aligned16(a.v) && aligned16(a.o);
+  if (!tc) return simt;
+  const char* forced = knob_value(Knob::AttentionFwd);  // nullptr: the heuristic
+  const auto is = [forced](const char* v) { return forced != nullptr && std::strcmp(forced, v) == 0; };
+#if defined(GPU_PUZZLES_WITH_SM90A)
+  int wg = is("wgmma") ? 2 : is("wgmma3") ? 3 : 0;
+  if (forced == nullptr && a.D == 128) {
+    const int sms = device_sm_count(dev, err);
+    if (err != cudaSuccess) return simt;
+    if (sms > 0) {
+      const int64_t ctas3 = a.BH * ((a.Sq + 191) / 192), ctas2 = a.BH * ((a.Sq + 127) / 128);
+      wg = 1.075 * wave_fill(ctas3, sms) >= wave_fill(ctas2, sms) ? 3 : 2;
+    }
+  }
+  if (wg > 0) {  // where the device or the image cannot run it, the mma.sync kernels below
+    if (attention_forward_sm90_available(dev, err)) return {AttnFwdKernel::Wgmma, 0, wg};
+    if (err != cudaSuccess) return simt;
+  }
+#endif
+  if (!device_has_sm80(dev, err)) return simt;
+  if (is("mma_r32") || (!is("mma") && a.D == 128)) return {AttnFwdKernel::MmaR32, 4, 0};
+  return {AttnFwdKernel::Mma, knob_int(Knob::AttentionFwdWarps, a.D >= 128 ? 4 : 8), 0};
+}
+
+AttnBwdKernel attention_bwd_plan(const AttentionBwdArgs& a, int dev, cudaError_t& err) {
+  err = cudaSuccess;
+  const bool tc = half_type(a.dtype) && tc_head_dims(a.D, a.Dv) && aligned16(a.q) && aligned16(a.k) &&
+                  aligned16(a.v) && aligned16(a.dout) && aligned16(a.dq) && aligned16(a.dk) && aligned16(a.dv);
+  return tc && device_has_sm80(dev, err) ? AttnBwdKernel::Mma : AttnBwdKernel::Simt;
+}
+
+int64_t attention_backward_workspace_bytes(const AttentionBwdArgs& a) {
+  const int64_t elem = a.dtype == DType::Float64 ? 8 : 4;
+  return ((a.BH * a.Sq * elem + 255) / 256) * 256;  // delta = rowsum(dout * o), one per query row
+}
+
+LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stream) {
+  if (a.BH <= 0 || a.Sq <= 0) return static_cast<LaunchStatus>(cudaSuccess);
+  if (a.D <= 0 || a.Dv <= 0 || a.D > kAttentionMaxHeadDim || a.Dv > kAttentionMaxHeadDim)
+    return static_cast<LaunchStatus>(cudaErrorInvalidValue);
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
+  const AttnFwdPlan p = attention_fwd_plan(a, dev, e);
+  if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
+  switch (p.kernel) {
+#if defined(GPU_PUZZLES_WITH_SM90A)
+    case AttnFwdKernel::Wgmma: return static_cast<LaunchStatus>(attention_forward_sm90(a, p.warpgroups, dev, stream));
+#endif
+    case AttnFwdKernel::Mma:
+    case AttnFwdKernel::MmaR32: return static_cast<LaunchStatus>(attention_fwd_mma(a, p, dev, stream));
+    default: return static_cast<LaunchStatus>(attention_fwd_simt(a, dev, stream));
+  }
+}
+
+LaunchStatus attention_backward_cuda(const AttentionBwdArgs& a, void* workspace, cudaStream_t stream) {
+  if (a.BH <= 0) return static_cast<LaunchStatus>(cudaSuccess);
+  if (a.D <= 0 || a.Dv <= 0 || a.D > kAttentionMaxHeadDim || a.Dv > kAttentionMaxHeadDim)
+    return static_cast<LaunchStatus>(cudaErrorInvalidValue);
+  if (a.Sq <= 0) {
+    // No queries: no gradient reaches k or v.
+    const int64_t nk = a.BH * a.Sk;
+    const size_t es = a.dtype == DType::Float64 ? 8 : a.dtype == DType::Float32 ? 4 : 2;
+    if (nk > 0) {
+      cudaError_t e = cudaMemsetAsync(a.dk, 0, nk * a.D * es, stream);
+      if (e == cudaSuccess) e = cudaMemsetAsync(a.dv, 0, nk * a.Dv * es, stream);
+      if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
+    }
+    return static_cast<LaunchStatus>(cudaSuccess);
+  }
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
+  e = attention_bwd_delta(a, workspace, stream);
+  if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
+  const AttnBwdKernel k = attention_bwd_plan(a, dev, e);
+  if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
+  if (k == AttnBwdKernel::Mma)
+    return static_cast<LaunchStatus>(attention_bwd_mma(a, static_cast<const float*>(workspace), dev, stream));
+  return static_cast<LaunchStatus>(attention_bwd_simt(a, workspace, dev, stream));
+}
+
+}  // namespace gpu_puzzles
