@@ -75,6 +75,10 @@ def poison_allocator(nbytes):
 # grids wrap, run with fewer of them (still more than one pass over the resident
 # clusters); every path and edge shape stays. Instrumented runs are 30-100x slower.
 SANITIZE = os.environ.get("GPU_PUZZLES_SANITIZE") == "1"
+# Peak-memory tests read the caching allocator's statistics, which stay at zero when it is
+# off (as under compute-sanitizer, so that memcheck sees every allocation's bounds).
+requires_caching_allocator = pytest.mark.skipif(
+    os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1", reason="memory statistics need the caching allocator")
 
 
 def many(full, sanitized):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.bench.attention import forward_kernels
 
-from conftest import DEVICES, HAS_CUDA, many, poison_allocator, requires_cuda
+from conftest import DEVICES, HAS_CUDA, many, poison_allocator, requires_caching_allocator, requires_cuda
 from strategies import OFFSET, make_tensor
 
 OPS = torch.ops.gpu_puzzles
@@ -427,6 +427,7 @@ def test_cuda_unfused_chain(dtype):
 
 
 @requires_cuda
+@requires_caching_allocator
 def test_cuda_memory_linear_in_sequence_length():
     # Peak memory above the live inputs, forward and forward+backward: linear in S
     # (doubling S about doubles it; the S x S scores would quadruple it).

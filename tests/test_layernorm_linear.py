@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from conftest import DEVICES, TOL, assert_close_ref, device_dtypes, many, poison_allocator, requires_cuda
+from conftest import DEVICES, TOL, assert_close_ref, device_dtypes, many, poison_allocator, requires_caching_allocator, requires_cuda
 
 unfused = functools.partial(gp.fused_layernorm_linear, algorithm="unfused")
 IMPLS = {"fused": gp.fused_layernorm_linear, "unfused": unfused}
@@ -537,6 +537,7 @@ def test_cuda_layer_norm_backward_many_steps(dtype, M, H):
 
 
 @requires_cuda
+@requires_caching_allocator
 @pytest.mark.parametrize("M,H,N", [(4096, 2048, 256), (2048, 1024, 1024)])
 def test_cuda_fused_backward_peak_memory(M, H, N):
     # Peak extra memory of forward+backward, fused below eager. The fused backward holds xn

@@ -41,7 +41,7 @@ def _compile(src, root, arch, gen_dir, tmp):
 
 
 # Anonymous namespaces are mangled with the file's name and a hash (length-prefixed).
-_ANON = re.compile(r"\d+_GLOBAL__N__[0-9a-f]+_\d+_[A-Za-z0-9_]+?_cu_[0-9a-f]+")
+_ANON = re.compile(r"\d+_GLOBAL__N__[0-9a-f]+_\d+_[A-Za-z0-9_]+?_cu_[0-9a-f]{8}")
 
 
 def _split(sass):
@@ -53,7 +53,8 @@ def _split(sass):
                 out[name] = body
             name, body = _ANON.sub("ANON", m.group(1)), []
         elif name and re.match(r"\s*/\*[0-9a-f]{4}\*/", line):
-            body.append(_ANON.sub("ANON", re.sub(r"/\*[0-9a-f]{4}\*/", "", line)).strip())
+            # cuobjdump pads columns by the longest name in the file: compare without spaces
+            body.append("".join(_ANON.sub("ANON", re.sub(r"/\*[0-9a-f]{4}\*/", "", line)).split()))
     if name:
         out[name] = body
     return {k: hashlib.sha1("\n".join(v).encode()).hexdigest()[:16] for k, v in out.items()}
