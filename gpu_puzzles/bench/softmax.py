@@ -1,4 +1,4 @@
-"""softmax cases: the issue's benchmark shapes and the tour's small checks.
+"""softmax cases: the benchmark shapes and the tour's small checks.
 
 Byte counts: the forward reads x and writes y; the backward (timed alone, on a
 saved output y) reads y and dy and writes dx.
