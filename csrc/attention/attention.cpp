@@ -17,6 +17,7 @@
 #include "attention/attention.h"
 #include "attention/attention_unfused.h"
 #include "common/checks.h"
+#include "common/register.h"
 #include "common/cuda_launch.h"
 
 namespace gpu_puzzles {
@@ -452,20 +453,11 @@ at::Tensor matmul_cuda_op(const at::Tensor& a, const at::Tensor& b, double alpha
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(gpu_puzzles, CPU, m) {
-  m.impl("attention", &attention_cpu);
-  m.impl("attention_backward", &attention_backward_cpu);
-  m.impl("transpose_last2", &transpose_last2_cpu);
-  m.impl("matmul", &matmul_cpu);
+TORCH_LIBRARY_FRAGMENT(gpu_puzzles, m) {
+  GP_IMPL(m, "attention", attention_cpu, attention_cuda_op);
+  GP_IMPL(m, "attention_backward", attention_backward_cpu, attention_backward_cuda_op);
+  GP_IMPL(m, "transpose_last2", transpose_last2_cpu, transpose_last2_cuda_op);
+  GP_IMPL(m, "matmul", matmul_cpu, matmul_cuda_op);
 }
-
-#ifdef WITH_CUDA
-TORCH_LIBRARY_IMPL(gpu_puzzles, CUDA, m) {
-  m.impl("attention", &attention_cuda_op);
-  m.impl("attention_backward", &attention_backward_cuda_op);
-  m.impl("transpose_last2", &transpose_last2_cuda_op);
-  m.impl("matmul", &matmul_cuda_op);
-}
-#endif
 
 }  // namespace gpu_puzzles

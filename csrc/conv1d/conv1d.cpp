@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "common/checks.h"
+#include "common/register.h"
 #include "common/cuda_launch.h"
 #include "conv1d/conv1d.h"
 
@@ -210,16 +211,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv1d_backward_cuda(const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(gpu_puzzles, CPU, m) {
-  m.impl("conv1d", &conv1d_cpu);
-  m.impl("conv1d_backward", &conv1d_backward_cpu);
+TORCH_LIBRARY_FRAGMENT(gpu_puzzles, m) {
+  GP_IMPL(m, "conv1d", conv1d_cpu, conv1d_cuda);
+  GP_IMPL(m, "conv1d_backward", conv1d_backward_cpu, conv1d_backward_cuda);
 }
-
-#ifdef WITH_CUDA
-TORCH_LIBRARY_IMPL(gpu_puzzles, CUDA, m) {
-  m.impl("conv1d", &conv1d_cuda);
-  m.impl("conv1d_backward", &conv1d_backward_cuda);
-}
-#endif
 
 }  // namespace gpu_puzzles

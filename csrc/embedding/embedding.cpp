@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/register.h"
 #include "common/cuda_launch.h"
 #include "embedding/embedding.h"
 
@@ -220,16 +221,9 @@ at::Tensor embedding_backward_cuda(const at::Tensor& grad_out, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(gpu_puzzles, CPU, m) {
-  m.impl("embedding", &embedding_cpu);
-  m.impl("embedding_backward", &embedding_backward_cpu);
+TORCH_LIBRARY_FRAGMENT(gpu_puzzles, m) {
+  GP_IMPL(m, "embedding", embedding_cpu, embedding_cuda);
+  GP_IMPL(m, "embedding_backward", embedding_backward_cpu, embedding_backward_cuda);
 }
-
-#ifdef WITH_CUDA
-TORCH_LIBRARY_IMPL(gpu_puzzles, CUDA, m) {
-  m.impl("embedding", &embedding_cuda);
-  m.impl("embedding_backward", &embedding_backward_cuda);
-}
-#endif
 
 }  // namespace gpu_puzzles

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/register.h"
 #include "common/cuda_launch.h"
 #include "layernorm_linear/layernorm_linear.h"
 #include "layernorm_linear/layernorm_linear_plan.h"
@@ -507,22 +508,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_op(const Tenso
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(gpu_puzzles, CPU, m) {
-  m.impl("layer_norm", &layer_norm_op<false>);
-  m.impl("layer_norm_backward", &layer_norm_backward_op<false>);
-  m.impl("fused_layernorm_linear", &fused_op<false>);
-  m.impl("fused_layernorm_linear_backward", &fused_backward_op<false>);
-  m.impl("fused_layernorm_linear_naive", &naive_op<false>);
+TORCH_LIBRARY_FRAGMENT(gpu_puzzles, m) {
+  GP_IMPL(m, "layer_norm", layer_norm_op<false>, layer_norm_op<true>);
+  GP_IMPL(m, "layer_norm_backward", layer_norm_backward_op<false>, layer_norm_backward_op<true>);
+  GP_IMPL(m, "fused_layernorm_linear", fused_op<false>, fused_op<true>);
+  GP_IMPL(m, "fused_layernorm_linear_backward", fused_backward_op<false>, fused_backward_op<true>);
+  GP_IMPL(m, "fused_layernorm_linear_naive", naive_op<false>, naive_op<true>);
 }
-
-#ifdef WITH_CUDA
-TORCH_LIBRARY_IMPL(gpu_puzzles, CUDA, m) {
-  m.impl("layer_norm", &layer_norm_op<true>);
-  m.impl("layer_norm_backward", &layer_norm_backward_op<true>);
-  m.impl("fused_layernorm_linear", &fused_op<true>);
-  m.impl("fused_layernorm_linear_backward", &fused_backward_op<true>);
-  m.impl("fused_layernorm_linear_naive", &naive_op<true>);
-}
-#endif
 
 }  // namespace gpu_puzzles

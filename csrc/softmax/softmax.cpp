@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/checks.h"
+#include "common/register.h"
 #include "common/cuda_launch.h"
 #include "softmax/softmax.h"
 
@@ -191,20 +192,11 @@ at::Tensor backward_cuda(const at::Tensor& grad_out, const at::Tensor& out, int6
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(gpu_puzzles, CPU, m) {
-  m.impl("softmax", &forward_cpu<false>);
-  m.impl("log_softmax", &forward_cpu<true>);
-  m.impl("softmax_backward", &backward_cpu<false>);
-  m.impl("log_softmax_backward", &backward_cpu<true>);
+TORCH_LIBRARY_FRAGMENT(gpu_puzzles, m) {
+  GP_IMPL(m, "softmax", forward_cpu<false>, forward_cuda<false>);
+  GP_IMPL(m, "log_softmax", forward_cpu<true>, forward_cuda<true>);
+  GP_IMPL(m, "softmax_backward", backward_cpu<false>, backward_cuda<false>);
+  GP_IMPL(m, "log_softmax_backward", backward_cpu<true>, backward_cuda<true>);
 }
-
-#ifdef WITH_CUDA
-TORCH_LIBRARY_IMPL(gpu_puzzles, CUDA, m) {
-  m.impl("softmax", &forward_cuda<false>);
-  m.impl("log_softmax", &forward_cuda<true>);
-  m.impl("softmax_backward", &backward_cuda<false>);
-  m.impl("log_softmax_backward", &backward_cuda<true>);
-}
-#endif
 
 }  // namespace gpu_puzzles
