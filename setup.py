@@ -8,6 +8,7 @@ wheel) and a 9.0 target, the Hopper-only files (csrc/**/*_sm90.cu: wgmma/TMA ker
 are compiled apart for sm_90a and linked in; GPU_PUZZLES_NO_CUTLASS=1 builds without
 them.  What was built is compiled into the library: gpu_puzzles.build_info().
 """
+import functools
 import glob
 import json
 import os
@@ -25,13 +26,20 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def _nvcc_major():
+@functools.lru_cache(maxsize=None)
+def _nvcc_version():
+    """nvcc's release ("13.0"), or None; asked once (the major check and build_info use it)."""
     try:
         out = subprocess.check_output([os.path.join(CUDA_HOME, "bin", "nvcc"), "--version"], text=True)
     except (OSError, subprocess.CalledProcessError, TypeError):
         return None
-    m = re.search(r"release (\d+)\.", out)
-    return int(m.group(1)) if m else None
+    m = re.search(r"release ([\d.]+)", out)
+    return m.group(1) if m else None
+
+
+def _nvcc_major():
+    v = _nvcc_version()
+    return int(v.split(".")[0]) if v else None
 
 
 def _want_cuda():
@@ -184,10 +192,7 @@ def extensions():
                   "(LayerNorm+Linear GEMM, wgmma attention)")
             cutlass_dirs = None
     macros = ["-DGPU_PUZZLES_WITH_SM90A"] if cutlass_dirs else []
-    nvcc_ver = subprocess.run([os.path.join(CUDA_HOME, "bin", "nvcc"), "--version"], capture_output=True,
-                              text=True).stdout
-    m = re.search(r"release ([\d.]+)", nvcc_ver)
-    info.update(cuda_archs=os.environ.get("TORCH_CUDA_ARCH_LIST") or "the visible GPUs", nvcc=m.group(1) if m else None,
+    info.update(cuda_archs=os.environ.get("TORCH_CUDA_ARCH_LIST") or "the visible GPUs", nvcc=_nvcc_version(),
                 sm90a_sources=[f.replace(os.sep, "/") for f in _SM90A_SOURCES] if cutlass_dirs else [],
                 cutlass_include=cutlass_dirs[0] if cutlass_dirs else None)
     _write_build_info(info)

@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 
 import gpu_puzzles as gp
+from gpu_puzzles.ops._common import schema_default
 
 from conftest import DEVICES, TOL, assert_close_ref, device_dtypes, many, poison_allocator, requires_caching_allocator, requires_cuda
 
 unfused = functools.partial(gp.fused_layernorm_linear, algorithm="unfused")
 IMPLS = {"fused": gp.fused_layernorm_linear, "unfused": unfused}
 # The ops' default eps, as the schema writes it.
-EPS = next(a.default_value for a in torch.ops.gpu_puzzles.layer_norm.default._schema.arguments if a.name == "eps")
+EPS = schema_default(torch.ops.gpu_puzzles.layer_norm.default, "eps")
 
 def _params(H, N, device, dtype, bias=True, grad=False, seed=0):
     g = torch.Generator().manual_seed(seed)

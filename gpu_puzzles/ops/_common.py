@@ -14,3 +14,8 @@ def check_same(t, ref, name, ref_name):
                  lambda: f"{name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}; they must match")
     torch._check(t.device == ref.device,
                  lambda: f"{name} is on {t.device} but {ref_name} is on {ref.device}; they must be on the same device")
+
+
+def schema_default(op, name):
+    """The default of argument ``name`` in ``op``'s schema (defaults are written there only)."""
+    return next(a.default_value for a in op._schema.arguments if a.name == name)

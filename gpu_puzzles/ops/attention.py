@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import check_float, check_same
+from ._common import check_float, check_same, schema_default
 
 _ALGORITHMS = ("auto", "unfused")
 
@@ -59,14 +59,10 @@ _transpose = torch.ops.gpu_puzzles.transpose_last2.default
 _matmul = torch.ops.gpu_puzzles.matmul.default
 
 
-def _schema_default(op, name):
-    return next(a.default_value for a in op._schema.arguments if a.name == name)
-
-
 # The defaults are written in the schemas only.
-_CAUSAL = _schema_default(_attention, "causal")
-_ALPHA = _schema_default(_matmul, "alpha")
-_CAUSAL_MASK = _schema_default(_matmul, "causal_mask")
+_CAUSAL = schema_default(_attention, "causal")
+_ALPHA = schema_default(_matmul, "alpha")
+_CAUSAL_MASK = schema_default(_matmul, "causal_mask")
 
 
 # ---- the chain's own argument check ------------------------------------------------

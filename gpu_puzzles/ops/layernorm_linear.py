@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._common import schema_default
+
 
 def _stat_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -61,11 +63,7 @@ _fused = torch.ops.gpu_puzzles.fused_layernorm_linear.default
 _naive = torch.ops.gpu_puzzles.fused_layernorm_linear_naive.default
 
 
-def _schema_default(op, name):
-    return next(a.default_value for a in op._schema.arguments if a.name == name)
-
-
-_EPS = _schema_default(_layer_norm, "eps")  # the default is written in the schema only
+_EPS = schema_default(_layer_norm, "eps")  # the default is written in the schema only
 
 
 # ---- public functions ----------------------------------------------------------------
