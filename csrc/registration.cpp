@@ -1,7 +1,7 @@
 // Every schema of the gpu_puzzles library, in one place, and the Python module
-// init. Kernels are registered per backend next to their code
-// (TORCH_LIBRARY_IMPL in csrc/<op>/<op>.cpp); Python adds fake kernels and
-// autograd in gpu_puzzles/ops/<op>.py.
+// init. CPU/CUDA kernels are registered next to their code (GP_IMPL in
+// csrc/<op>/<op>.cpp, common/register.h), autograd in csrc/<op>/<op>_autograd.cpp;
+// Python adds the fake kernels (gpu_puzzles/ops/<op>.py).
 #include <Python.h>
 #include <torch/library.h>
 
