@@ -128,7 +128,7 @@ def test_layernorm_linear_cases_make_their_own_shapes():
     # case once built its rows from the last shape of the list).
     from gpu_puzzles.bench.layernorm_linear import cases
     cs = cases(torch.device("cpu"), [(4, 8, 16), (6, 32, 8)], dtype=torch.float32, compile_=False,
-               ln_alone=(5, 16))
+               ln_alone=[(5, 16)])
     ln = [c for c in cs if c.op == "layer_norm"]
     assert len(ln) == 1 and ln[0].make()[0].shape == (5, 16)
     assert ln[0].bytes == 2 * 5 * 16 * 4
@@ -137,3 +137,20 @@ def test_layernorm_linear_cases_make_their_own_shapes():
             continue
         x, W = c.make()[0], c.make()[3]
         assert x.shape == (c.params["M"], c.params["H"]) and W.shape == (c.params["N"], c.params["H"])
+
+
+def test_cpu_bench_runs_every_case_per_thread_count(monkeypatch, tmp_path):
+    # `python -m gpu_puzzles.bench --device cpu`: each case once per thread count, fwd and
+    # fwd+bwd rows with a time each, the thread count in the row and in the case's name.
+    import json
+
+    from gpu_puzzles.bench import embedding
+    from gpu_puzzles.bench.__main__ import main
+    monkeypatch.setattr(embedding, "CPU_SHAPES", [(64, 50, 16)])
+    out = tmp_path / "b.json"
+    assert main(["embedding", "--device", "cpu", "--rep", "2", "--threads", "1,2", "--json", str(out)]) == 0
+    meta = json.loads(out.read_text())
+    assert "fastest" in meta["timing"]
+    got = {(r["threads"], r["direction"], r["impl"]) for r in meta["rows"]}
+    assert got == {(n, d, i) for n in (1, 2) for d in ("fwd", "fwd+bwd") for i in ("ours", "2d", "eager")}
+    assert all(r["ms"] > 0 and r["case"].endswith(f"[{r['threads']} thr]") for r in meta["rows"])

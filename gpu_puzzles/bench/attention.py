@@ -124,14 +124,20 @@ def cases(device, shapes, dtype=torch.bfloat16, compile_=True, unfused=True):
 BENCH_SHAPES = [(4, 32, 4096, 4096, 128, False), (4, 32, 4096, 4096, 128, True), (8, 16, 2048, 2048, 64, False)]
 
 
+# The CPU shapes: the tour's small case and a GPT-2 layer's causal attention at S=256.
+CPU_SHAPES = [(1, 4, 256, 256, 64, False), (2, 12, 256, 256, 64, True)]
+
+
 def bench_cases(device):
+    if device.type == "cpu":
+        return cases(device, CPU_SHAPES, dtype=torch.float32, compile_=False, unfused=False)
     return cases(device, BENCH_SHAPES)
 
 
 def tour_cases(device):
     if device.type == "cuda":
         return cases(device, [(4, 32, 4096, 4096, 128, False)], unfused=False)
-    return cases(device, [(1, 4, 256, 256, 64, False)], dtype=torch.float32, compile_=False)
+    return cases(device, [(2, 12, 256, 256, 64, True)], dtype=torch.float32, compile_=False, unfused=False)
 
 
 def peak_memory(device, shapes=BENCH_SHAPES, dtype=torch.bfloat16, compile_=False):

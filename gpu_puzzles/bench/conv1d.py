@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from .common import Case, backward_only_fn
+from .common import Case, backward_fn, backward_only_fn
 
 OP = "conv1d"
 
@@ -48,6 +48,12 @@ def cases(device, shapes, dtype=torch.bfloat16, directions=("fwd", "bwd"), compi
             if "fwd" in directions:
                 out.append(Case(OP, name, "fwd", lambda B=B, C=C, L=L, K=K: _inputs(B, C, L, K, dtype, device),
                                 impls_f, bytes=2 * n * esize, params=params))
+            if "fwd+bwd" in directions:
+                def make(B=B, C=C, L=L, K=K):
+                    x, w, b = _inputs(B, C, L, K, dtype, device, grad=True)
+                    return x, w, b, torch.randn(B, C, L, device=device, dtype=dtype)
+                impls_fb = {k: backward_fn(f, 3) for k, f in impls_f.items()}
+                out.append(Case(OP, name, "fwd+bwd", make, impls_fb, bytes=5 * n * esize, params=params))
             if "bwd" in directions:
                 # The backward alone (dx, dw and dbias together): reads x and grad_out,
                 # writes dx; the weight and bias are negligible.
@@ -59,14 +65,20 @@ def cases(device, shapes, dtype=torch.bfloat16, directions=("fwd", "bwd"), compi
     return out
 
 
+# The CPU shapes: the tour's small case and a GPT-sized depthwise convolution.
+CPU_SHAPES = [(2, 64, 1024, 4), (16, 768, 256, 4)]
+
+
 def bench_cases(device):
+    if device.type == "cpu":
+        return cases(device, CPU_SHAPES, dtype=torch.float32, directions=("fwd", "fwd+bwd"), compile_=False)
     return cases(device, [(8, 4096, 2048, 4), (4, 1024, 16384, 4)])
 
 
 def tour_cases(device):
     if device.type == "cuda":
         return cases(device, [(8, 4096, 2048, 4)], directions=("fwd", "bwd"))
-    return cases(device, [(2, 64, 1024, 4)], dtype=torch.float32, directions=("fwd", "bwd"))
+    return cases(device, [(16, 768, 256, 4)], dtype=torch.float32, directions=("fwd", "fwd+bwd"), compile_=False)
 
 
 def tour_check(device):

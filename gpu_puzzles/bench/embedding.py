@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from .common import Case, backward_only_fn
+from .common import Case, backward_fn, backward_only_fn
 
 OP = "embedding"
 
@@ -48,7 +48,7 @@ def cases(device, shapes, dtype=torch.bfloat16, directions=("fwd", "bwd"), compi
     for (T, V, E) in shapes:
         es, isz = _esize(dtype), _esize(idx_dtype)
         impls_f = {"ours": gp.embedding, "2d": functools.partial(gp.embedding, algorithm="2d"),
-                   "F.embedding": F.embedding}
+                   "eager": F.embedding}
         if compile_:
             impls_f["compile"] = torch.compile(F.embedding, dynamic=False)
         params = dict(T=T, V=V, E=E, dtype=str(dtype).replace("torch.", ""),
@@ -57,6 +57,13 @@ def cases(device, shapes, dtype=torch.bfloat16, directions=("fwd", "bwd"), compi
         if "fwd" in directions:
             out.append(Case(OP, name, "fwd", lambda T=T, V=V, E=E: _inputs(T, V, E, dtype, device, idx_dtype=idx_dtype),
                             impls_f, bytes=2 * T * E * es + T * isz, params=params))
+        if "fwd+bwd" in directions:
+            def make(T=T, V=V, E=E):
+                idx, w = _inputs(T, V, E, dtype, device, grad=True, idx_dtype=idx_dtype)
+                return idx, w, torch.randn(T, E, device=device, dtype=dtype)
+            impls_fb = {k: backward_fn(f, 2) for k, f in impls_f.items()}
+            out.append(Case(OP, name, "fwd+bwd", make, impls_fb, bytes=(3 * T * E + V * E) * es + T * isz,
+                            params=params))
         if "bwd" in directions:
             # The backward alone. Traffic: read grad_out (T*E) and the indices, write the
             # dense (V, E) grad.
@@ -68,7 +75,13 @@ def cases(device, shapes, dtype=torch.bfloat16, directions=("fwd", "bwd"), compi
     return out
 
 
+# The CPU shapes: the seed's size, and a GPT-2 vocabulary with a (2, 256) batch of tokens.
+CPU_SHAPES = [(4096, 10000, 512), (2 * 256, 50257, 768)]
+
+
 def bench_cases(device):
+    if device.type == "cpu":
+        return cases(device, CPU_SHAPES, dtype=torch.float32, directions=("fwd", "fwd+bwd"), compile_=False)
     # A Llama-3 vocabulary in bf16 and the seed's size in fp32 with
     # int32 indices (B=8, L=512 -> T=4096 tokens).
     return (cases(device, [(16384, 128256, 4096)]) +
@@ -80,7 +93,7 @@ def bench_cases(device):
 def tour_cases(device):
     if device.type == "cuda":
         return cases(device, [(16384, 128256, 4096)], directions=("fwd",))
-    return cases(device, [(4096, 10000, 512)], dtype=torch.float32, directions=("fwd", "bwd"))
+    return cases(device, [(4096, 10000, 512)], dtype=torch.float32, directions=("fwd", "fwd+bwd"), compile_=False)
 
 
 def tour_check(device):

@@ -48,12 +48,14 @@ def impls(compile_=True):
     return out
 
 
-def cases(device, shapes, dtype=torch.bfloat16, directions=("fwd", "fwd+bwd"), compile_=True, ln_alone=None):
+def cases(device, shapes, dtype=torch.bfloat16, directions=("fwd", "fwd+bwd"), compile_=True, ln_alone=(),
+          ln_backward=False):
+    """LayerNorm+Linear cases for each (M, H, N) of ``shapes``, after layer_norm alone for each (M, H) of
+    ``ln_alone`` (forward; forward+backward too with ``ln_backward``)."""
     esize = torch.tensor([], dtype=dtype).element_size()
     dname = str(dtype).replace("torch.", "")
     out = []
-    if ln_alone is not None:
-        M, H = ln_alone
+    for (M, H) in ln_alone:
         f = {"ours": gp.layer_norm, "eager": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b)}
         if compile_:
             f["compile"] = torch.compile(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b), dynamic=False)
@@ -61,6 +63,12 @@ def cases(device, shapes, dtype=torch.bfloat16, directions=("fwd", "fwd+bwd"), c
         # shape's 16384x4096 rows against 8192x4096's bytes: 0.10 ms, "1.3 TB/s").
         out.append(Case("layer_norm", f"({M},{H})", "fwd", lambda M=M, H=H: inputs(M, H, 1, dtype, device)[:3], f,
                         bytes=2 * M * H * esize, params=dict(M=M, H=H, dtype=dname)))
+        if ln_backward:
+            def make_ln(M=M, H=H):
+                return (*inputs(M, H, 1, dtype, device, grad=True)[:3], torch.randn(M, H, device=device, dtype=dtype))
+            out.append(Case("layer_norm", f"({M},{H})", "fwd+bwd", make_ln,
+                            {k: backward_fn(g, 3) for k, g in f.items()}, bytes=5 * M * H * esize,
+                            params=dict(M=M, H=H, dtype=dname)))
     for (M, H, N) in shapes:
         params = dict(M=M, H=H, N=N, dtype=dname)
         name = f"M={M} H={H} N={N}"
@@ -85,14 +93,22 @@ def cases(device, shapes, dtype=torch.bfloat16, directions=("fwd", "fwd+bwd"), c
 BENCH_SHAPES = [(8192, 4096, 4096), (16384, 1024, 4096), (16384, 4096, 512)]
 
 
+# The CPU shapes: GPT-2's fused qkv projection, and the tour's small square one.
+CPU_SHAPES = [(512, 768, 2304), (512, 256, 256)]
+
+
 def bench_cases(device):
-    return cases(device, BENCH_SHAPES, ln_alone=(8192, 4096))
+    if device.type == "cpu":
+        return cases(device, CPU_SHAPES, dtype=torch.float32, compile_=False, ln_alone=[(512, 768), (512, 256)],
+                     ln_backward=True)
+    return cases(device, BENCH_SHAPES, ln_alone=[(8192, 4096)])
 
 
 def tour_cases(device):
     if device.type == "cuda":
-        return cases(device, [(8192, 4096, 4096)], ln_alone=(8192, 4096))
-    return cases(device, [(512, 256, 256)], dtype=torch.float32, compile_=False, ln_alone=(512, 256))
+        return cases(device, [(8192, 4096, 4096)], ln_alone=[(8192, 4096)])
+    return cases(device, [(512, 768, 2304)], dtype=torch.float32, compile_=False, ln_alone=[(512, 768)],
+                 ln_backward=True)
 
 
 def peak_memory(device, shapes=BENCH_SHAPES, dtype=torch.bfloat16, compile_=True):

@@ -12,7 +12,7 @@ import torch
 
 import gpu_puzzles as gp
 
-from .common import Case
+from .common import Case, backward_fn
 
 OP = "softmax"
 
@@ -64,7 +64,30 @@ def bwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), nam
                 params=params)
 
 
+def cpu_case(device, shape, log, direction):
+    """fp32 softmax / log_softmax over the last dim, forward or forward+backward, ours vs eager."""
+    ours, eager = (gp.log_softmax, torch.log_softmax) if log else (gp.softmax, torch.softmax)
+    impls = {"ours": functools.partial(ours, dim=-1), "eager": functools.partial(eager, dim=-1)}
+    n = math.prod(shape)
+    params = dict(shape=list(shape), dim=-1, dtype="float32", log=log)
+    name = f"{'log_softmax' if log else 'softmax'} {tuple(shape)}"
+    if direction == "fwd":
+        return Case(OP, name, "fwd", lambda: (torch.randn(shape, device=device),), impls, bytes=8 * n,
+                    params=params)
+
+    def make():
+        return torch.randn(shape, device=device, requires_grad=True), torch.randn(shape, device=device)
+    return Case(OP, name, "fwd+bwd", make, {k: backward_fn(f, 1) for k, f in impls.items()}, bytes=20 * n,
+                params=params)
+
+
+# The CPU shapes: a short and a long softmax row, and a GPT-2 vocabulary's log_softmax.
+CPU_SHAPES = [((2048, 1024), False), ((256, 1024), False), ((512, 50257), True)]
+
+
 def bench_cases(device):
+    if device.type == "cpu":
+        return [cpu_case(device, s, log, d) for s, log in CPU_SHAPES for d in ("fwd", "fwd+bwd")]
     bf16, f32 = torch.bfloat16, torch.float32
     return [
         fwd_case(device, (32768, 4096), -1, bf16),
@@ -82,8 +105,7 @@ def tour_cases(device):
     if device.type == "cuda":
         return [fwd_case(device, (32768, 4096), -1, torch.bfloat16),
                 bwd_case(device, (32768, 4096), -1, torch.bfloat16)]
-    return [fwd_case(device, (256, 1024), -1, torch.float32, compile_=False),
-            bwd_case(device, (256, 1024), -1, torch.float32, compile_=False)]
+    return [cpu_case(device, (2048, 1024), False, d) for d in ("fwd", "fwd+bwd")]
 
 
 def tour_check(device):
