@@ -101,14 +101,44 @@ def kinds_for(i, kinds=("softmax", "log_softmax")):
     return [kinds[i % len(kinds)]] if RACECHECK else list(kinds)
 
 
+def current_test():
+    """The running test's id (pytest's node id with its parameters)."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+
+
 # Where the instrumented time goes: with GPU_PUZZLES_SANITIZE_TIMING=<file> each timed case
 # appends "<test id>\t<case>\t<seconds>" to it (one line per write, appended, so the
 # sanitizer's parallel processes can share the file).
 _TIMING = os.environ.get("GPU_PUZZLES_SANITIZE_TIMING")
+# Which kernels each case launches: with GPU_PUZZLES_RECORD_LAUNCHES=<file> each case runs
+# under torch.profiler and appends a JSON line {"test", "case", "launches": [[kernel, block,
+# shared memory], ...]} (our kernels); tools/racecheck_cases.py makes RACECHECK_CASES from such a record.
+_RECORD = os.environ.get("GPU_PUZZLES_RECORD_LAUNCHES")
+
+
+def _launches(prof):
+    import json
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    return sorted({(e["name"], str(e["args"].get("block")), e["args"].get("shared memory"))
+                   for e in events if e.get("cat") == "kernel" and "gpu_puzzles" in e["name"]})
 
 
 @contextlib.contextmanager
 def sanitize_timing(case):
+    """Wraps one case of a test: times it (GPU_PUZZLES_SANITIZE_TIMING) or records its kernel
+    launches (GPU_PUZZLES_RECORD_LAUNCHES)."""
+    if _RECORD:
+        import json
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            yield
+            torch.cuda.synchronize()
+        with open(_RECORD, "a") as f:
+            f.write(json.dumps({"test": current_test(), "case": case, "launches": _launches(prof)}) + "\n")
+        return
     if not _TIMING:
         yield
         return
@@ -117,6 +147,23 @@ def sanitize_timing(case):
         yield
     finally:
         torch.cuda.synchronize()
-        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
         with open(_TIMING, "a") as f:
-            f.write("%s\t%s\t%.2f\n" % (test, case, time.perf_counter() - t0))
+            f.write("%s\t%s\t%.2f\n" % (current_test(), case, time.perf_counter() - t0))
+
+
+# Under racecheck a test listed in tests/racecheck_cases.json runs only its listed cases: a
+# subset of its racecheck-profile cases that launches every (kernel, block size, shared
+# memory) the whole profile launches (recorded on an H100; tools/racecheck_cases.py).
+# racecheck's cost is per launch of a large-shared-memory kernel, and a hazard depends on
+# the kernel and its launch shape, so the other cases would repeat launches already checked.
+_RC_FILE = os.path.join(os.path.dirname(__file__), "racecheck_cases.json")
+RACECHECK_CASES = {}
+if RACECHECK and os.path.exists(_RC_FILE):
+    import json
+    RACECHECK_CASES = json.load(open(_RC_FILE))["cases"]
+
+
+def racecheck_skips(case):
+    """Whether racecheck leaves out this case of the running test (see RACECHECK_CASES)."""
+    chosen = RACECHECK_CASES.get(current_test())
+    return chosen is not None and case not in chosen

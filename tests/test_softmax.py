@@ -7,7 +7,7 @@ import torch
 import gpu_puzzles as gp
 
 from conftest import (DEVICES, HAS_CUDA, RACECHECK, assert_close_ref, device_dtypes, kinds_for, many,
-                      poison_allocator, requires_cuda, sanitize_timing)
+                      poison_allocator, racecheck_skips, requires_cuda, sanitize_timing)
 from strategies import OFFSET, make_tensor
 
 ALGORITHMS = ["auto", "tree", "shuffle", "online"]
@@ -202,6 +202,8 @@ def _poison_cache():
 
 
 def _cuda_check(x, dim, kind, algorithm, dtype, what):
+    if racecheck_skips(what):
+        return
     with sanitize_timing(what):
         _cuda_check_(x, dim, kind, algorithm, dtype, what)
 
@@ -244,10 +246,20 @@ def test_cuda_rows_all_paths(dtype, kind):
 @pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
 def test_cuda_columns_all_paths(dtype, kind):
     torch.manual_seed(6)
-    for o, n, i in CUDA_COLS:
-        x = torch.randn(o, n, i, device="cuda", dtype=dtype) * 2
+    _check_columns(CUDA_COLS, kind, dtype, scale=2, dim0=True)
+
+
+def _check_columns(shapes, kind, dtype, scale, dim0=False, misaligned_below=0):
+    """Each (outer, n, inner) of ``shapes`` over dim 1; over dim 0 too with ``dim0``, and as a
+    misaligned view where it has fewer than ``misaligned_below`` elements."""
+    for o, n, i in shapes:
+        x = torch.randn(o, n, i, device="cuda", dtype=dtype) * scale
         _cuda_check(x, 1, kind, "auto", dtype, f"{kind} cols ({o},{n},{i}) {dtype}")
-        _cuda_check(x, 0, kind, "auto", dtype, f"{kind} dim0 ({o},{n},{i}) {dtype}")
+        if dim0:
+            _cuda_check(x, 0, kind, "auto", dtype, f"{kind} dim0 ({o},{n},{i}) {dtype}")
+        if o * n * i < misaligned_below:
+            xm = make_tensor((o, n, i), dtype, "cuda", OFFSET, seed=n)
+            _cuda_check(xm, 1, kind, "auto", dtype, f"{kind} cols misaligned ({o},{n},{i})")
 
 
 @requires_cuda
@@ -383,12 +395,7 @@ FAST_COLS = [(many(64, 8), 4096, 256), (2, 513, 64), (3, 1000, 40), (2, 1025, 25
 @pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
 def test_cuda_fast_cluster_columns(dtype, kind):
     torch.manual_seed(23)
-    for o, n, i in FAST_COLS:
-        x = torch.randn(o, n, i, device="cuda", dtype=dtype) * 3
-        _cuda_check(x, 1, kind, "auto", dtype, f"{kind} cols ({o},{n},{i}) {dtype}")
-        if o * n * i < 2_000_000:  # misaligned view: the older column kernel
-            xm = make_tensor((o, n, i), dtype, "cuda", OFFSET, seed=n)
-            _cuda_check(xm, 1, kind, "auto", dtype, f"{kind} cols misaligned ({o},{n},{i})")
+    _check_columns(FAST_COLS, kind, dtype, scale=3, misaligned_below=2_000_000)  # misaligned: the older kernel
     # A 4-d tensor over a middle dim (outer and inner both products of sizes).
     x = torch.randn(2, 3, 1100, 8, 16, device="cuda", dtype=dtype)
     _cuda_check(x, 2, kind, "auto", dtype, f"{kind} 5-d dim=2 {dtype}")
@@ -571,6 +578,8 @@ def test_cuda_variants_extremes(variant, dtype):
             f, ref = FUNCS[kind]
             op = torch.ops.gpu_puzzles.softmax if kind == "softmax" else torch.ops.gpu_puzzles.log_softmax
             for xx, dim in lines:
+                if racecheck_skips(f"extremes {kind} n={n}"):
+                    continue
                 _poison_cache()
                 with sanitize_timing(f"extremes {kind} n={n}"):
                     y = op(xx, dim, "auto").cpu().double()
@@ -587,6 +596,8 @@ def test_cuda_variants_deterministic(variant):
     torch.manual_seed(34)
     fwd, bwd = torch.ops.gpu_puzzles.softmax, torch.ops.gpu_puzzles.softmax_backward
     for shape, dim in (((many(40, 12), 100000), -1), ((many(16, 4), 4096, 256), 1)):
+        if racecheck_skips(f"deterministic {shape}"):
+            continue
         with sanitize_timing(f"deterministic {shape}"):
             x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
             g = torch.randn_like(x)

@@ -6,11 +6,12 @@ CUTLASS headers), disassembles with cuobjdump, and writes {kernel: sha1 of its S
 with the file-specific parts of the names (anonymous namespaces) and the line
 info normalised away. Compare two checkouts with --compare A.json B.json.
 
-    python tools/sass_fingerprint.py --root . --out new.json [--arch sm_90] [--jobs 2]
+    python tools/sass_fingerprint.py --root . --out new.json [--arch sm_90] [--jobs 2] [--only 'softmax/*']
     python tools/sass_fingerprint.py --compare old.json new.json
 """
 import argparse
 import concurrent.futures as cf
+import fnmatch
 import glob
 import hashlib
 import json
@@ -60,9 +61,11 @@ def _split(sass):
     return {k: hashlib.sha1("\n".join(v).encode()).hexdigest()[:16] for k, v in out.items()}
 
 
-def fingerprint(root, arch, jobs):
+def fingerprint(root, arch, jobs, only=()):
     root = os.path.abspath(root)
     srcs = sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "csrc", "**", "*.cu"), recursive=True))
+    if only:  # globs relative to csrc/, e.g. "softmax/*": a refactor's files, not the whole build
+        srcs = [s for s in srcs if any(fnmatch.fnmatch(os.path.relpath(s, "csrc"), g) for g in only)]
     gen = os.path.join(root, "build", "generated")
     os.makedirs(gen, exist_ok=True)
     hdr = os.path.join(gen, "gpu_puzzles_build_info.h")
@@ -101,11 +104,12 @@ def main():
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out")
+    p.add_argument("--only", nargs="*", default=(), help="globs of .cu files relative to csrc/ (default: all)")
     p.add_argument("--compare", nargs=2)
     a = p.parse_args()
     if a.compare:
         sys.exit(compare(*a.compare))
-    json.dump(fingerprint(a.root, a.arch, a.jobs), open(a.out, "w"), indent=1, sort_keys=True)
+    json.dump(fingerprint(a.root, a.arch, a.jobs, a.only), open(a.out, "w"), indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":

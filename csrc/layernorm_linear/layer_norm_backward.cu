@@ -77,11 +77,7 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
     // guarded loops below, each vector's arithmetic would wait for its own load). Not
     // held for the whole kernel: that costs registers the rows need.
     T gt[C][VEC];
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-      if (c < nvec) load_pack<T, VEC>(gt[k], gamma + c * VEC);
-    }
+    for_cached<C>(nvec, [&](int k, int64_t c) { load_pack<T, VEC>(gt[k], gamma + c * VEC); });
     A s[2 * R];
 #pragma unroll
     for (int j = 0; j < 2 * R; ++j) s[j] = A(0);
@@ -89,20 +85,16 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       if (r0 + j >= M) break;
+      for_cached<C>(nvec, [&](int k, int64_t c) {
 #pragma unroll
-      for (int k = 0; k < C; ++k) {
-        const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-        if (c < nvec) {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            const A xh = (to_acc<A>(xv[j][k][i]) - mu[j]) * rs[j], d = to_acc<A>(dv[j][k][i]), g = to_acc<A>(gt[k][i]);
-            s[2 * j] += d * g;
-            s[2 * j + 1] += d * g * xh;
-            pg[k][i] += d * xh;
-            pb[k][i] += d;
-          }
+        for (int i = 0; i < VEC; ++i) {
+          const A xh = (to_acc<A>(xv[j][k][i]) - mu[j]) * rs[j], d = to_acc<A>(dv[j][k][i]), g = to_acc<A>(gt[k][i]);
+          s[2 * j] += d * g;
+          s[2 * j + 1] += d * g * xh;
+          pg[k][i] += d * xh;
+          pb[k][i] += d;
         }
-      }
+      });
     }
     Rows next;  // the next step's rows (kPrefetch)
     if (kPrefetch && r0 + stride < M) load_rows(r0 + stride, next);
@@ -111,39 +103,31 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
     for (int j = 0; j < R; ++j) {
       if (r0 + j >= M) break;
       const A m1 = s[2 * j] / A(H), m2 = s[2 * j + 1] / A(H);
+      for_cached<C>(nvec, [&](int k, int64_t c) {
+        T o[VEC];
 #pragma unroll
-      for (int k = 0; k < C; ++k) {
-        const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-        if (c < nvec) {
-          T o[VEC];
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            const A xh = (to_acc<A>(xv[j][k][i]) - mu[j]) * rs[j];
-            o[i] = from_acc<T>(rs[j] * (to_acc<A>(dv[j][k][i]) * to_acc<A>(gt[k][i]) - m1 - xh * m2));
-          }
-          store_pack<T, VEC>(dx + (r0 + j) * H + c * VEC, o);
-          if constexpr (XN) {  // the LayerNorm output, as the forward's normalise computes it
-            normalise<T, VEC>(xv[j][k], mu[j], rs[j], gamma, beta, c, o);
-            store_pack<T, VEC>(xn + (r0 + j) * H + c * VEC, o);
-          }
+        for (int i = 0; i < VEC; ++i) {
+          const A xh = (to_acc<A>(xv[j][k][i]) - mu[j]) * rs[j];
+          o[i] = from_acc<T>(rs[j] * (to_acc<A>(dv[j][k][i]) * to_acc<A>(gt[k][i]) - m1 - xh * m2));
         }
-      }
+        store_pack<T, VEC>(dx + (r0 + j) * H + c * VEC, o);
+        if constexpr (XN) {  // the LayerNorm output, as the forward's normalise computes it
+          normalise<T, VEC>(xv[j][k], mu[j], rs[j], gamma, beta, c, o);
+          store_pack<T, VEC>(xn + (r0 + j) * H + c * VEC, o);
+        }
+      });
     }
     if constexpr (kPrefetch) cur = next;
   }
   A* pgr = part + (int64_t)blockIdx.x * H;
   A* pbr = part + ((int64_t)gridDim.x + blockIdx.x) * H;
+  for_cached<C>(nvec, [&](int k, int64_t c) {
 #pragma unroll
-  for (int k = 0; k < C; ++k) {
-    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        pgr[c * VEC + i] = pg[k][i];
-        pbr[c * VEC + i] = pb[k][i];
-      }
+    for (int i = 0; i < VEC; ++i) {
+      pgr[c * VEC + i] = pg[k][i];
+      pbr[c * VEC + i] = pb[k][i];
     }
-  }
+  });
 }
 
 // Any H: the block's partial rows live in `part` (each column owned by one thread).

@@ -37,6 +37,17 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// f(k, c) for each of this thread's C register slots k that holds a vector of the row:
+// vector c = threadIdx.x + k * blockDim.x, those below nvec.
+template <int C, typename F>
+__device__ __forceinline__ void for_cached(int64_t nvec, F&& f) {
+#pragma unroll
+  for (int k = 0; k < C; ++k) {
+    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+    if (c < nvec) f(k, c);
+  }
+}
+
 template <typename A> __device__ __forceinline__ A rsqrt_acc(A v) { return A(1) / sqrt(v); }
 template <> __device__ __forceinline__ float rsqrt_acc<float>(float v) { return rsqrtf(v); }
 
@@ -197,37 +208,21 @@ __device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__
   // Every load issued before any sum: summing inside the guarded load loop would make
   // each vector wait for its own load, one in flight per thread
   // (benchmarks/results/layer_norm_variants_h100.txt).
-#pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) load_pack<T, VEC, Ld::kStream>(v[k], xr + c * VEC);
-  }
+  for_cached<kCache>(nvec, [&](int k, int64_t c) { load_pack<T, VEC, Ld::kStream>(v[k], xr + c * VEC); });
   A s = 0, unused = 0;
-#pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) sum_shifted<T, VEC>(v[k], pivot, s);
-  }
+  for_cached<kCache>(nvec, [&](int k, int64_t c) { sum_shifted<T, VEC>(v[k], pivot, s); });
   block_sum2(s, unused, sh);
   const A mu1 = pivot + s / A(H);
   A q = 0, e = 0;  // second pass about mu1 (finish_stats)
-#pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) sum_centred<T, VEC>(v[k], mu1, e, q);
-  }
+  for_cached<kCache>(nvec, [&](int k, int64_t c) { sum_centred<T, VEC>(v[k], mu1, e, q); });
   A mu, rs;
   finish_block_row(mu1, e, q, H, eps, row, mean, rstd, sh, mu, rs);
   if (y != nullptr) {
-#pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-      if (c < nvec) {
-        T o[VEC];
-        normalise<T, VEC>(v[k], mu, rs, gamma, beta, c, o);
-        store_pack<T, VEC, St::kStream>(y + row * H + c * VEC, o);
-      }
-    }
+    for_cached<kCache>(nvec, [&](int k, int64_t c) {
+      T o[VEC];
+      normalise<T, VEC>(v[k], mu, rs, gamma, beta, c, o);
+      store_pack<T, VEC, St::kStream>(y + row * H + c * VEC, o);
+    });
   }
 }
 

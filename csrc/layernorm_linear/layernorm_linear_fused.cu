@@ -151,25 +151,14 @@ __device__ __forceinline__ void fold_row_cached(int64_t n, const T* __restrict__
   const int64_t nvec = H / VEC;
   const T* wr = W + n * H;
   T v[kCache][VEC];
-#pragma unroll
-  for (int k = 0; k < kCache; ++k) {  // all loads before any sum (see ln_row_cached)
-    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) load_pack<T, VEC, Ld::kStream>(v[k], wr + c * VEC);
-  }
+  // All loads before any sum (see ln_row_cached).
+  for_cached<kCache>(nvec, [&](int k, int64_t c) { load_pack<T, VEC, Ld::kStream>(v[k], wr + c * VEC); });
   A sg = 0, sb = 0;
-#pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) fold_sums<T, VEC>(v[k], gamma, beta, c, sg, sb);
-  }
+  for_cached<kCache>(nvec, [&](int k, int64_t c) { fold_sums<T, VEC>(v[k], gamma, beta, c, sg, sb); });
   block_sum2(sg, sb, sh);
   const A m = sg / A(H);
   A rs = 0, unused = 0;
-#pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-    if (c < nvec) fold_store<T, VEC>(v[k], gamma, c, m, wc + n * H, rs);
-  }
+  for_cached<kCache>(nvec, [&](int k, int64_t c) { fold_store<T, VEC>(v[k], gamma, c, m, wc + n * H, rs); });
   block_sum2(rs, unused, sh);
   if (threadIdx.x == 0) {
     r[n] = rs;

@@ -59,18 +59,6 @@ __device__ __forceinline__ void publish_block_pair(const A (*wred)[2], A* part, 
   }
 }
 
-// After the cluster barrier: the row's pair (M, S) from every block's `part`,
-// merged in rank order (identical bits in every block).
-template <typename Cluster, typename A>  // Cluster: cg::cluster_group (sm_90 only)
-__device__ __forceinline__ void cluster_pair(Cluster& cluster, A* part, int CS, A& M, A& S) {
-  M = A(0);
-  S = A(0);
-  for (int r = 0; r < CS; ++r) {
-    const A* p = cluster.map_shared_rank(part, r);
-    pair_merge(M, S, p[0], p[1]);
-  }
-}
-
 // This thread's values from the row's (M, S): log_softmax keeps x and writes
 // (x - M) - log S; softmax keeps e = exp(x - shift) and scales it by
 // exp(shift - M) / S. S == 0 only for a row of all -inf: NaN there, as torch.

@@ -12,6 +12,33 @@ namespace {
 
 using namespace softmax_detail;
 
+// Lanes tx, tx + TX, tx + 2 TX, ... of a warp hold the same V columns: merge their
+// (shift, sum) pairs with a butterfly (every lane gets the same bits).
+template <int TX, typename A, int V>
+__device__ __forceinline__ void lanes_pair_merge(A (&sh)[V], A (&s)[V]) {
+#pragma unroll
+  for (int k = 0; k < V; ++k)
+#pragma unroll
+    for (int of = TX; of < 32; of <<= 1) {
+      const A m2 = __shfl_xor_sync(0xffffffffu, sh[k], of), s2 = __shfl_xor_sync(0xffffffffu, s[k], of);
+      pair_merge(sh[k], s[k], m2, s2);
+    }
+}
+
+// This thread's V columns from tx * V: the shift M and the multiplier (1 / S, log S for
+// log_softmax, S itself in the backward). S == 0 only for a column of all -inf: NaN
+// there, as torch.
+template <bool BWD, bool LOG, typename A, int TW, int V>
+__device__ __forceinline__ void column_scales(const A (&fin)[TW][2], int tx, A (&M)[V], A (&mul)[V]) {
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const A Sk = fin[tx * V + k][1];
+    M[k] = fin[tx * V + k][0];
+    if constexpr (BWD) mul[k] = Sk;
+    else mul[k] = Sk == A(0) ? A(NAN) : (LOG ? log_a(Sk) : A(1) / Sk);
+  }
+}
+
 // ---- a non-last dim, forward, on Hopper: a cluster per column tile -------------
 // Tile = 8 16-byte vectors across inner (128 bytes of each of the N rows: whole
 // cache lines) of one outer index. The cluster's CS blocks split N: block r
@@ -72,14 +99,7 @@ inner_cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t o
     }
 #pragma unroll
     for (int j = 0; j < kIcRows; ++j) pin(r[j]);
-    // Lanes tx, tx + 8, tx + 16, tx + 24 share the columns.
-#pragma unroll
-    for (int k = 0; k < V; ++k)
-#pragma unroll
-      for (int of = kIcTx; of < 32; of <<= 1) {
-        const A m2 = __shfl_xor_sync(0xffffffffu, sh[k], of), s2 = __shfl_xor_sync(0xffffffffu, s[k], of);
-        pair_merge(sh[k], s[k], m2, s2);
-      }
+    lanes_pair_merge<kIcTx>(sh, s);
     if (lane < kIcTx) {
 #pragma unroll
       for (int k = 0; k < V; ++k) { red[w][tx * V + k][0] = sh[k]; red[w][tx * V + k][1] = s[k]; }
@@ -93,23 +113,14 @@ inner_cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t o
     }
     cluster.sync();  // every block's pairs visible (release/acquire); red reads done
     if (threadIdx.x < TW) {
-      A M = A(0), S = A(0);
-      for (int rk = 0; rk < CS; ++rk) {  // rank order: identical bits in every block
-        const A* p = cluster.map_shared_rank(&part[parity][threadIdx.x][0], rk);
-        pair_merge(M, S, p[0], p[1]);
-      }
+      A M, S;
+      cluster_pair(cluster, &part[parity][threadIdx.x][0], CS, M, S);
       fin[threadIdx.x][0] = M;
       fin[threadIdx.x][1] = S;
     }
     __syncthreads();
     A M[V], mul[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const A Mk = fin[tx * V + k][0], Sk = fin[tx * V + k][1];
-      // S == 0 only for a column of all -inf: NaN there, as torch. Log: (x - M) - log S.
-      M[k] = Mk;
-      mul[k] = Sk == A(0) ? A(NAN) : (LOG ? log_a(Sk) : A(1) / Sk);
-    }
+    column_scales<false, LOG>(fin, tx, M, mul);  // log: (x - M) - log S
     // fin is rewritten only after the next cluster barrier, which every thread
     // reaches after these reads.
     if (active) {
@@ -217,14 +228,7 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
 #pragma unroll
         for (int k = 0; k < V; ++k) s[k] += exp_shift<T>(to_acc<A>(r.e[k]), sh[k]);
       }
-      // Lanes tx, tx + 8, tx + 16, tx + 24 share the columns.
-#pragma unroll
-      for (int k = 0; k < V; ++k)
-#pragma unroll
-        for (int of = kScTx; of < 32; of <<= 1) {
-          const A m2 = __shfl_xor_sync(0xffffffffu, sh[k], of), s2 = __shfl_xor_sync(0xffffffffu, s[k], of);
-          pair_merge(sh[k], s[k], m2, s2);
-        }
+      lanes_pair_merge<kScTx>(sh, s);
     } else {
       for (int j = 0; j < my; ++j) {
         Vec<T, V> y, g;
@@ -255,24 +259,14 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
     }
     cluster.sync();  // every block's pairs visible (release/acquire); red reads done
     if (tid < TW) {
-      A M = A(0), S = A(0);
-      for (int rk = 0; rk < CS; ++rk) {  // rank order: identical bits in every block
-        const A* p = cluster.map_shared_rank(&part[parity][tid][0], rk);
-        if constexpr (BWD) S += p[1];
-        else pair_merge(M, S, p[0], p[1]);
-      }
+      A M, S;
+      cluster_pair<BWD>(cluster, &part[parity][tid][0], CS, M, S);
       fin[tid][0] = M;
       fin[tid][1] = S;
     }
     __syncthreads();
     A M[V], mul[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const A Mk = fin[tx * V + k][0], Sk = fin[tx * V + k][1];
-      M[k] = Mk;
-      if constexpr (BWD) mul[k] = Sk;
-      else mul[k] = Sk == A(0) ? A(NAN) : (LOG ? log_a(Sk) : A(1) / Sk);  // all -inf column: NaN, as torch
-    }
+    column_scales<BWD, LOG>(fin, tx, M, mul);
     // fin is rewritten only after the next cluster barrier, which every thread
     // reaches after these reads.
     if (active) {

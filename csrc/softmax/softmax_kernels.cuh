@@ -76,14 +76,14 @@ template <typename A> __device__ __forceinline__ void online_merge(A& m, A& s, A
 // Block-wide reductions through `red` (33 slots). Every thread of the block
 // calls them (barriers); blockDim.x is a multiple of 32. The trailing barrier
 // lets the caller reuse `red` at once.
-template <typename A> __device__ __forceinline__ A block_sum(A v, A* red) {
-  v = warp_sum(v);
+template <bool kMax, typename A> __device__ __forceinline__ A block_reduce(A v, A* red) {
+  v = kMax ? warp_max(v) : warp_sum(v);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
   if (lane == 0) red[w] = v;
   __syncthreads();
   if (w == 0) {
-    A t = lane < nw ? red[lane] : A(0);
-    t = warp_sum(t);
+    A t = lane < nw ? red[lane] : (kMax ? neg_inf<A>() : A(0));
+    t = kMax ? warp_max(t) : warp_sum(t);
     if (lane == 0) red[32] = t;
   }
   __syncthreads();
@@ -91,22 +91,8 @@ template <typename A> __device__ __forceinline__ A block_sum(A v, A* red) {
   __syncthreads();
   return r;
 }
-
-template <typename A> __device__ __forceinline__ A block_max(A v, A* red) {
-  v = warp_max(v);
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  if (lane == 0) red[w] = v;
-  __syncthreads();
-  if (w == 0) {
-    A t = lane < nw ? red[lane] : neg_inf<A>();
-    t = warp_max(t);
-    if (lane == 0) red[32] = t;
-  }
-  __syncthreads();
-  const A r = red[32];
-  __syncthreads();
-  return r;
-}
+template <typename A> __device__ __forceinline__ A block_sum(A v, A* red) { return block_reduce<false>(v, red); }
+template <typename A> __device__ __forceinline__ A block_max(A v, A* red) { return block_reduce<true>(v, red); }
 
 // The seed's shared-memory tree: halve the active threads each step.
 template <bool IS_MAX, typename A> __device__ __forceinline__ A tree_reduce(A v, A* buf) {
@@ -235,6 +221,19 @@ template <typename A> __device__ __forceinline__ void pair_merge(A& m, A& s, A m
   const A mn = max_a(m, m2);
   s = s * exp_a(m - mn) + s2 * exp_a(m2 - mn);
   m = mn;
+}
+
+// After the cluster barrier: the pair (M, S) from every block's `part`, merged in rank
+// order (identical bits in every block); kSumOnly (backward partials) sums S alone.
+template <bool kSumOnly = false, typename Cluster, typename A>  // Cluster: cg::cluster_group (sm_90)
+__device__ __forceinline__ void cluster_pair(Cluster& cluster, A* part, int CS, A& M, A& S) {
+  M = A(0);
+  S = A(0);
+  for (int r = 0; r < CS; ++r) {
+    const A* p = cluster.map_shared_rank(part, r);
+    if constexpr (kSumOnly) S += p[1];
+    else pair_merge(M, S, p[0], p[1]);
+  }
 }
 
 // ---- planning ----------------------------------------------------------------

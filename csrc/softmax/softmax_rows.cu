@@ -89,6 +89,15 @@ rows_regs_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
 }
 
 // ---- long rows: split across blocks ----------------------------------------
+// Block `blk` of the split kernels: its row, and the bounds [lo, hi) of its chunk.
+struct SplitChunk {
+  int64_t row, lo, hi;
+};
+__device__ __forceinline__ SplitChunk split_chunk(int64_t blk, int64_t S, int64_t N) {
+  const int64_t lo = (blk % S) * kSplitChunk;
+  return {blk / S, lo, min(N, lo + kSplitChunk)};
+}
+
 // Block `blk` = row * S + c reduces elements [c * kSplitChunk, ...) of its row to
 // a partial: (max, sum) for the forward, sum for the backward.
 template <typename T, bool BWD>
@@ -99,8 +108,7 @@ split_stats_kernel(const T* __restrict__ a, const T* __restrict__ b, acc_t<T>* _
   constexpr int V = 16 / sizeof(T);
   __shared__ A red[33];
   for (int64_t blk = blockIdx.x; blk < rows * S; blk += gridDim.x) {
-    const int64_t row = blk / S, lo = (blk % S) * kSplitChunk;
-    const int64_t hi = min(N, lo + kSplitChunk);
+    const auto [row, lo, hi] = split_chunk(blk, S, N);
     const T* ar = a + row * N;
     A m = neg_inf<A>(), s = A(0);
     for (int64_t i = lo + int64_t(threadIdx.x) * V; i < hi; i += int64_t(kSplitThreads) * V) {
@@ -137,8 +145,7 @@ split_apply_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
   constexpr int V = 16 / sizeof(T);
   __shared__ A red[33];
   for (int64_t blk = blockIdx.x; blk < rows * S; blk += gridDim.x) {
-    const int64_t row = blk / S, lo = (blk % S) * kSplitChunk;
-    const int64_t hi = min(N, lo + kSplitChunk);
+    const auto [row, lo, hi] = split_chunk(blk, S, N);
     A m = neg_inf<A>(), s = A(0);
     if constexpr (!BWD) {
       for (int64_t j = threadIdx.x; j < S; j += kSplitThreads) online_merge(m, s, ws[2 * (row * S + j)], ws[2 * (row * S + j) + 1]);

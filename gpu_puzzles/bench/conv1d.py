@@ -48,18 +48,15 @@ def cases(device, shapes, dtype=torch.bfloat16, directions=("fwd", "bwd"), compi
             if "fwd" in directions:
                 out.append(Case(OP, name, "fwd", lambda B=B, C=C, L=L, K=K: _inputs(B, C, L, K, dtype, device),
                                 impls_f, bytes=2 * n * esize, params=params))
+            def make(B=B, C=C, L=L, K=K):
+                x, w, b = _inputs(B, C, L, K, dtype, device, grad=True)
+                return x, w, b, torch.randn(B, C, L, device=device, dtype=dtype)
             if "fwd+bwd" in directions:
-                def make(B=B, C=C, L=L, K=K):
-                    x, w, b = _inputs(B, C, L, K, dtype, device, grad=True)
-                    return x, w, b, torch.randn(B, C, L, device=device, dtype=dtype)
                 impls_fb = {k: backward_fn(f, 3) for k, f in impls_f.items()}
                 out.append(Case(OP, name, "fwd+bwd", make, impls_fb, bytes=5 * n * esize, params=params))
             if "bwd" in directions:
                 # The backward alone (dx, dw and dbias together): reads x and grad_out,
                 # writes dx; the weight and bias are negligible.
-                def make(B=B, C=C, L=L, K=K):
-                    x, w, b = _inputs(B, C, L, K, dtype, device, grad=True)
-                    return x, w, b, torch.randn(B, C, L, device=device, dtype=dtype)
                 impls_b = {k: backward_only_fn(f, 3) for k, f in impls_f.items()}
                 out.append(Case(OP, name, "bwd", make, impls_b, bytes=3 * n * esize, params=params))
     return out
