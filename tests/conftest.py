@@ -151,9 +151,10 @@ def sanitize_timing(case):
             f.write("%s\t%s\t%.2f\n" % (current_test(), case, time.perf_counter() - t0))
 
 
-# Under racecheck a test listed in tests/racecheck_cases.json runs only its listed cases: a
-# subset of its racecheck-profile cases that launches every (kernel, block size, shared
-# memory) the whole profile launches (recorded on an H100; tools/racecheck_cases.py).
+# Under racecheck a test listed in tests/racecheck_cases.json runs only its listed cases
+# (maybe none): cases of the listed tests' racecheck profile that together launch every
+# (kernel, block size, shared memory) all of them launch (recorded on an H100;
+# tools/racecheck_cases.py).
 # racecheck's cost is per launch of a large-shared-memory kernel, and a hazard depends on
 # the kernel and its launch shape, so the other cases would repeat launches already checked.
 _RC_FILE = os.path.join(os.path.dirname(__file__), "racecheck_cases.json")

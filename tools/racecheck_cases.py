@@ -1,5 +1,7 @@
-"""Choose the cases racecheck runs: per test, a few cases that together make every kernel
-launch (kernel, block size, shared memory) that all of the test's cases make.
+"""Choose the cases racecheck runs: a few cases of the recorded tests that together make
+every kernel launch (kernel, block size, shared memory) that all of their cases make. The
+cover is over all recorded tests at once (the knob variants share most kernels), so a
+recorded test may keep no case at all.
 
 Record the launches of the racecheck profile's cases on a GPU (plain run, no sanitizer:
 GPU_PUZZLES_SANITIZE=1 and GPU_PUZZLES_SANITIZE_TOOL=racecheck only select the profile),
@@ -16,7 +18,7 @@ import json
 
 
 def choose(cases):
-    """cases: {case: set of launches}. The greedy cover, in the order chosen."""
+    """cases: {key: set of launches}. The greedy cover, in the order chosen."""
     need = set().union(*cases.values()) if cases else set()
     chosen = []
     while need:
@@ -31,18 +33,17 @@ def main():
     p.add_argument("record", help="JSON lines written under GPU_PUZZLES_RECORD_LAUNCHES")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    tests = collections.defaultdict(lambda: collections.defaultdict(set))
+    cases = collections.defaultdict(set)
     for line in open(a.record):
         r = json.loads(line)
-        tests[r["test"]][r["case"]] |= {tuple(x) for x in r["launches"]}
-    out, n_all, n_chosen, n_launch = {}, 0, 0, 0
-    for test, cases in sorted(tests.items()):
-        out[test] = sorted(choose(cases))
-        n_all += len(cases)
-        n_chosen += len(out[test])
-        n_launch += len(set().union(*cases.values()))
-    summary = (f"{len(out)} tests: {n_chosen} of {n_all} cases make all {n_launch} distinct launches "
-               "(kernel, block, shared memory) of their test")
+        cases[(r["test"], r["case"])] |= {tuple(x) for x in r["launches"]}
+    out = {test: [] for test, _ in cases}
+    for test, case in choose(cases):
+        out[test].append(case)
+    out = {t: sorted(c) for t, c in sorted(out.items())}
+    launches = set().union(*cases.values()) if cases else set()
+    summary = (f"{len(out)} tests, {len(cases)} cases: {sum(map(len, out.values()))} cases make all "
+               f"{len(launches)} distinct launches (kernel, block, shared memory) of them")
     json.dump({"made_by": "tools/racecheck_cases.py", "summary": summary, "cases": out}, open(a.out, "w"), indent=1)
     print(summary)
 
