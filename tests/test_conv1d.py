@@ -195,6 +195,50 @@ def test_cuda_backward_deterministic():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("K", range(1, 12))
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_every_tap_count_near_length(K, causal):
+    # The CPU kernel unrolls K up to 8 and splits each row into edges and an interior:
+    # lengths around K give rows that are all edge, or have a one-element interior.
+    torch.manual_seed(K)
+    for L in sorted({1, max(1, K - 1), K, K + 1, 2 * K + 1, 37}):
+        x = torch.randn(3, 2, L, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(2, K, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(2, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(3, 2, L, dtype=torch.float64)
+        y = gp.conv1d(x, w, b, causal=causal)
+        grads = torch.autograd.grad(y, (x, w, b), g)
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+        y_ref = reference(*leaves, causal=causal)
+        refs = torch.autograd.grad(y_ref, leaves, g)
+        assert_close_ref(y, y_ref, torch.float64, f"forward L={L}")
+        for name, a, r in zip(("dx", "dw", "dbias"), grads, refs):
+            assert_close_ref(a, r, torch.float64, f"{name} L={L}")
+
+
+@pytest.mark.parametrize("K", [4, 11])
+def test_cpu_same_result_for_any_thread_count(K):
+    # Rows are spread over threads and dw/dbias summed per row, then over the batch in
+    # order: every thread count gives the same bits.
+    torch.manual_seed(5)
+    x = torch.randn(6, 40, 700, requires_grad=True)
+    w = torch.randn(40, K, requires_grad=True)
+    b = torch.randn(40, requires_grad=True)
+    g = torch.randn_like(x)
+    prev = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            y = gp.conv1d(x, w, b, causal=True)
+            results.append((y, *torch.autograd.grad(y, (x, w, b), g)))
+    finally:
+        torch.set_num_threads(prev)
+    for other in results[1:]:
+        for a, o in zip(results[0], other):
+            assert torch.equal(a, o)
+
+
 # ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
 
 from hypothesis import given, strategies as st  # noqa: E402

@@ -202,6 +202,33 @@ def test_bad_backward_input(kernel):
         BWD_OP(torch.randn(1, 2, 4), idx, -1, None, False, kernel)
 
 
+@pytest.mark.parametrize("kernel", FNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backward_same_for_any_thread_count(kernel, dtype):
+    # The CPU backward groups tokens by row and sums each row in token order, rows
+    # spread over threads: every thread count gives the same bits, and every row is
+    # written (zeros where no token points).
+    torch.manual_seed(4)
+    V, E, T = 3000, 96, 5000
+    idx = torch.randint(-2, V + 2, (T,))
+    idx[::7] = 11  # one row with many tokens
+    g = torch.randn(T, E, dtype=dtype)
+    prev = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(BWD_OP(g, idx, V, 5, False, kernel))
+    finally:
+        torch.set_num_threads(prev)
+    for other in results[1:]:
+        assert torch.equal(results[0], other)
+    _grad_close(results[0], reference_grad(g, idx, V, 5), dtype, "grad")
+    untouched = torch.ones(V, dtype=torch.bool)
+    untouched[idx[(idx >= 0) & (idx < V)]] = False
+    assert (results[0][untouched] == 0).all() and (results[0][5] == 0).all()
+
+
 # ---- CUDA only -----------------------------------------------------------------
 
 

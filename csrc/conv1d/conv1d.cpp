@@ -1,9 +1,8 @@
-// conv1d host side: argument checks, the CPU kernels and the CPU/CUDA
-// registrations. Shapes are canonicalised to (B, C, L) rows with (C, K) taps:
+// conv1d host side: argument checks and the CPU/CUDA registrations (the CPU
+// kernels are in conv1d_cpu.cpp, the CUDA ones in conv1d_cuda.cu). Shapes are
+// canonicalised to (B, C, L) rows with (C, K) taps:
 // x (L,) w (K,) | x (C, L) w (C, K) | x (B, C, L) w (C, K).
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <string>
@@ -68,55 +67,6 @@ Shape check_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::opt
   return s;
 }
 
-// ---- CPU kernels -------------------------------------------------------------
-
-// out[r, i] = bias[c] + sum_j x[r, i - shift + j] * w[c, j], r = b*C + c.
-template <typename T>
-void conv_rows_cpu(const T* x, const T* w, const T* bias, T* out, const Shape& s, int64_t shift) {
-  using A = at::opmath_type<T>;
-  const int64_t rows = s.B * s.C;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.L * s.K));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t c = r % s.C;
-      const T* xr = x + r * s.L;
-      const T* wc = w + c * s.K;
-      for (int64_t i = 0; i < s.L; ++i) {
-        A acc = bias ? static_cast<A>(bias[c]) : A(0);
-        const int64_t jlo = std::max<int64_t>(0, shift - i);
-        const int64_t jhi = std::min<int64_t>(s.K, s.L - i + shift);
-        for (int64_t j = jlo; j < jhi; ++j) acc += static_cast<A>(xr[i - shift + j]) * static_cast<A>(wc[j]);
-        out[r * s.L + i] = static_cast<T>(acc);
-      }
-    }
-  });
-}
-
-// dw[c, j] = sum_{b,i} dy[b,c,i] x[b,c,i-shift+j]; dbias[c] = sum dy[b,c,:].
-template <typename T>
-void weight_grad_cpu(const T* dy, const T* x, T* dw, T* dbias, const Shape& s, int64_t shift) {
-  using A = at::opmath_type<T>;
-  at::parallel_for(0, s.C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> acc(s.K + 1);
-    for (int64_t c = begin; c < end; ++c) {
-      std::fill(acc.begin(), acc.end(), A(0));
-      for (int64_t b = 0; b < s.B; ++b) {
-        const T* g = dy + (b * s.C + c) * s.L;
-        const T* xr = x + (b * s.C + c) * s.L;
-        for (int64_t i = 0; i < s.L; ++i) {
-          const A gi = static_cast<A>(g[i]);
-          acc[s.K] += gi;
-          const int64_t jlo = std::max<int64_t>(0, shift - i);
-          const int64_t jhi = std::min<int64_t>(s.K, s.L - i + shift);
-          for (int64_t j = jlo; j < jhi; ++j) acc[j] += gi * static_cast<A>(xr[i - shift + j]);
-        }
-      }
-      for (int64_t j = 0; j < s.K; ++j) dw[c * s.K + j] = static_cast<T>(acc[j]);
-      dbias[c] = static_cast<T>(acc[s.K]);
-    }
-  });
-}
-
 at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                       bool causal, c10::string_view algorithm) {
   const Shape s = check_inputs(x, weight, bias);
@@ -125,11 +75,7 @@ at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor out = at::empty(x.sizes(), x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "conv1d_cpu", [&] {
-    conv_rows_cpu<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(),
-                            bc.defined() ? bc.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), s,
-                            causal ? s.K - 1 : 0);
-  });
+  conv1d_forward_cpu_kernel(xc, wc, bc, out, causal);
   return out;
 }
 
@@ -146,18 +92,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv1d_backward_cpu(const at::Ten
   const Shape s = check_inputs(x, weight, c10::nullopt);
   check_grad_out(grad_out, x);
   parse_algorithm(std::string(algorithm), s.K, /*on_cuda=*/false);
-  const at::Tensor g = grad_out.contiguous(), xc = x.contiguous();
-  // dx is the forward with the taps reversed and the opposite alignment.
-  const at::Tensor wflip = weight.flip({-1}).contiguous();
+  const at::Tensor g = grad_out.contiguous(), xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor dx = at::empty(x.sizes(), x.options());
   at::Tensor dw = at::empty(weight.sizes(), weight.options());
   at::Tensor db = at::empty({s.C}, weight.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "conv1d_backward_cpu", [&] {
-    conv_rows_cpu<scalar_t>(g.data_ptr<scalar_t>(), wflip.data_ptr<scalar_t>(), nullptr, dx.data_ptr<scalar_t>(), s,
-                            causal ? 0 : s.K - 1);
-    weight_grad_cpu<scalar_t>(g.data_ptr<scalar_t>(), xc.data_ptr<scalar_t>(), dw.data_ptr<scalar_t>(),
-                              db.data_ptr<scalar_t>(), s, causal ? s.K - 1 : 0);
-  });
+  conv1d_backward_cpu_kernel(g, xc, wc, dx, dw, db, causal);
   return {dx, dw, db};
 }
 

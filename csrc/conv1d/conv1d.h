@@ -1,4 +1,5 @@
-// Torch-free interface between conv1d.cpp (ATen side) and conv1d_cuda.cu.
+// Interface between conv1d.cpp (host checks) and the kernels: conv1d_cpu.cpp,
+// and the torch-free conv1d_cuda.cu (at::Tensor is only declared here).
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -6,7 +7,19 @@
 
 #include "common/dtype.h"
 
+namespace at {
+class Tensor;
+}
+
 namespace gpu_puzzles {
+
+// CPU kernels (conv1d_cpu.cpp) on contiguous tensors of one floating dtype:
+// x and out (..., L), weight (C, K) or (K,), bias (C,) or undefined; the
+// rows of x cycle through the C channels. out, dx, dw and db are written whole.
+void conv1d_forward_cpu_kernel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& out, bool causal);
+void conv1d_backward_cpu_kernel(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                                const at::Tensor& dx, const at::Tensor& dw, const at::Tensor& db, bool causal);
 
 enum class Conv1dAlgo : int { Fast = 1, Tiled = 2, Naive = 3 };
 

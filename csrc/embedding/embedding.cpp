@@ -1,13 +1,12 @@
-// embedding host side: argument checks, the CPU kernels and the CPU/CUDA
-// registrations. Indices of any shape are flattened to T tokens; weight is (V, E).
+// embedding host side: argument checks and the CPU/CUDA registrations (the
+// CPU kernels are in embedding_cpu.cpp, the CUDA ones in embedding_cuda.cu).
+// Indices of any shape are flattened to T tokens; weight is (V, E).
 // Out-of-range indices (negative too) give zero rows and no gradient;
 // padding_idx rows are returned but get no gradient (as F.embedding).
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
+#include <string>
 #include <vector>
 
 #include "common/checks.h"
@@ -77,42 +76,6 @@ std::vector<int64_t> out_shape(const at::Tensor& indices, int64_t E) {
   return s;
 }
 
-// ---- CPU kernels -------------------------------------------------------------
-
-template <typename T, typename I>
-void forward_cpu(const I* idx, const T* w, T* out, const Sizes& s) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.E));
-  at::parallel_for(0, s.T, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t v = static_cast<int64_t>(idx[t]);
-      T* dst = out + t * s.E;
-      if (v >= 0 && v < s.V) std::copy(w + v * s.E, w + (v + 1) * s.E, dst);
-      else std::fill(dst, dst + s.E, T(0));
-    }
-  });
-}
-
-// Each thread owns a range of columns and walks the tokens in order: the sums
-// run in token order, so the result is deterministic for any thread count.
-template <typename T, typename I>
-void backward_cpu(const T* g, const I* idx, T* gw, const Sizes& s, int64_t pad) {
-  using A = at::opmath_type<T>;
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, s.T));
-  at::parallel_for(0, s.E, grain, [&](int64_t c0, int64_t c1) {
-    const int64_t w = c1 - c0;
-    std::vector<A> acc(static_cast<size_t>(s.V * w), A(0));
-    for (int64_t t = 0; t < s.T; ++t) {
-      const int64_t v = static_cast<int64_t>(idx[t]);
-      if (v < 0 || v >= s.V || v == pad) continue;
-      const T* gr = g + t * s.E + c0;
-      A* ar = acc.data() + v * w;
-      for (int64_t c = 0; c < w; ++c) ar[c] += static_cast<A>(gr[c]);
-    }
-    for (int64_t v = 0; v < s.V; ++v)
-      for (int64_t c = 0; c < w; ++c) gw[v * s.E + c0 + c] = static_cast<T>(acc[v * w + c]);
-  });
-}
-
 at::Tensor forward_cpu_op(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx,
                           const char* op) {
   const Sizes s = check_forward(indices, weight, padding_idx, op);
@@ -120,12 +83,7 @@ at::Tensor forward_cpu_op(const at::Tensor& indices, const at::Tensor& weight, c
               weight.device());
   const at::Tensor ic = indices.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty(out_shape(indices, s.E), weight.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_cpu", [&] {
-    if (ic.scalar_type() == at::kLong)
-      forward_cpu<scalar_t, int64_t>(ic.data_ptr<int64_t>(), wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), s);
-    else
-      forward_cpu<scalar_t, int32_t>(ic.data_ptr<int32_t>(), wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), s);
-  });
+  embedding_forward_cpu_kernel(ic, wc, out);
   return out;
 }
 
@@ -135,12 +93,7 @@ at::Tensor backward_cpu_op(const at::Tensor& grad_out, const at::Tensor& indices
   const int64_t pad = normalise_padding(padding_idx, V, op);
   const at::Tensor gc = grad_out.contiguous(), ic = indices.contiguous();
   at::Tensor gw = at::empty({V, s.E}, grad_out.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_out.scalar_type(), "embedding_backward_cpu", [&] {
-    if (ic.scalar_type() == at::kLong)
-      backward_cpu<scalar_t, int64_t>(gc.data_ptr<scalar_t>(), ic.data_ptr<int64_t>(), gw.data_ptr<scalar_t>(), s, pad);
-    else
-      backward_cpu<scalar_t, int32_t>(gc.data_ptr<scalar_t>(), ic.data_ptr<int32_t>(), gw.data_ptr<scalar_t>(), s, pad);
-  });
+  embedding_backward_cpu_kernel(gc, ic, gw, pad);
   return gw;
 }
 

@@ -1,4 +1,5 @@
-// Torch-free interface between embedding.cpp (ATen side) and embedding_cuda.cu.
+// Interface between embedding.cpp (host checks) and the kernels: embedding_cpu.cpp,
+// and the torch-free embedding_cuda.cu (at::Tensor is only declared here).
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -6,7 +7,19 @@
 
 #include "common/dtype.h"
 
+namespace at {
+class Tensor;
+}
+
 namespace gpu_puzzles {
+
+// CPU kernels (embedding_cpu.cpp) on contiguous tensors: indices int32 or
+// int64 (T tokens, any shape), weight (V, E), out (T, E) and grad_out (T, E)
+// of one floating dtype, grad_weight (V, E) written whole; padding_idx in
+// [0, V) or -1 for none.
+void embedding_forward_cpu_kernel(const at::Tensor& indices, const at::Tensor& weight, const at::Tensor& out);
+void embedding_backward_cpu_kernel(const at::Tensor& grad_out, const at::Tensor& indices,
+                                   const at::Tensor& grad_weight, int64_t padding_idx);
 
 // out[t, :] = weight[idx[t], :] for idx[t] in [0, V), else zeros.
 // idx: T int32 (idx64 = false) or int64 values; weight (V, E) and out (T, E) contiguous.
