@@ -1,18 +1,18 @@
 // attention CPU kernels: a blocked (flash-style) forward and backward on the
 // contiguous (BH, S, D) layout of attention.h, and the unfused chain's
 // transpose_last2 and matmul. Every matrix product is a library GEMM on a block
-// (at::cpu::addmm_out: the CPU kernel directly, no dispatcher round trip); the
-// row math between the GEMMs (scale, mask, online softmax) is plain loops the
-// compiler vectorises.
+// (at::cpu::addmm_out: the CPU kernel directly, no dispatcher round trip), and so
+// is the exp of a block of scores (at::cpu::exp_); the rest of the row math
+// (mask, online softmax) is plain loops the compiler vectorises.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
+#include <ATen/ops/exp_cpu_dispatch.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -46,39 +46,6 @@ void gemm(at::Tensor c, const at::Tensor& a, const at::Tensor& b, double alpha, 
   at::cpu::addmm_out(c, c, a, b, beta, alpha);
 }
 
-// exp for x <= 0 (softmax arguments), written so that the compiler vectorises a
-// loop of it: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor
-// polynomial (relative error < 2e-7 on that range), 2^n built in the exponent
-// bits. No float compares or float-to-int conversions: under GCC's default
-// -ftrapping-math either keeps the loop scalar.
-inline float exp_nonpos(float x) {
-  // Clamp at -87 (below, the result would be denormal; 0 for the softmax) on the
-  // bit pattern: a negative float's bits, read unsigned, grow with its magnitude.
-  uint32_t xb;
-  std::memcpy(&xb, &x, sizeof xb);
-  constexpr uint32_t kMinus87 = 0xC2AE0000u;
-  xb = xb < kMinus87 ? xb : kMinus87;
-  std::memcpy(&x, &xb, sizeof x);
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float t = x * 1.44269504f + kRound;
-  const float n = t - kRound;
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln2 in two parts
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits;  // n sits in the low mantissa bits of t
-  std::memcpy(&bits, &t, sizeof bits);
-  bits = (bits - 0x4B400000 + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
-inline double exp_nonpos(double x) { return std::exp(x); }
-
 // max of x[0, n) (n >= 1), in independent lanes so it vectorises.
 template <typename T>
 T row_max(const T* x, int64_t n) {
@@ -94,11 +61,9 @@ T row_max(const T* x, int64_t n) {
   return m;
 }
 
-// x[j] = exp(x[j] - shift) for j < n, returning their sum (lane-wise partial sums:
-// vectorised and more accurate than one running sum).
+// sum of x[0, n), in independent lanes: vectorised, and more accurate than one running sum.
 template <typename T>
-T exp_shift_sum(T* x, int64_t n, T shift) {
-  for (int64_t j = 0; j < n; ++j) x[j] = exp_nonpos(x[j] - shift);
+T row_sum(const T* x, int64_t n) {
   constexpr int L = 16;
   T lanes[L] = {};
   int64_t j = 0;
@@ -109,6 +74,18 @@ T exp_shift_sum(T* x, int64_t n, T shift) {
   for (int l = 0; l < L; ++l) s += lanes[l];
   return s;
 }
+
+// x[j] -= shift for the first nv of a row of n, -inf (exp gives 0) for the rest.
+template <typename T>
+void shift_and_mask(T* x, int64_t nv, int64_t n, T shift) {
+  nv = std::max<int64_t>(nv, 0);
+  for (int64_t j = 0; j < nv; ++j) x[j] -= shift;
+  std::fill(x + nv, x + n, -std::numeric_limits<T>::infinity());
+}
+
+// exp in place on a contiguous block: ATen's kernel, which runs at the CPU's own
+// SIMD width (picked at run time), where this file is built for the baseline ISA.
+void exp_inplace(at::Tensor x) { at::cpu::exp_(x); }
 
 // Keys of the block [j0, j0 + n) that query i sees: all n, or those with j <= i
 // when causal (SDPA's top-left mask); can be <= 0.
@@ -143,17 +120,16 @@ void fwd_kernel(const T* q, const T* k, const T* v, T* o, T* lse, int64_t BH, in
         for (int64_t r = 0; r < m; ++r) {
           T* sr = s.data() + r * n;
           const int64_t nv = visible_in_block(i0 + r, j0, n, causal);
-          if (nv <= 0) {  // the whole block is above the diagonal for this row
-            std::fill(sr, sr + n, T(0));
-            alpha[r] = T(1);
-            continue;
+          alpha[r] = T(1);
+          if (nv > 0) {  // else the whole block is above the diagonal for this row
+            const T new_mx = std::max(mx[r], row_max(sr, nv));
+            alpha[r] = std::exp(mx[r] - new_mx);  // 0 on the first block (mx = -inf)
+            mx[r] = new_mx;
           }
-          const T new_mx = std::max(mx[r], row_max(sr, nv));
-          alpha[r] = std::exp(mx[r] - new_mx);  // 0 on the first block (mx = -inf)
-          sum[r] = sum[r] * alpha[r] + exp_shift_sum(sr, nv, new_mx);
-          std::fill(sr + nv, sr + n, T(0));
-          mx[r] = new_mx;
+          shift_and_mask(sr, nv, n, mx[r]);
         }
+        exp_inplace(s_blk);
+        for (int64_t r = 0; r < m; ++r) sum[r] = sum[r] * alpha[r] + row_sum(s.data() + r * n, n);
         if (j0 > 0) {  // rescale the rows' partial outputs to the new maxima
           for (int64_t r = 0; r < m; ++r)
             if (alpha[r] != T(1))
@@ -207,17 +183,14 @@ void bwd_kernel(const T* dout, const T* q, const T* k, const T* v, const T* o, c
           const at::Tensor p_blk = mat(p.data(), m, n, n), dp_blk = mat(dp.data(), m, n, n);
           gemm(p_blk, q_blk, mat(kh + j0 * D, n, D, D, true), scale, 0.0);
           gemm(dp_blk, g_blk, mat(vh + j0 * Dv, n, Dv, Dv, true), 1.0, 0.0);
+          for (int64_t r = 0; r < m; ++r)
+            shift_and_mask(p.data() + r * n, visible_in_block(i0 + r, j0, n, causal), n, lh[i0 + r]);
+          exp_inplace(p_blk);
           for (int64_t r = 0; r < m; ++r) {
-            T* pr = p.data() + r * n;
+            const T* pr = p.data() + r * n;
             T* dpr = dp.data() + r * n;
-            const int64_t nv = std::max<int64_t>(0, visible_in_block(i0 + r, j0, n, causal));
-            const T l = lh[i0 + r], dl = delta[i0 + r];
-            for (int64_t j = 0; j < nv; ++j) {
-              pr[j] = exp_nonpos(pr[j] - l);
-              dpr[j] = pr[j] * (dpr[j] - dl);
-            }
-            std::fill(pr + nv, pr + n, T(0));
-            std::fill(dpr + nv, dpr + n, T(0));
+            const T dl = delta[i0 + r];
+            for (int64_t j = 0; j < n; ++j) dpr[j] = pr[j] * (dpr[j] - dl);  // 0 where masked
           }
           gemm(mat(dvh + j0 * Dv, n, Dv, Dv), mat(p.data(), m, n, n, true), g_blk, 1.0, 1.0);
           gemm(dq_blk, dp_blk, mat(kh + j0 * D, n, D, D), scale, j0 > 0 ? 1.0 : 0.0);
