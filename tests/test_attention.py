@@ -119,6 +119,54 @@ def test_cpu_backward_matches_reference(shape, causal):
             _assert_close(a, r, dtype, f"d{name} {shape} causal={causal} {dtype}", grad=True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [((1,), 150, 1100, 24, 16), ((2,), 1100, 530, 8, 8), ((1,), 513, 513, 32, 32)],
+                         ids=str)
+def test_cpu_long_rows_blocked(shape, causal):
+    # Longer than the CPU kernels' key block and query block: the online softmax across
+    # key blocks, causal rows that see none of a later block, and partial last blocks.
+    # Scores of size ~30 make the running maximum move between blocks.
+    lead, Sq, Sk, D, Dv = shape
+    for dtype in (torch.float64, torch.float32):
+        q, k, v = make_qkv(lead, Sq, Sk, D, Dv, "cpu", dtype, seed=Sk)
+        q = (q * 6).requires_grad_()
+        k.requires_grad_()
+        v.requires_grad_()
+        out, lse = OPS.attention(q, k, v, None, causal)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = sdpa64(*leaves, causal=causal)
+        _assert_close(out, ref, dtype, f"{shape} causal={causal} {dtype}")
+        s = (leaves[0] @ leaves[1].transpose(-1, -2)).detach() / math.sqrt(D)
+        if causal:
+            s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool).triu(1), float("-inf"))
+        _assert_close(lse, torch.logsumexp(s, -1), dtype, "lse")
+        g = torch.randn(*lead, Sq, Dv, dtype=dtype)
+        grads = torch.autograd.grad(gp.attention(q, k, v, causal=causal), (q, k, v), g)
+        refs = torch.autograd.grad(ref, leaves, g.double())
+        for name, a, r in zip("qkv", grads, refs):
+            _assert_close(a, r, dtype, f"d{name} {shape} causal={causal} {dtype}", grad=True)
+
+
+def test_cpu_saturated_softmax():
+    # Scores spread over thousands: most probabilities underflow to 0 and each row is
+    # dominated by a few keys (the exp's clamp, the lse's precision). float32 cannot
+    # hold such scores to the usual bounds, so the errors are held to SDPA's own in float32.
+    q, k, v = make_qkv((2,), 70, 90, 16, 8, "cpu", torch.float32, grad=True, seed=5)
+    g = torch.randn(2, 70, 8, generator=torch.Generator().manual_seed(6))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    rel = lambda a, r: ((a.double() - r).norm() / r.norm()).item()  # noqa: E731
+    for causal in (False, True):
+        ref = sdpa64(*leaves, scale=100.0, causal=causal)
+        refs = (ref, *torch.autograd.grad(ref, leaves, g.double()))
+        errs = {}
+        for label, fn in (("ours", gp.attention), ("sdpa", lambda *t, **kw: F.scaled_dot_product_attention(
+                *t, scale=kw["scale"], is_causal=kw["causal"]))):
+            out = fn(q, k, v, scale=100.0, causal=causal)
+            errs[label] = [rel(a, r) for a, r in zip((out, *torch.autograd.grad(out, (q, k, v), g)), refs)]
+        for name, ours, sdpa in zip(("out", "dq", "dk", "dv"), errs["ours"], errs["sdpa"]):
+            assert ours <= 4 * sdpa + 1e-6, f"{name} causal={causal}: error {ours:.2e}, SDPA float32 {sdpa:.2e}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_non_contiguous_and_vector(device):
     # The common layout: (B, S, H, D) viewed as (B, H, S, D).
@@ -484,26 +532,36 @@ def test_cuda_graph_capture():
     assert eager[0].shape == captured[0].shape
 
 
-@requires_cuda
-@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
-def test_cuda_chain_ops_shapes(dtype):
-    # The chain's kernels alone: tiles with tails in every dim, tiles fully above the
-    # diagonal (skipped), K = 0 and 1, poisoned outputs.
+def _check_chain_ops(device, dtype, before=lambda: None):
+    """The chain's kernels alone: tiles with tails in every dim, tiles fully above the
+    diagonal (skipped), K = 0 and 1; before() runs ahead of each op (poisons memory on CUDA)."""
     for B, M, K, N in ((1, 1, 1, 1), (3, 31, 33, 65), (2, 64, 64, 64), (1, 100, 1, 37), (2, 7, 0, 9),
                        (1, 300, 128, 129), (4, 33, 257, 31)):
-        a = torch.randn(B, M, K, device="cuda", dtype=torch.float64).to(dtype)
-        b = torch.randn(B, K, N, device="cuda", dtype=torch.float64).to(dtype)
+        a = torch.randn(B, M, K, device=device, dtype=torch.float64).to(dtype)
+        b = torch.randn(B, K, N, device=device, dtype=torch.float64).to(dtype)
         ref = 0.7 * (a.double() @ b.double())
         for causal in (False, True):
-            _poison_cache()
+            before()
             c = OPS.matmul(a, b, 0.7, causal)
-            mask = torch.ones(M, N, dtype=torch.bool, device="cuda").triu(1)
+            mask = torch.ones(M, N, dtype=torch.bool, device=device).triu(1)
             if causal:
                 assert torch.isneginf(c[:, mask]).all()
             keep = ~mask if causal else torch.ones_like(mask)
             _assert_close(c[:, keep], ref[:, keep], dtype, f"matmul {(B, M, K, N)} causal={causal}")
-        _poison_cache()
+        before()
         assert torch.equal(OPS.transpose_last2(a), a.transpose(-1, -2).contiguous())
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_chain_ops_shapes(dtype):
+    _check_chain_ops("cuda", dtype, _poison_cache)
+
+
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cpu_chain_ops_shapes(dtype):
+    # The CPU chain takes every float dtype too (the fused CPU op only float32/float64).
+    _check_chain_ops("cpu", dtype)
 
 
 def _check_given(q, k, v, causal, scale, dtype, what):

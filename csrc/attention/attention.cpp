@@ -1,5 +1,5 @@
-// attention host side: argument checks, the CPU kernels, the CUDA wrappers and
-// the registrations, for the fused op (attention, attention_backward) and the
+// attention host side: argument checks, the CUDA wrappers and the registrations
+// (the CPU kernels: attention_cpu.cpp), for the fused op (attention, attention_backward) and the
 // curriculum's chain (transpose_last2, matmul; softmax is the softmax op's).
 // Shapes are canonicalised to contiguous (BH, S, D): the seed's vector form
 // q (D,) k (S, D) v (S, Dv) is BH = 1, Sq = 1; q (..., Sq, D), k (..., Sk, D),
@@ -120,112 +120,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_grads(const at::Tensor& q, 
           at::empty({s.BH, s.Sk, s.Dv}, q.options())};
 }
 
-// ---- CPU kernels: fused attention -------------------------------------------
-
-// Keys visible to query i: all Sk, or j <= i when causal (SDPA's top-left mask).
-inline int64_t visible(int64_t i, int64_t Sk, bool causal) { return causal ? std::min(Sk, i + 1) : Sk; }
-
-template <typename A, typename T>
-inline A dot(const T* x, const T* y, int64_t n) {
-  A acc = A(0);
-  for (int64_t d = 0; d < n; ++d) acc += static_cast<A>(x[d]) * static_cast<A>(y[d]);
-  return acc;
-}
-
-// Two passes per query row over a row of Sk scores (O(S) scratch per thread):
-// scores and their max, then exp, sum and the weighted sum of v.
-template <typename T>
-void attention_fwd_cpu(const T* q, const T* k, const T* v, T* o, T* lse, const AttnShape& s, double scale,
-                       bool causal) {
-  using A = at::opmath_type<T>;
-  const int64_t rows = s.BH * s.Sq;
-  const int64_t work = std::max<int64_t>(1, s.Sk * (s.D + s.Dv));
-  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / work), [&](int64_t begin, int64_t end) {
-    std::vector<A> sc(s.Sk), acc(s.Dv);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t bh = r / s.Sq, i = r % s.Sq;
-      const T* qi = q + r * s.D;
-      const T* kb = k + bh * s.Sk * s.D;
-      const T* vb = v + bh * s.Sk * s.Dv;
-      const int64_t n = visible(i, s.Sk, causal);
-      A mx = -std::numeric_limits<A>::infinity();
-      for (int64_t j = 0; j < n; ++j) {
-        sc[j] = dot<A>(qi, kb + j * s.D, s.D) * static_cast<A>(scale);
-        mx = std::max(mx, sc[j]);
-      }
-      std::fill(acc.begin(), acc.end(), A(0));
-      A sum = A(0);
-      for (int64_t j = 0; j < n; ++j) {
-        const A p = std::exp(sc[j] - mx);
-        sum += p;
-        const T* vj = vb + j * s.Dv;
-        for (int64_t d = 0; d < s.Dv; ++d) acc[d] += p * static_cast<A>(vj[d]);
-      }
-      // No visible key (Sk == 0): zero output, lse = -inf.
-      const A inv = n > 0 ? A(1) / sum : A(0);
-      for (int64_t d = 0; d < s.Dv; ++d) o[r * s.Dv + d] = static_cast<T>(acc[d] * inv);
-      lse[r] = n > 0 ? static_cast<T>(mx + std::log(sum)) : -std::numeric_limits<T>::infinity();
-    }
-  });
-}
-
-// Backward from the saved lse, recomputing P row by row (never stored):
-//   P_ij = exp(scale q_i.k_j - lse_i), dP_ij = dout_i.v_j, delta_i = dout_i.o_i,
-//   dS_ij = P_ij (dP_ij - delta_i), dq_i = scale sum_j dS_ij k_j,
-//   dk_j = scale sum_i dS_ij q_i, dv_j = sum_i P_ij dout_i.
-// dq parallel over query rows, dk/dv over key rows: no two threads write the same row.
-template <typename T>
-void attention_bwd_cpu(const T* dout, const T* q, const T* k, const T* v, const T* o, const T* lse, T* dq, T* dk,
-                       T* dv, const AttnShape& s, double scale, bool causal) {
-  using A = at::opmath_type<T>;
-  const A sc = static_cast<A>(scale);
-  std::vector<A> delta(s.BH * s.Sq);
-  at::parallel_for(0, s.BH * s.Sq, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) delta[r] = dot<A>(dout + r * s.Dv, o + r * s.Dv, s.Dv);
-  });
-  const int64_t work = std::max<int64_t>(1, 2 * std::max(s.Sq, s.Sk) * (s.D + s.Dv));
-  const int64_t grain = std::max<int64_t>(1, 65536 / work);
-  at::parallel_for(0, s.BH * s.Sq, grain, [&](int64_t begin, int64_t end) {
-    std::vector<A> acc(s.D);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t bh = r / s.Sq, i = r % s.Sq;
-      const T* qi = q + r * s.D;
-      const T* gi = dout + r * s.Dv;
-      const A l = static_cast<A>(lse[r]);
-      std::fill(acc.begin(), acc.end(), A(0));
-      const int64_t n = visible(i, s.Sk, causal);
-      for (int64_t j = 0; j < n; ++j) {
-        const T* kj = k + (bh * s.Sk + j) * s.D;
-        const A p = std::exp(dot<A>(qi, kj, s.D) * sc - l);
-        const A ds = p * (dot<A>(gi, v + (bh * s.Sk + j) * s.Dv, s.Dv) - delta[r]);
-        for (int64_t d = 0; d < s.D; ++d) acc[d] += ds * static_cast<A>(kj[d]);
-      }
-      for (int64_t d = 0; d < s.D; ++d) dq[r * s.D + d] = static_cast<T>(acc[d] * sc);
-    }
-  });
-  at::parallel_for(0, s.BH * s.Sk, grain, [&](int64_t begin, int64_t end) {
-    std::vector<A> ak(s.D), av(s.Dv);
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t bh = c / s.Sk, j = c % s.Sk;
-      const T* kj = k + c * s.D;
-      const T* vj = v + c * s.Dv;
-      std::fill(ak.begin(), ak.end(), A(0));
-      std::fill(av.begin(), av.end(), A(0));
-      for (int64_t i = causal ? j : 0; i < s.Sq; ++i) {  // queries that see key j
-        const int64_t r = bh * s.Sq + i;
-        const T* qi = q + r * s.D;
-        const T* gi = dout + r * s.Dv;
-        const A p = std::exp(dot<A>(qi, kj, s.D) * sc - static_cast<A>(lse[r]));
-        const A ds = p * (dot<A>(gi, vj, s.Dv) - delta[r]);
-        for (int64_t d = 0; d < s.D; ++d) ak[d] += ds * static_cast<A>(qi[d]);
-        for (int64_t d = 0; d < s.Dv; ++d) av[d] += p * static_cast<A>(gi[d]);
-      }
-      for (int64_t d = 0; d < s.D; ++d) dk[c * s.D + d] = static_cast<T>(ak[d] * sc);
-      for (int64_t d = 0; d < s.Dv; ++d) dv[c * s.Dv + d] = static_cast<T>(av[d]);
-    }
-  });
-}
-
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  c10::optional<double> scale, bool causal) {
   const AttnShape s = check_qkv(q, k, v, "attention");
@@ -233,10 +127,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
   const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BH, s.Sk, s.D), vc = as_3d(v, s.BH, s.Sk, s.Dv);
   at::Tensor out = at::empty({s.BH, s.Sq, s.Dv}, q.options());
   at::Tensor lse = at::empty({s.BH, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_cpu", [&] {
-    attention_fwd_cpu<scalar_t>(qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
-                                out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), s, sc, causal);
-  });
+  attention_fwd_cpu(qc, kc, vc, out, lse, sc, causal);
   return {out.view(s.out_shape), lse.view(s.lse_shape)};
 }
 
@@ -250,12 +141,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   const at::Tensor lc = lse.reshape({s.BH, s.Sq}).contiguous();
   at::Tensor dq, dk, dv;
   std::tie(dq, dk, dv) = empty_grads(q, s);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_backward_cpu", [&] {
-    attention_bwd_cpu<scalar_t>(gc.data_ptr<scalar_t>(), qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(),
-                                vc.data_ptr<scalar_t>(), oc.data_ptr<scalar_t>(), lc.data_ptr<scalar_t>(),
-                                dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), s, sc,
-                                causal);
-  });
+  attention_bwd_cpu(gc, qc, kc, vc, oc, lc, dq, dk, dv, sc, causal);
   return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};
 }
 
@@ -295,53 +181,11 @@ MatmulShape check_matmul(const at::Tensor& a, const at::Tensor& b) {
   return s;
 }
 
-template <typename T>
-void transpose_cpu_kernel(const T* x, T* out, int64_t B, int64_t M, int64_t N) {
-  constexpr int64_t kBlk = 32;  // cache-blocked
-  const int64_t tm = (M + kBlk - 1) / kBlk, tn = (N + kBlk - 1) / kBlk;
-  at::parallel_for(0, B * tm * tn, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t z = t / (tm * tn), bm = (t / tn) % tm, bn = t % tn;
-      const T* xz = x + z * M * N;
-      T* oz = out + z * M * N;
-      for (int64_t m = bm * kBlk; m < std::min(M, (bm + 1) * kBlk); ++m)
-        for (int64_t n = bn * kBlk; n < std::min(N, (bn + 1) * kBlk); ++n) oz[n * M + m] = xz[m * N + n];
-    }
-  });
-}
-
-template <typename T>
-void matmul_cpu_kernel(const T* a, const T* b, T* c, const MatmulShape& s, double alpha, bool causal) {
-  using A = at::opmath_type<T>;
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, s.N * s.K));
-  at::parallel_for(0, s.B * s.M, grain, [&](int64_t begin, int64_t end) {
-    std::vector<A> acc(s.N);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t z = r / s.M, m = r % s.M;
-      const T* ar = a + r * s.K;
-      const T* bz = b + z * s.K * s.N;
-      std::fill(acc.begin(), acc.end(), A(0));
-      const int64_t ncomp = causal ? std::min(s.N, m + 1) : s.N;  // masked columns are not computed
-      for (int64_t kk = 0; kk < s.K; ++kk) {  // i-k-j order: contiguous rows of b
-        const A av = static_cast<A>(ar[kk]);
-        const T* br = bz + kk * s.N;
-        for (int64_t n = 0; n < ncomp; ++n) acc[n] += av * static_cast<A>(br[n]);
-      }
-      T* cr = c + r * s.N;
-      for (int64_t n = 0; n < ncomp; ++n) cr[n] = static_cast<T>(acc[n] * static_cast<A>(alpha));
-      for (int64_t n = ncomp; n < s.N; ++n) cr[n] = -std::numeric_limits<T>::infinity();
-    }
-  });
-}
-
 at::Tensor transpose_last2_cpu(const at::Tensor& x) {
-  const int64_t B = check_transpose(x);
-  const int64_t M = x.size(-2), N = x.size(-1);
+  check_transpose(x);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty(transposed_shape(x), x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "transpose_last2_cpu", [&] {
-    transpose_cpu_kernel<scalar_t>(xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), B, M, N);
-  });
+  if (out.numel() > 0) transpose_last2_cpu_kernel(xc, out);
   return out;
 }
 
@@ -349,10 +193,7 @@ at::Tensor matmul_cpu(const at::Tensor& a, const at::Tensor& b, double alpha, bo
   const MatmulShape s = check_matmul(a, b);
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   at::Tensor c = at::empty(s.out_shape, a.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "matmul_cpu", [&] {
-    matmul_cpu_kernel<scalar_t>(ac.data_ptr<scalar_t>(), bc.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s, alpha,
-                                causal_mask);
-  });
+  if (c.numel() > 0) matmul_cpu_kernel(ac, bc, c, alpha, causal_mask);
   return c;
 }
 

@@ -1,6 +1,7 @@
-// Torch-free interface between attention.cpp (ATen side: checks, reshapes, CPU
-// kernels, the unfused chain) and the fused CUDA kernels (attention_plan.cu picks
-// and launches them; the families: attention_plan.h).
+// Interface between attention.cpp (ATen side: checks, reshapes, registration),
+// the CPU kernels (attention_cpu.cpp) and the fused CUDA kernels (attention_plan.cu
+// picks and launches them; the families: attention_plan.h). The CUDA side is
+// torch-free: the CPU kernels take at::Tensor, declared here without ATen's headers.
 //
 // Layout: every tensor contiguous, leading dims flattened into BH:
 //   q (BH, Sq, D), k (BH, Sk, D), v (BH, Sk, Dv), o / dout (BH, Sq, Dv),
@@ -18,7 +19,27 @@
 
 #include "common/dtype.h"
 
+namespace at {
+class Tensor;
+}
+
 namespace gpu_puzzles {
+
+// ---- CPU kernels (attention_cpu.cpp): float32 or float64, the layout above ----
+
+// Writes out (BH, Sq, Dv) and lse (BH, Sq); Sk == 0 gives zeros and lse = -inf.
+void attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                       at::Tensor& lse, double scale, bool causal);
+// Writes dq (BH, Sq, D), dk (BH, Sk, D), dv (BH, Sk, Dv).
+void attention_bwd_cpu(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& o, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                       double scale, bool causal);
+// The unfused chain (contiguous inputs, any float dtype): out (..., N, M) = x (..., M, N)
+// transposed; c (..., M, N) = alpha * a @ b, -inf where n > m with causal.
+void transpose_last2_cpu_kernel(const at::Tensor& x, at::Tensor& out);
+void matmul_cpu_kernel(const at::Tensor& a, const at::Tensor& b, at::Tensor& c, double alpha, bool causal);
+
+// ---- CUDA kernels ----------------------------------------------------------------
 
 struct AttentionFwdArgs {
   const void* q;
