@@ -14,12 +14,7 @@ namespace gpu_puzzles {
 namespace GP_CPU_NS {
 namespace {
 
-using at::vec::Vectorized;
 using namespace vec_loops;
-
-constexpr int64_t kGrainElems = 32768;  // elements per parallel task step, at least
-
-int64_t grain(int64_t row) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row)); }
 
 // Mean and rstd of one row, as the CUDA kernels compute them: sum x - x[0] (the
 // shift keeps the partial sums small for large-mean rows), then a corrected second
@@ -79,7 +74,7 @@ void ln_forward(const void* x_, const void* gamma, const void* beta, void* y_, v
   T* y = static_cast<T*>(y_);
   S *mean = static_cast<S*>(mean_), *rstd = static_cast<S*>(rstd_);
   const Params<T, S> prm(y ? gamma : nullptr, y ? beta : nullptr, H);
-  at::parallel_for(0, M, grain(H), [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, M, grain_rows(H), [&](int64_t lo, int64_t hi) {
     RowIn<T, S> xin(H);
     RowOut<T, S> yout(H);
     for (int64_t m = lo; m < hi; ++m) {
@@ -107,7 +102,7 @@ void ln_backward(const void* dy_, const void* x_, const void* gamma, const void*
   const S* g = prm.gp;
   const int64_t rows = std::max<int64_t>(16, (M + 127) / 128), blocks = (M + rows - 1) / rows;
   std::vector<S> part(static_cast<size_t>(2 * blocks * H));
-  at::parallel_for(0, blocks, grain(rows * H), [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, blocks, grain_rows(rows * H), [&](int64_t lo, int64_t hi) {
     RowIn<T, S> xin(H), dyin(H);
     RowOut<T, S> dxout(H);
     for (int64_t blk = lo; blk < hi; ++blk) {
@@ -178,7 +173,7 @@ void fold(const void* W_, const void* gamma, const void* beta, const void* b_, v
   S *r = static_cast<S*>(r_), *bp = static_cast<S*>(bp_);
   const Params<T, S> prm(gamma, beta, H);
   const S *g = prm.gp, *be = prm.bp;
-  at::parallel_for(0, N, grain(H), [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, N, grain_rows(H), [&](int64_t lo, int64_t hi) {
     RowIn<T, S> win(H), stored(H);
     RowOut<T, S> wout(H);
     for (int64_t n = lo; n < hi; ++n) {
@@ -220,7 +215,7 @@ void epilogue(void* z_, const void* x_, const void* gamma, const void* beta, con
   const S *mean = static_cast<const S*>(mean_), *rstd = static_cast<const S*>(rstd_);
   const S *r = static_cast<const S*>(r_), *bp = static_cast<const S*>(bp_);
   const Params<T, S> prm(gamma, beta, H);
-  at::parallel_for(0, M, grain(N), [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, M, grain_rows(N), [&](int64_t lo, int64_t hi) {
     RowIn<T, S> zin(N), xin(H);
     RowOut<T, S> zout(N);
     std::vector<S> xn(H);

@@ -20,11 +20,9 @@ namespace gpu_puzzles {
 namespace GP_CPU_NS {
 namespace {
 
-using at::vec::Vectorized;
 using namespace vec_loops;
 
-constexpr int64_t kGrainElems = 32768;  // elements per parallel task step, at least
-constexpr int64_t kColVecs = 4;         // vectors per column block
+constexpr int64_t kColVecs = 4;  // vectors per column block
 
 // ---- rows (contiguous) ---------------------------------------------------------
 
@@ -190,7 +188,7 @@ void run_native(const SoftmaxArgs& a, bool backward) {
   S* out = static_cast<S*>(a.out);
   const int64_t N = a.N, inner = a.inner;
   if (inner == 1) {
-    at::parallel_for(0, a.outer, std::max<int64_t>(1, kGrainElems / N), [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, a.outer, grain_rows(N), [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
         if (backward) backward_row<S>(q + r * N, p + r * N, out + r * N, N, a.log);
         else forward_row<S>(p + r * N, out + r * N, N, a.log);
@@ -200,8 +198,7 @@ void run_native(const SoftmaxArgs& a, bool backward) {
   }
   constexpr int64_t B = ColBlock<S>::B;
   const int64_t blocks = (inner + B - 1) / B;
-  const int64_t grain = std::max<int64_t>(1, kGrainElems / (N * std::min(inner, B)));
-  at::parallel_for(0, a.outer * blocks, grain, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, a.outer * blocks, grain_rows(N * std::min(inner, B)), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t o = t / blocks, j0 = (t % blocks) * B;
       const ColBlock<S> cb{std::min(B, inner - j0), inner};
@@ -221,7 +218,7 @@ void run_lines(const SoftmaxArgs& a, bool backward) {
   const T* q = static_cast<const T*>(a.b);
   T* out = static_cast<T*>(a.out);
   const int64_t N = a.N, inner = a.inner;
-  at::parallel_for(0, a.outer * inner, std::max<int64_t>(1, kGrainElems / N), [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, a.outer * inner, grain_rows(N), [&](int64_t lo, int64_t hi) {
     std::vector<S> buf((backward ? 3 : 2) * N);
     S *fa = buf.data(), *fo = fa + N, *fb = fo + N;
     for (int64_t l = lo; l < hi; ++l) {
