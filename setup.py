@@ -7,11 +7,14 @@ always wins.  With the CUTLASS headers present (CUTLASS_PATH, or the nvidia-cutl
 wheel) and a 9.0 target, the Hopper-only files (csrc/**/*_sm90.cu: wgmma/TMA kernels)
 are compiled apart for sm_90a and linked in; GPU_PUZZLES_NO_CUTLASS=1 builds without
 them.  What was built is compiled into the library: gpu_puzzles.build_info().
+CPU kernel files that use the run-time SIMD dispatch (csrc/common/cpu_isa.h) are also
+compiled for AVX2 and AVX-512 on x86-64; the baseline build runs on every CPU.
 """
 import functools
 import glob
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -96,6 +99,30 @@ def _check_compiler():
                        "that links it dynamically was found; set CXX/CC to one that does")
 
 
+@functools.lru_cache(maxsize=None)
+def _openmp_flags():
+    """["-fopenmp"] where the C++ compiler takes it (Linux), else [].
+
+    at::parallel_for is an inline OpenMP loop in the headers of torch's OpenMP builds
+    (every Linux wheel): compiled without -fopenmp it runs on one thread. The
+    extension's libgomp.so.1 is the one torch has already loaded (same soname).
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    cxx = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "t.cpp")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint f() { return omp_get_max_threads(); }\n")
+        try:
+            subprocess.run(shlex.split(cxx) + ["-fopenmp", "-shared", "-fPIC", src, "-o", os.path.join(d, "t.so")],
+                           check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError):
+            print(f"gpu_puzzles: {cxx!r} does not take -fopenmp; the CPU kernels will run on one thread")
+            return []
+    return ["-fopenmp"]
+
+
 def _cutlass_include_dirs():
     """CUTLASS 3/4 header dirs (include/, tools/util/include/), or None.
 
@@ -146,6 +173,24 @@ _SM90A_SOURCES = tuple(sorted(glob.glob(os.path.join("csrc", "**", "*_sm90.cu"),
 _GENERATED = os.path.join(ROOT, "build", "generated")
 
 
+# The extra SIMD levels of the CPU kernels (csrc/common/cpu_isa.h): flags, lowest level first
+# (that is their link order, which cpu_isa.h relies on). Only x86-64 with GCC/Clang; elsewhere
+# the baseline build alone.
+_CPU_ISA_FLAGS = (
+    ("avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
+    ("avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
+)
+
+
+def _cpu_isa_sources(cpp):
+    """The .cpp files whose kernels live in `namespace GP_CPU_NS` (compiled once per level), or
+    [] where only the baseline is built."""
+    if sys.platform == "win32" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    return [f for f in cpp if re.search(r"namespace\s+GP_CPU_NS\b", open(f).read())]
+
+
 def _write_build_info(info):
     """csrc sees what was built through build/generated/gpu_puzzles_build_info.h
     (gpu_puzzles.build_info() returns it). Rewritten only when it changes, so ninja
@@ -164,13 +209,19 @@ def extensions():
     with_cuda = _want_cuda()
     cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     cu = sorted(glob.glob("csrc/**/*.cu", recursive=True))
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3", "-std=c++17"] + _openmp_flags()
+    link_flags = _openmp_flags()
+    cpu_isa_sources = _cpu_isa_sources(cpp)
+    if cpu_isa_sources:
+        cxx_flags.append("-DGP_CPU_MULTI_ISA")
     info = {"torch": torch.__version__, "cuda": with_cuda, "cuda_archs": None, "nvcc": None,
             "sm90a_sources": [], "cutlass_include": None}
     if not with_cuda:
         _write_build_info(info)
-        return [CppExtension("gpu_puzzles._C", cpp, include_dirs=[os.path.join(ROOT, "csrc"), _GENERATED],
-                             extra_compile_args={"cxx": cxx_flags})]
+        ext = CppExtension("gpu_puzzles._C", cpp, include_dirs=[os.path.join(ROOT, "csrc"), _GENERATED],
+                           extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
+        ext.cpu_isa_sources = cpu_isa_sources
+        return [ext]
     if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
     nvcc_flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
@@ -201,7 +252,9 @@ def extensions():
         include_dirs=include_dirs,
         define_macros=[("WITH_CUDA", None)],
         extra_compile_args={"cxx": cxx_flags + ["-DWITH_CUDA"] + macros, "nvcc": nvcc_flags + macros},
+        extra_link_args=link_flags,
     )
+    ext.cpu_isa_sources = cpu_isa_sources
     if cutlass_dirs:
         ext.sm90a_sources = list(_SM90A_SOURCES)
         ext.sm90a_flags = nvcc_flags + macros + ["-I" + d for d in include_dirs + cutlass_dirs]
@@ -210,7 +263,23 @@ def extensions():
 
 class Sm90aBuildExtension(BuildExtension):
     """BuildExtension that first compiles an extension's ``sm90a_sources`` with nvcc for
-    sm_90a only (wgmma/TMA need the arch-specific target) and links the objects in."""
+    sm_90a only (wgmma/TMA need the arch-specific target) and links the objects in; and
+    its ``cpu_isa_sources`` once more per extra SIMD level (csrc/common/cpu_isa.h)."""
+
+    def build_extension(self, ext):
+        # Here BuildExtension has added its flags and its ninja compile: each level is
+        # one more incremental ninja build, in its own folder.
+        srcs = getattr(ext, "cpu_isa_sources", None)
+        if srcs:
+            args = ext.extra_compile_args
+            base = args["cxx"] if isinstance(args, dict) else list(args)
+            objs = []
+            for isa, flags in _CPU_ISA_FLAGS:
+                out_dir = os.path.join(os.path.abspath(self.build_temp), "cpu_" + isa)
+                objs += self.compiler.compile(srcs, output_dir=out_dir, macros=ext.define_macros,
+                                              include_dirs=ext.include_dirs, extra_postargs={"cxx": base + flags})
+            ext.extra_objects = [o for o in (ext.extra_objects or []) if o not in objs] + objs
+        super().build_extension(ext)
 
     def build_extensions(self):
         for ext in self.extensions:

@@ -1043,3 +1043,81 @@ def test_property_layernorm_linear(device, impl, data):
     grads = torch.autograd.grad(y, params, g)
     refs = torch.autograd.grad(y_ref, [t for t in leaves if t is not None], g.double())
     _check_grads(grads, refs, ("dx", "dln_weight", "dln_bias", "dlinear_weight", "dlinear_bias"), x, dtype, N)
+
+
+# ---- CPU kernels at every SIMD level (csrc/common/cpu_isa.h) ---------------------------
+# The cpu_simd knob caps the run-time level; hidden sizes around the vector widths (8 / 16
+# floats, 4 / 8 doubles) and past the 4096-element chunk of the row sums.
+CPU_SIMD = ["baseline", "avx2", "avx512"]
+
+
+@pytest.mark.parametrize("level", CPU_SIMD)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_cpu_every_simd_level(level, dtype):
+    torch.manual_seed(3)
+    with gp.tuning.override(cpu_simd=level):
+        for H, N in ((1, 3), (7, 9), (16, 17), (17, 8), (33, 40), (100, 31), (4097, 5)):
+            x = (torch.randn(37, H, dtype=torch.float64) * 1.5 + 0.5).to(dtype).requires_grad_()
+            lw, lb, W, b = _params(H, N, "cpu", dtype, grad=True)
+            what = f"H={H} N={N} {dtype} {level}"
+            # layer_norm forward and backward
+            y = gp.layer_norm(x, lw, lb)
+            assert_close_ref(y, F.layer_norm(x.detach().double(), (H,), lw.detach().double(), lb.detach().double(), EPS),
+                             dtype, "layer_norm " + what)
+            g = torch.randn_like(y)
+            grads = torch.autograd.grad(y, (x, lw, lb), g)
+            refs = _layer_norm_ref_grads(x, lw, lb, g)
+            rstd_max = (x.detach().double().var(-1, unbiased=False) + EPS).rsqrt().max().item()
+            for name, a, r in zip(("dx", "dweight", "dbias"), grads, refs):
+                k = max(1.0, rstd_max) if name == "dx" else 37 ** 0.5
+                assert_close_ref(a / k, r / k, dtype, f"layer_norm {name} {what}")
+            # fused forward, backward and the naive kernel
+            y = gp.fused_layernorm_linear(x, lw, lb, W, b)
+            y_ref, leaves = _ref(x, lw, lb, W, b)
+            assert_close_ref(y, y_ref, dtype, "fused " + what)
+            with torch.no_grad():
+                y_naive = gp.fused_layernorm_linear(x, lw, lb, W, b, algorithm="naive")
+            assert_close_ref(y_naive, y_ref, dtype, "naive " + what)
+            g = torch.randn_like(y)
+            grads = torch.autograd.grad(y, (x, lw, lb, W, b), g)
+            refs = torch.autograd.grad(y_ref, leaves, g.double())
+            for name, a, r in zip(("dx", "dln_weight", "dln_bias", "dlinear_weight", "dlinear_bias"), grads, refs):
+                k = (N ** 0.5 * max(1.0, rstd_max)) if name == "dx" else 37 ** 0.5
+                assert_close_ref(a / k, r / k, dtype, f"fused {name} {what}")
+
+
+@pytest.mark.parametrize("level", CPU_SIMD)
+def test_cpu_large_mean_every_simd_level(level):
+    # Rows far from zero mean: the statistics' shifted sums and the fused forward's
+    # normalise-first rows, in every copy of the kernels.
+    torch.manual_seed(4)
+    with gp.tuning.override(cpu_simd=level):
+        for dtype in (torch.float32, torch.float64):
+            x = (torch.randn(6, 300, dtype=torch.float64) + torch.tensor([0.0, 8.0, 1000.0, -3000.0, 20.0, 1e5]
+                                                                         ).unsqueeze(1)).to(dtype)
+            lw, lb, W, b = _params(300, 24, "cpu", dtype)
+            _, mean, rstd = torch.ops.gpu_puzzles.layer_norm(x, lw, lb, EPS)
+            _assert_stats(x, mean, rstd)
+            y_ref = _ref(x, lw, lb, W, b)[0]
+            # as accurate as PyTorch's own pair in the same dtype (a float32 mean of 1e5 carries ~4e-3)
+            err_eager = (F.linear(F.layer_norm(x, (300,), lw, lb), W, b).double() - y_ref).abs().max().item()
+            for f in (gp.fused_layernorm_linear, functools.partial(gp.fused_layernorm_linear, algorithm="naive")):
+                _assert_near_eager(f(x, lw, lb, W, b), y_ref, err_eager, dtype, f"large mean {dtype} {level}")
+
+
+def test_cpu_layer_norm_backward_deterministic():
+    # dweight / dbias are summed over fixed blocks of rows: the same bits at any thread count.
+    torch.manual_seed(6)
+    x = torch.randn(1000, 96, requires_grad=True)
+    lw, lb, _, _ = _params(96, 1, "cpu", torch.float32, grad=True)
+    g = torch.randn(1000, 96)
+    prev = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, max(2, prev)):
+            torch.set_num_threads(t)
+            outs.append(torch.autograd.grad(gp.layer_norm(x, lw, lb), (x, lw, lb), g))
+    finally:
+        torch.set_num_threads(prev)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -673,3 +673,95 @@ def test_property_forward_backward(device, kind, data):
     n = shape[dim] if shape else 1
     # log_softmax's dx holds sum(dy) over the row: rounding grows like sqrt(n)
     grad_close(dx, dx_ref, dtype, "dx", n if kind == "log_softmax" else 1)
+
+
+# ---- CPU kernels at every SIMD level (csrc/common/cpu_isa.h) ---------------------------
+# The CPU kernels are compiled for the baseline, AVX2 and AVX-512 and picked at run time;
+# the cpu_simd knob caps the level, so every copy this CPU can run is checked here.
+CPU_SIMD = ["baseline", "avx2", "avx512"]
+# Row lengths around the vector widths (8 / 16 floats, 4 / 8 doubles) and the 4096-element
+# chunk of the sums; (outer, N, inner) views with inner below, at and past a vector and
+# past a column block (4 vectors), and a (N, 1) column.
+CPU_ROWS = [1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 100, 1023, 4095, 4097, 9000]
+CPU_COLS = [((3, 40, 2), 1), ((2, 33, 5), 1), ((2, 9, 8), 1), ((2, 17, 16), 1), ((3, 7, 17), 1),
+            ((2, 10, 70), 1), ((1, 5, 130), 1), ((65, 3), 0), ((4100, 2), 0), ((50, 1), 0)]
+
+
+def _cpu_simd_levels():
+    return [lvl for lvl in CPU_SIMD if CPU_SIMD.index(lvl) <= CPU_SIMD.index(torch.ops.gpu_puzzles._cpu_isa())]
+
+
+@pytest.mark.parametrize("level", CPU_SIMD)
+def test_cpu_simd_knob_caps_the_level(level):
+    best = torch.ops.gpu_puzzles._cpu_isa()
+    with gp.tuning.override(cpu_simd=level):
+        got = torch.ops.gpu_puzzles._cpu_isa()
+    # A cap: never above what this CPU (and this build) runs.
+    assert got == CPU_SIMD[min(CPU_SIMD.index(level), CPU_SIMD.index(best))]
+    assert torch.ops.gpu_puzzles._cpu_isa() == best
+
+
+@pytest.mark.parametrize("level", CPU_SIMD)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cpu_every_simd_level(level, dtype, kind):
+    torch.manual_seed(5)
+    f = FUNCS[kind][0]
+    cases = [((2, n), -1) for n in CPU_ROWS] + CPU_COLS
+    with gp.tuning.override(cpu_simd=level):
+        for shape, dim in cases:
+            x = (torch.randn(shape, dtype=torch.float64) * 3).to(dtype).requires_grad_()
+            g = torch.randn(shape, dtype=dtype)
+            y = f(x, dim)
+            what = f"{kind} {shape} dim={dim} {dtype} {level}"
+            assert_close_ref(y, _ref64(x.detach(), dim, kind), dtype, what)
+            (dx,) = torch.autograd.grad(y, (x,), g)
+            x64 = x.detach().double().requires_grad_()
+            (ref,) = torch.autograd.grad(_ref64(x64, dim, kind), (x64,), g.double())
+            n = x.shape[dim]
+            assert_close_ref(dx / max(1.0, n ** 0.5), ref / max(1.0, n ** 0.5), dtype, what + " backward")
+
+
+@pytest.mark.parametrize("level", CPU_SIMD)
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cpu_extremes_every_simd_level(level, kind):
+    # The extreme rows, long enough to take the vector loops (and their tails), as rows
+    # and as columns (inner 16 and inner 3).
+    rows = torch.tensor([[1e4, -1e4, 0.0, 1e4 - 1], [-1e30, 1e30, 5.0, -5.0], [1.0, -INF, 2.0, -INF],
+                         [-INF, -INF, -INF, -INF], [INF, 1.0, 2.0, 3.0], [float("nan"), 1.0, 2.0, 3.0]])
+    x = rows.repeat(1, 9)[:, :35]
+    f, ref = FUNCS[kind]
+    with gp.tuning.override(cpu_simd=level):
+        for xx, dim in ((x, -1), (x.t().contiguous().repeat(1, 3)[:, :16], 0), (x.t().contiguous()[:, :3], 0)):
+            y, r = f(xx, dim), ref(xx.double(), dim)
+            assert torch.equal(torch.isnan(y), torch.isnan(r)), (level, dim, y, r)
+            torch.testing.assert_close(y.double(), r, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_cpu_simd_levels_agree():
+    # The same numbers from every level (up to the exp implementations' last bits).
+    torch.manual_seed(2)
+    x = torch.randn(7, 1000) * 4
+    outs = []
+    for level in _cpu_simd_levels():
+        with gp.tuning.override(cpu_simd=level):
+            outs.append((gp.softmax(x), gp.log_softmax(x), gp.softmax(x.view(7, 10, 100), 1)))
+    for o in outs[1:]:
+        for a, b in zip(o, outs[0]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_long_row_fp64_and_threads():
+    # float64 stays at float64 accuracy on a long row, and the result does not depend
+    # on the thread count.
+    x = torch.randn(3, 200_001, dtype=torch.float64) * 5
+    assert_close_ref(gp.log_softmax(x), _ref64(x, -1, "log_softmax"), torch.float64, "long fp64")
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gp.softmax(x.float().view(3, 1, 200_001).expand(3, 4, -1).contiguous(), -1)
+        torch.set_num_threads(max(2, prev))
+        many_ = gp.softmax(x.float().view(3, 1, 200_001).expand(3, 4, -1).contiguous(), -1)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(one, many_)

@@ -1,5 +1,6 @@
-// LayerNorm and fused LayerNorm+Linear host side: argument checks, the CPU
-// kernels and the CPU/CUDA registrations. x is viewed as (M, H) rows.
+// LayerNorm and fused LayerNorm+Linear host side: argument checks, the CPU and CUDA
+// calls and their registrations (the CPU kernels are in layernorm_linear_cpu.cpp).
+// x is viewed as (M, H) rows.
 //
 // Fused forward (CPU and CUDA follow the same algebra, so the CPU is the oracle):
 //   y = W (gamma * (x - mu) * rstd + beta) + b
@@ -27,8 +28,6 @@
 // that LayerNorm backward also writes xn (it reads x anyway), and db (dy's column
 // sums) is its own launch (layernorm_linear_bias_grad_cuda), after the dW GEMM.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -114,135 +113,7 @@ std::vector<int64_t> out_shape(const Tensor& x, int64_t N) {
   return s;
 }
 
-// ---- CPU kernels -------------------------------------------------------------
-
-template <typename T, typename A>
-void ln_forward_cpu(const T* x, const T* g, const T* b, T* y, A* mean, A* rstd, int64_t M, int64_t H, double eps) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / H), [&](int64_t lo, int64_t hi) {
-    for (int64_t m = lo; m < hi; ++m) {
-      const T* xr = x + m * H;
-      // Sum x - x[0]: the shift keeps the partial sums small for large-mean rows.
-      const A pivot = static_cast<A>(xr[0]);
-      A s = 0, q = 0, e = 0;
-      for (int64_t h = 0; h < H; ++h) s += static_cast<A>(xr[h]) - pivot;
-      const A mu1 = pivot + s / A(H);
-      // Corrected two-pass: e = sum(x - mu1) fixes mu1, which is off by ~eps * |x[0] -
-      // mean| when x[0] is far out (the CUDA kernels do the same).
-      for (int64_t h = 0; h < H; ++h) {
-        const A d = static_cast<A>(xr[h]) - mu1;
-        e += d;
-        q += d * d;
-      }
-      const A de = e / A(H);
-      const A mu = mu1 + de;
-      const A rs = A(1) / std::sqrt(std::max(q / A(H) - de * de, A(0)) + A(eps));
-      mean[m] = mu;
-      rstd[m] = rs;
-      if (y)
-        for (int64_t h = 0; h < H; ++h)
-          y[m * H + h] = static_cast<T>((static_cast<A>(xr[h]) - mu) * rs * static_cast<A>(g[h]) + static_cast<A>(b[h]));
-    }
-  });
-}
-
-template <typename T, typename A>
-void ln_backward_cpu(const T* dy, const T* x, const T* g, const A* mean, const A* rstd, T* dx, T* dg, T* db,
-                     int64_t M, int64_t H) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / H), [&](int64_t lo, int64_t hi) {
-    for (int64_t m = lo; m < hi; ++m) {
-      const A mu = mean[m], rs = rstd[m];
-      A s1 = 0, s2 = 0;
-      for (int64_t h = 0; h < H; ++h) {
-        const A gd = static_cast<A>(dy[m * H + h]) * static_cast<A>(g[h]);
-        s1 += gd;
-        s2 += gd * (static_cast<A>(x[m * H + h]) - mu) * rs;
-      }
-      const A m1 = s1 / A(H), m2 = s2 / A(H);
-      for (int64_t h = 0; h < H; ++h) {
-        const A xh = (static_cast<A>(x[m * H + h]) - mu) * rs;
-        dx[m * H + h] = static_cast<T>(rs * (static_cast<A>(dy[m * H + h]) * static_cast<A>(g[h]) - m1 - xh * m2));
-      }
-    }
-  });
-  // dgamma/dbeta column by column: a fixed summation order (deterministic).
-  at::parallel_for(0, H, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t h = lo; h < hi; ++h) {
-      A sg = 0, sb = 0;
-      for (int64_t m = 0; m < M; ++m) {
-        const A d = static_cast<A>(dy[m * H + h]);
-        sg += d * (static_cast<A>(x[m * H + h]) - mean[m]) * rstd[m];
-        sb += d;
-      }
-      dg[h] = static_cast<T>(sg);
-      db[h] = static_cast<T>(sb);
-    }
-  });
-}
-
-template <typename T, typename A>
-void apply_cpu(const T* x, const T* g, const T* b, const A* mean, const A* rstd, T* xn, int64_t M, int64_t H) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / H), [&](int64_t lo, int64_t hi) {
-    for (int64_t m = lo; m < hi; ++m)
-      for (int64_t h = 0; h < H; ++h)
-        xn[m * H + h] = static_cast<T>((static_cast<A>(x[m * H + h]) - mean[m]) * rstd[m] * static_cast<A>(g[h]) +
-                                       static_cast<A>(b[h]));
-  });
-}
-
-template <typename T, typename A>
-void fold_cpu(const T* W, const T* g, const T* be, const T* b, T* wc, A* r, A* bp, int64_t N, int64_t H) {
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / H), [&](int64_t lo, int64_t hi) {
-    for (int64_t n = lo; n < hi; ++n) {
-      const T* wr = W + n * H;
-      A sg = 0, sb = 0, rs = 0;
-      for (int64_t h = 0; h < H; ++h) {
-        sg += static_cast<A>(wr[h]) * static_cast<A>(g[h]);
-        sb += static_cast<A>(wr[h]) * static_cast<A>(be[h]);
-      }
-      const A mw = sg / A(H);
-      for (int64_t h = 0; h < H; ++h) {
-        const T v = static_cast<T>(static_cast<A>(wr[h]) * static_cast<A>(g[h]) - mw);
-        wc[n * H + h] = v;
-        rs += static_cast<A>(v);
-      }
-      r[n] = rs;
-      bp[n] = sb + (b ? static_cast<A>(b[n]) : A(0));
-    }
-  });
-}
-
-template <typename T, typename A>
-void epilogue_cpu(T* z, const T* x, const T* g, const T* be, const T* W, const T* b, const A* mean, const A* rstd,
-                  const A* r, const A* bp, int64_t M, int64_t N, int64_t H) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / N), [&](int64_t lo, int64_t hi) {
-    std::vector<A> xn(H);
-    for (int64_t m = lo; m < hi; ++m) {
-      const A mu = mean[m], rs = rstd[m];
-      T* zr = z + m * N;
-      if (std::abs(mu) * rs > A(kLayerNormLinearMaxMeanRatio)) {  // normalise first (see the file comment)
-        for (int64_t h = 0; h < H; ++h)
-          xn[h] = (static_cast<A>(x[m * H + h]) - mu) * rs * static_cast<A>(g[h]) + static_cast<A>(be[h]);
-        for (int64_t n = 0; n < N; ++n) {
-          A acc = b ? static_cast<A>(b[n]) : A(0);
-          for (int64_t h = 0; h < H; ++h) acc += xn[h] * static_cast<A>(W[n * H + h]);
-          zr[n] = static_cast<T>(acc);
-        }
-      } else {
-        for (int64_t n = 0; n < N; ++n) zr[n] = static_cast<T>(rs * (static_cast<A>(zr[n]) - mu * r[n]) + bp[n]);
-      }
-    }
-  });
-}
-
-#define GP_DISPATCH(x, name, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (x).scalar_type(), name, [&] { \
-    using A = at::opmath_type<scalar_t>;                                                      \
-    __VA_ARGS__();                                                                            \
-  })
-
-template <typename T> const T* opt_ptr(const c10::optional<Tensor>& t) {
-  return t.has_value() ? t->data_ptr<T>() : nullptr;
-}
+const void* opt_ptr(const c10::optional<Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
 // ---- ops (one body per backend: `cuda` picks the launchers) ----------------------
 
@@ -261,10 +132,8 @@ Tensor3 layer_norm_impl(const Tensor& x_, const Tensor& weight_, const Tensor& b
                                                  to_dtype(x.scalar_type()), current_stream()));
 #endif
   } else {
-    GP_DISPATCH(x, "layer_norm_cpu", [&] {
-      ln_forward_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
-                                  y.data_ptr<scalar_t>(), mean.data_ptr<A>(), rstd.data_ptr<A>(), M, H, eps);
-    });
+    GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), b.data_ptr(), y.data_ptr(), mean.data_ptr(),
+                                        rstd.data_ptr(), M, H, eps, to_dtype(x.scalar_type()), false);
   }
   return {y, mean, rstd};
 }
@@ -302,11 +171,8 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
         want_xn ? beta->data_ptr() : nullptr, want_xn ? xn->data_ptr() : nullptr));
 #endif
   } else {
-    GP_DISPATCH(x, "layer_norm_backward_cpu", [&] {
-      ln_backward_cpu<scalar_t, A>(dy.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(),
-                                   mean.data_ptr<A>(), rstd.data_ptr<A>(), dx.data_ptr<scalar_t>(),
-                                   dg.data_ptr<scalar_t>(), db.data_ptr<scalar_t>(), M, H);
-    });
+    GP_CPU_CALL(layer_norm_backward_cpu)(dy.data_ptr(), x.data_ptr(), g.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+                                         dx.data_ptr(), dg.data_ptr(), db.data_ptr(), M, H, to_dtype(x.scalar_type()));
   }
   return {dx, dg, db};
 }
@@ -363,18 +229,15 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
     }
 #endif
   } else {
-    GP_DISPATCH(x, "fused_layernorm_linear_cpu", [&] {
-      ln_forward_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, mean.data_ptr<A>(),
-                                  rstd.data_ptr<A>(), M, H, eps);
-      fold_cpu<scalar_t, A>(W.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), be.data_ptr<scalar_t>(),
-                            opt_ptr<scalar_t>(b), wc.data_ptr<scalar_t>(), r.data_ptr<A>(), bp.data_ptr<A>(), N, H);
-    });
+    const DType dt = to_dtype(x.scalar_type());
+    GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), nullptr, nullptr, nullptr, mean.data_ptr(), rstd.data_ptr(), M,
+                                        H, eps, dt, false);
+    GP_CPU_CALL(layernorm_linear_fold_weight_cpu)(W.data_ptr(), g.data_ptr(), be.data_ptr(), opt_ptr(b),
+                                                  wc.data_ptr(), r.data_ptr(), bp.data_ptr(), N, H, dt);
     z = at::mm(x.view({M, H}), wc.t()).contiguous();
-    GP_DISPATCH(x, "fused_layernorm_linear_cpu_epilogue", [&] {
-      epilogue_cpu<scalar_t, A>(z.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(),
-                                be.data_ptr<scalar_t>(), W.data_ptr<scalar_t>(), opt_ptr<scalar_t>(b),
-                                mean.data_ptr<A>(), rstd.data_ptr<A>(), r.data_ptr<A>(), bp.data_ptr<A>(), M, N, H);
-    });
+    GP_CPU_CALL(layernorm_linear_epilogue_cpu)(z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(),
+                                               opt_ptr(b), mean.data_ptr(), rstd.data_ptr(), r.data_ptr(),
+                                               bp.data_ptr(), M, N, H, dt);
   }
   return {z.view(out_shape(x, N)), mean, rstd};
 }
@@ -412,10 +275,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
     return {dx, dg, dbeta, dW, db};
 #endif
   }
-  GP_DISPATCH(x, "fused_layernorm_linear_backward_cpu", [&] {
-    apply_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), be.data_ptr<scalar_t>(),
-                           mean.data_ptr<A>(), rstd.data_ptr<A>(), xn.data_ptr<scalar_t>(), M, H);
-  });
+  GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(), mean.data_ptr(),
+                                      rstd.data_ptr(), M, H, 0.0, to_dtype(x.scalar_type()), true);
   Tensor db = dy.sum(0);
   Tensor dW = at::mm(dy.t(), xn);              // (N, H)
   Tensor dxn = at::mm(dy, W).view(x.sizes());  // (.., H)
@@ -441,26 +302,14 @@ Tensor naive_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const 
                                              to_dtype(x.scalar_type()), current_stream()));
 #endif
   } else {
+    // The loop per row of the CUDA kernel, with its dot products batched into one GEMM.
     const auto st = x.options().dtype(stat_type(x));
-    Tensor mean = at::empty({M}, st), rstd = at::empty({M}, st);
-    GP_DISPATCH(x, "fused_layernorm_linear_naive_cpu", [&] {
-      ln_forward_cpu<scalar_t, A>(x.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, mean.data_ptr<A>(),
-                                  rstd.data_ptr<A>(), M, H, eps);
-      scalar_t* yp = y.data_ptr<scalar_t>();
-      const scalar_t *xp = x.data_ptr<scalar_t>(), *gp = g.data_ptr<scalar_t>(), *bep = be.data_ptr<scalar_t>();
-      const scalar_t *wp = W.data_ptr<scalar_t>(), *bp = opt_ptr<scalar_t>(b);
-      const A *mp = mean.data_ptr<A>(), *rp = rstd.data_ptr<A>();
-      at::parallel_for(0, M, 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t m = lo; m < hi; ++m)
-          for (int64_t n = 0; n < N; ++n) {
-            A acc = bp ? static_cast<A>(bp[n]) : A(0);
-            for (int64_t h = 0; h < H; ++h)
-              acc += ((static_cast<A>(xp[m * H + h]) - mp[m]) * rp[m] * static_cast<A>(gp[h]) + static_cast<A>(bep[h])) *
-                     static_cast<A>(wp[n * H + h]);
-            yp[m * N + n] = static_cast<scalar_t>(acc);
-          }
-      });
-    });
+    Tensor mean = at::empty({M}, st), rstd = at::empty({M}, st), xn = at::empty({M, H}, x.options());
+    GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(), mean.data_ptr(),
+                                        rstd.data_ptr(), M, H, eps, to_dtype(x.scalar_type()), false);
+    Tensor y2 = y.view({M, N});
+    if (b) at::addmm_out(y2, *b, xn, W.t());
+    else at::mm_out(y2, xn, W.t());
   }
   return y;
 }

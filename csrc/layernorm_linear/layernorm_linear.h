@@ -1,13 +1,15 @@
-// Torch-free interface between layernorm_linear.cpp (ATen side) and the CUDA files
+// Torch-free interface between layernorm_linear.cpp (ATen side), the CUDA files
 // (layer_norm_forward.cu, layer_norm_backward.cu, layernorm_linear_fused.cu,
-// layernorm_linear_evt_sm90.cu). Rows are contiguous (M, H); statistics (mean, rstd)
-// and the folded vectors are in the accumulate type: float, or double for float64.
+// layernorm_linear_evt_sm90.cu) and the CPU kernels (layernorm_linear_cpu.cpp). Rows are
+// contiguous (M, H); statistics (mean, rstd) and the folded vectors are in the accumulate
+// type: float, or double for float64.
 #pragma once
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
 
+#include "common/cpu_isa.h"
 #include "common/dtype.h"
 
 namespace gpu_puzzles {
@@ -89,6 +91,20 @@ size_t layernorm_linear_evt_workspace_bytes(int64_t M, int64_t N, int64_t K, DTy
 LaunchStatus layernorm_linear_evt_gemm_cuda(const void* x, const void* wc, const void* mean, const void* rstd,
                                     const void* r, const void* bp, void* y, void* workspace, int64_t M,
                                     int64_t N, int64_t K, DType dtype, cudaStream_t stream, bool pdl = false);
+
+// CPU kernels (layernorm_linear_cpu.cpp, one copy per SIMD level: call through
+// GP_CPU_CALL). They compute what the CUDA launchers of the same names compute.
+// layer_norm_forward_cpu: y may be null (statistics only); stats_given: mean/rstd are
+// inputs and only y is written (the fused backward's normalised activation).
+GP_CPU_DECLARE(void, layer_norm_forward_cpu, const void* x, const void* gamma, const void* beta, void* y,
+               void* mean, void* rstd, int64_t M, int64_t H, double eps, DType dtype, bool stats_given)
+GP_CPU_DECLARE(void, layer_norm_backward_cpu, const void* dy, const void* x, const void* gamma, const void* mean,
+               const void* rstd, void* dx, void* dgamma, void* dbeta, int64_t M, int64_t H, DType dtype)
+GP_CPU_DECLARE(void, layernorm_linear_fold_weight_cpu, const void* W, const void* gamma, const void* beta,
+               const void* b, void* wc, void* r, void* bp, int64_t N, int64_t H, DType dtype)
+GP_CPU_DECLARE(void, layernorm_linear_epilogue_cpu, void* z, const void* x, const void* gamma, const void* beta,
+               const void* W, const void* b, const void* mean, const void* rstd, const void* r, const void* bp,
+               int64_t M, int64_t N, int64_t H, DType dtype)
 
 // The curriculum's fused kernel (puzzle 20): one thread per row computes the
 // statistics and then all N outputs. Kept for the notebook's comparison only.

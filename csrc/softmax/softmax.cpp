@@ -1,13 +1,11 @@
-// softmax / log_softmax host side: argument checks, the CPU kernels and the
-// CPU/CUDA registrations. A tensor is viewed contiguous as (outer, N, inner)
-// with N the size of the reduced dim; a 0-d tensor is one row of one element.
+// softmax / log_softmax host side: argument checks, the CPU and CUDA calls and
+// their registrations (the CPU kernels are in softmax_cpu.cpp). A tensor is viewed
+// contiguous as (outer, N, inner) with N the size of the reduced dim; a 0-d tensor
+// is one row of one element.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <string>
 
 #include "common/checks.h"
@@ -74,78 +72,31 @@ Call check_backward(const at::Tensor& grad_out, const at::Tensor& out, int64_t d
   return Call{op, d, parse_algorithm(std::string(algorithm), op)};
 }
 
-// ---- CPU kernels ---------------------------------------------------------------
-// One "line" per (outer, inner) pair, elements `inner` apart. Plain passes with
-// double statistics (a float running sum of a million terms drifts by ~1e-4):
-// this is the correctness oracle, not a speed target.
+// ---- CPU (kernels in softmax_cpu.cpp) -------------------------------------------
 
-// Calls f(base) for every line, in parallel; the line's elements are base + n * inner.
-template <typename F>
-void for_each_line(const Dims& d, F&& f) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, d.N));
-  at::parallel_for(0, d.outer * d.inner, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t l = begin; l < end; ++l) f((l / d.inner) * d.N * d.inner + l % d.inner);
-  });
-}
-
-template <typename T>
-void forward_cpu_kernel(const T* x, T* y, const Dims& d, bool log) {
-  using A = double;
-  for_each_line(d, [&](int64_t base) {
-    const T* p = x + base;
-    T* q = y + base;
-    A m = -std::numeric_limits<A>::infinity();
-    for (int64_t n = 0; n < d.N; ++n) m = std::max(m, static_cast<A>(p[n * d.inner]));  // NaN ignored here,
-    A s = 0;                                                                          // but poisons s below
-    for (int64_t n = 0; n < d.N; ++n) s += std::exp(static_cast<A>(p[n * d.inner]) - m);
-    const A ls = std::log(s);
-    for (int64_t n = 0; n < d.N; ++n) {
-      const A v = static_cast<A>(p[n * d.inner]) - m;
-      q[n * d.inner] = static_cast<T>(log ? v - ls : std::exp(v) / s);
-    }
-  });
-}
-
-// softmax: dx = y (dy - sum(dy y));  log_softmax: dx = dy - exp(y) sum(dy).
-template <typename T>
-void backward_cpu_kernel(const T* dy, const T* y, T* dx, const Dims& d, bool log) {
-  using A = double;
-  for_each_line(d, [&](int64_t base) {
-    A s = 0;
-    for (int64_t n = 0; n < d.N; ++n) {
-      const int64_t i = base + n * d.inner;
-      s += log ? static_cast<A>(dy[i]) : static_cast<A>(dy[i]) * static_cast<A>(y[i]);
-    }
-    for (int64_t n = 0; n < d.N; ++n) {
-      const int64_t i = base + n * d.inner;
-      const A g = static_cast<A>(dy[i]), v = static_cast<A>(y[i]);
-      dx[i] = static_cast<T>(log ? g - std::exp(v) * s : v * (g - s));
-    }
-  });
+template <bool Log>
+at::Tensor run_cpu(const at::Tensor& a, const at::Tensor* b, const Dims& d, bool backward) {
+  const at::Tensor ac = a.contiguous();
+  const at::Tensor bc = b ? b->contiguous() : at::Tensor();
+  at::Tensor out = at::empty(a.sizes(), a.options());
+  if (a.numel() == 0) return out;
+  const SoftmaxArgs args{ac.data_ptr(), bc.defined() ? bc.data_ptr() : nullptr, out.data_ptr(), d.outer, d.N,
+                         d.inner, Log, to_dtype(a.scalar_type()), SoftmaxTuning{}};
+  if (backward) GP_CPU_CALL(softmax_backward_cpu)(args);
+  else GP_CPU_CALL(softmax_forward_cpu)(args);
+  return out;
 }
 
 template <bool Log>
 at::Tensor forward_cpu(const at::Tensor& x, int64_t dim, c10::string_view algorithm) {
   const Dims d = check_forward(x, dim, algorithm, Log).d;  // the CPU has one kernel for every algorithm
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  if (x.numel() == 0) return y;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "softmax_cpu", [&] {
-    forward_cpu_kernel<scalar_t>(xc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), d, Log);
-  });
-  return y;
+  return run_cpu<Log>(x, nullptr, d, false);
 }
 
 template <bool Log>
 at::Tensor backward_cpu(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim, c10::string_view algorithm) {
   const Dims d = check_backward(grad_out, out, dim, algorithm, Log).d;
-  const at::Tensor g = grad_out.contiguous(), yc = out.contiguous();
-  at::Tensor dx = at::empty(out.sizes(), out.options());
-  if (out.numel() == 0) return dx;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "softmax_backward_cpu", [&] {
-    backward_cpu_kernel<scalar_t>(g.data_ptr<scalar_t>(), yc.data_ptr<scalar_t>(), dx.data_ptr<scalar_t>(), d, Log);
-  });
-  return dx;
+  return run_cpu<Log>(out, &grad_out, d, true);
 }
 
 #ifdef WITH_CUDA

@@ -1,10 +1,12 @@
-// Torch-free interface between softmax.cpp (ATen side) and softmax_cuda.cu.
-// Every tensor is contiguous and viewed as (outer, N, inner), N the reduced dim.
+// Torch-free interface between softmax.cpp (ATen side), the CUDA files and the CPU
+// kernels (softmax_cpu.cpp). Every tensor is contiguous and viewed as (outer, N, inner),
+// N the reduced dim.
 #pragma once
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "common/cpu_isa.h"
 #include "common/dtype.h"
 
 namespace gpu_puzzles {
@@ -50,6 +52,11 @@ struct SoftmaxArgs {
 // Bytes of scratch the launch needs (the split path for very long rows keeps
 // per-chunk partial statistics there); 0 when none.
 int64_t softmax_workspace_bytes(const SoftmaxArgs& a, SoftmaxAlgo algo, bool backward);
+
+// CPU kernels (softmax_cpu.cpp, one copy per SIMD level: call through GP_CPU_CALL).
+// Every algorithm runs the same CPU kernel; `tune` is ignored. N >= 1, outer * inner >= 1.
+GP_CPU_DECLARE(void, softmax_forward_cpu, const SoftmaxArgs& a)
+GP_CPU_DECLARE(void, softmax_backward_cpu, const SoftmaxArgs& a)
 
 LaunchStatus softmax_forward_cuda(const SoftmaxArgs& a, SoftmaxAlgo algo, void* workspace, cudaStream_t stream);
 LaunchStatus softmax_backward_cuda(const SoftmaxArgs& a, SoftmaxAlgo algo, void* workspace, cudaStream_t stream);
