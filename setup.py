@@ -188,7 +188,10 @@ def _cpu_isa_sources(cpp):
     [] where only the baseline is built."""
     if sys.platform == "win32" or platform.machine().lower() not in ("x86_64", "amd64"):
         return []
-    return [f for f in cpp if re.search(r"namespace\s+GP_CPU_NS\b", open(f).read())]
+    def uses_dispatch(path):
+        with open(path) as f:
+            return re.search(r"namespace\s+GP_CPU_NS\b", f.read()) is not None
+    return [f for f in cpp if uses_dispatch(f)]
 
 
 def _write_build_info(info):

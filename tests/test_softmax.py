@@ -738,6 +738,17 @@ def test_cpu_extremes_every_simd_level(level, kind):
             torch.testing.assert_close(y.double(), r, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
+def test_cpu_simd_follows_aten_cpu_capability():
+    # PyTorch's own cap on its CPU kernels caps ours too (read once per process).
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    out = subprocess.run([sys.executable, "-c", "import gpu_puzzles, torch; print(torch.ops.gpu_puzzles._cpu_isa())"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "baseline"
+
+
 def test_cpu_simd_levels_agree():
     # The same numbers from every level (up to the exp implementations' last bits).
     torch.manual_seed(2)
