@@ -57,7 +57,8 @@ void gemm(at::Tensor c, const at::Tensor& a, const at::Tensor& b, double alpha, 
   at::cpu::addmm_out(c, c, a, b, beta, alpha);
 }
 
-// max of x[0, n) (n >= 1), in independent lanes so it vectorises.
+// max of x[0, n) (n >= 1), in independent lanes: no single dependency chain (GCC,
+// under its default -ftrapping-math, keeps the float compares scalar all the same).
 template <typename T>
 T row_max(const T* x, int64_t n) {
   constexpr int L = 16;
@@ -65,7 +66,7 @@ T row_max(const T* x, int64_t n) {
   for (int l = 0; l < L; ++l) lanes[l] = x[0];
   int64_t j = 0;
   for (; j + L <= n; j += L)
-    for (int l = 0; l < L; ++l) lanes[l] = lanes[l] < x[j + l] ? x[j + l] : lanes[l];  // maxps
+    for (int l = 0; l < L; ++l) lanes[l] = lanes[l] < x[j + l] ? x[j + l] : lanes[l];
   T m = x[0];
   for (int l = 0; l < L; ++l) m = std::max(m, lanes[l]);
   for (; j < n; ++j) m = std::max(m, x[j]);
