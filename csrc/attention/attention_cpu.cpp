@@ -21,11 +21,22 @@
 namespace gpu_puzzles {
 namespace {
 
-// Query rows per task and keys per block. A (kQBlock x kKBlock) score block and
-// its probabilities stay in L2; the query block is large enough that each GEMM
-// does real work for its call overhead.
-constexpr int64_t kQBlock = 64;
+// Keys per block: a (query block x kKBlock) block of scores and one of their
+// gradients stay in L2.
 constexpr int64_t kKBlock = 512;
+
+// Query rows per block, the same in the forward and the backward so that both
+// compute every score with the same GEMM shapes, bit for bit: the backward's
+// exp(S - lse) then matches the forward's normalisation even where float32
+// cannot hold the scores well. 128 (fewer, larger GEMMs; the dK and dV GEMMs sum
+// over the block), 64 when causal (less of the diagonal block computed and
+// masked), halved down to 32 while there would be fewer than 8 tasks. It
+// depends on the shapes only, never on the thread count.
+int64_t query_block(int64_t BH, int64_t Sq, bool causal) {
+  int64_t qb = causal ? 64 : 128;
+  while (qb > 32 && BH * ((Sq + qb - 1) / qb) < 8) qb /= 2;
+  return qb;
+}
 
 template <typename T>
 constexpr at::ScalarType scalar_type_of() {
@@ -46,7 +57,8 @@ void gemm(at::Tensor c, const at::Tensor& a, const at::Tensor& b, double alpha, 
   at::cpu::addmm_out(c, c, a, b, beta, alpha);
 }
 
-// max of x[0, n) (n >= 1), in independent lanes so it vectorises.
+// max of x[0, n) (n >= 1), in independent lanes: no single dependency chain (GCC,
+// under its default -ftrapping-math, keeps the float compares scalar all the same).
 template <typename T>
 T row_max(const T* x, int64_t n) {
   constexpr int L = 16;
@@ -54,7 +66,7 @@ T row_max(const T* x, int64_t n) {
   for (int l = 0; l < L; ++l) lanes[l] = x[0];
   int64_t j = 0;
   for (; j + L <= n; j += L)
-    for (int l = 0; l < L; ++l) lanes[l] = lanes[l] < x[j + l] ? x[j + l] : lanes[l];  // maxps
+    for (int l = 0; l < L; ++l) lanes[l] = lanes[l] < x[j + l] ? x[j + l] : lanes[l];
   T m = x[0];
   for (int l = 0; l < L; ++l) m = std::max(m, lanes[l]);
   for (; j < n; ++j) m = std::max(m, x[j]);
@@ -99,12 +111,13 @@ inline int64_t keys_for_rows(int64_t i1, int64_t Sk, bool causal) { return causa
 template <typename T>
 void fwd_kernel(const T* q, const T* k, const T* v, T* o, T* lse, int64_t BH, int64_t Sq, int64_t Sk, int64_t D,
                 int64_t Dv, double scale, bool causal) {
-  const int64_t nqb = (Sq + kQBlock - 1) / kQBlock;
+  const int64_t qblk = query_block(BH, Sq, causal);
+  const int64_t nqb = (Sq + qblk - 1) / qblk;
   const int64_t kb_max = std::min(Sk, kKBlock);
   at::parallel_for(0, BH * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> s(kQBlock * kb_max), mx(kQBlock), sum(kQBlock), alpha(kQBlock);
+    std::vector<T> s(qblk * kb_max), mx(qblk), sum(qblk), alpha(qblk);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t bh = t / nqb, i0 = (t % nqb) * kQBlock, m = std::min(kQBlock, Sq - i0);
+      const int64_t bh = t / nqb, i0 = (t % nqb) * qblk, m = std::min(qblk, Sq - i0);
       const T* qb = q + (bh * Sq + i0) * D;
       const T* kbh = k + bh * Sk * D;
       const T* vbh = v + bh * Sk * Dv;
@@ -153,9 +166,10 @@ void fwd_kernel(const T* q, const T* k, const T* v, T* o, T* lse, int64_t BH, in
 template <typename T>
 void bwd_kernel(const T* dout, const T* q, const T* k, const T* v, const T* o, const T* lse, T* dq, T* dk, T* dv,
                 int64_t BH, int64_t Sq, int64_t Sk, int64_t D, int64_t Dv, double scale, bool causal) {
+  const int64_t qblk = query_block(BH, Sq, causal);
   const int64_t kb_max = std::min(Sk, kKBlock);
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> p(kQBlock * kb_max), dp(kQBlock * kb_max), delta(Sq);
+    std::vector<T> p(qblk * kb_max), dp(qblk * kb_max), delta(Sq);
     for (int64_t bh = begin; bh < end; ++bh) {
       const T* qh = q + bh * Sq * D;
       const T* kh = k + bh * Sk * D;
@@ -173,8 +187,8 @@ void bwd_kernel(const T* dout, const T* q, const T* k, const T* v, const T* o, c
         for (int64_t d = 0; d < Dv; ++d) acc += gh[i * Dv + d] * oh[i * Dv + d];
         delta[i] = acc;
       }
-      for (int64_t i0 = 0; i0 < Sq; i0 += kQBlock) {
-        const int64_t m = std::min(kQBlock, Sq - i0);
+      for (int64_t i0 = 0; i0 < Sq; i0 += qblk) {  // the forward's blocks
+        const int64_t m = std::min(qblk, Sq - i0);
         const at::Tensor q_blk = mat(qh + i0 * D, m, D, D), g_blk = mat(gh + i0 * Dv, m, Dv, Dv);
         const at::Tensor dq_blk = mat(dqh + i0 * D, m, D, D);
         const int64_t kend = keys_for_rows(i0 + m, Sk, causal);
