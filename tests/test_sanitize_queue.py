@@ -15,6 +15,12 @@ SCRIPT = os.path.join(ROOT, "tools", "sanitize_queue.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
 import sanitize_queue  # noqa: E402
 
+
+def _own_env():
+    """This process's environment without the caller's sanitizer settings (SANITIZE_K,
+    SANITIZE_SKIP, PYTEST_ADDOPTS, ...), which would select other tests in the fake runs."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SANITIZE_") and k != "PYTEST_ADDOPTS"}
+
 FAKE = """
 import os, subprocess, sys
 args = sys.argv[1:]
@@ -54,7 +60,7 @@ def test_cpu_only():  # deselected by the default -k
 def run_queue(tmp_path, *args, errors=0, race=False, foreign=0):
     (tmp_path / "fake_sanitizer.py").write_text(textwrap.dedent(FAKE))
     (tmp_path / "test_tiny.py").write_text(textwrap.dedent(TESTS))
-    env = dict(os.environ, FAKE_ERRORS=str(errors), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+    env = dict(_own_env(), FAKE_ERRORS=str(errors), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                SANITIZE_QUEUE_LAUNCHER="%s %s" % (sys.executable, tmp_path / "fake_sanitizer.py"))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if race:
@@ -162,7 +168,7 @@ def test_cpu_device_run_per_tool_files(tmp_path):
     (tmp_path / "test_one.py").write_text("def test_a():\n    pass\n")
     (tmp_path / "test_two.py").write_text("def test_b():\n    pass\ndef test_c():\n    pass\n")
     bindir = os.path.dirname(sys.executable)
-    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], OUT=str(tmp_path / "out"),
+    env = dict(_own_env(), PATH=bindir + os.pathsep + os.environ["PATH"], OUT=str(tmp_path / "out"),
                STEPS="memcheck+racecheck", SANITIZE_FILES_memcheck="test_one.py", SANITIZE_FILES_racecheck="test_two.py",
                SANITIZE_WORKERS="4", SANITIZE_WORKERS_racecheck="3", SANITIZE_TIMEOUT="60", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                SANITIZE_QUEUE_LAUNCHER="%s %s" % (sys.executable, tmp_path / "fake_sanitizer.py"))
