@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/cpu_grain.h"  // grain_rows
 #include "common/cpu_isa.h"
 #include "common/dtype.h"
 
@@ -22,11 +23,6 @@ namespace GP_CPU_NS {
 namespace vec_loops {
 
 using at::vec::Vectorized;
-
-// Parallel grain: rows of `row` elements per task step, so that a step holds at least
-// kGrainElems elements (torch's own grain for cheap element work).
-constexpr int64_t kGrainElems = 32768;
-inline int64_t grain_rows(int64_t row) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row)); }
 
 // Elements summed in vector lanes before the partial goes into a double total: a
 // lane then adds at most kSumChunk / lanes terms, so a float sum over a long row

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/cpu_grain.h"
 #include "conv1d/conv1d.h"
 
 namespace gpu_puzzles {
@@ -104,9 +105,6 @@ Rows rows_of(const at::Tensor& x, const at::Tensor& weight) {
   return {L == 0 ? 0 : x.numel() / L, weight.numel() / K, L, K};
 }
 
-// Rows per task: enough work (about 32k multiply-adds) to pay for a thread.
-int64_t row_grain(const Rows& s) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.L * s.K)); }
-
 // The taps in the accumulate type, each channel's reversed when flip is set.
 template <typename T, typename A>
 std::vector<A> taps(const T* w, const Rows& s, bool flip) {
@@ -121,7 +119,7 @@ void forward(const T* x, const T* w, const T* bias, T* out, const Rows& s, int64
   using A = at::opmath_type<T>;
   const std::vector<A> wa = taps<T, A>(w, s, false);
   const RowKernel<T, A> row = row_kernel<T, A>(s.K);
-  at::parallel_for(0, s.rows, row_grain(s), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, s.rows, grain_rows(s.L * s.K), [&](int64_t begin, int64_t end) {
     std::vector<A> scratch(s.K > kMaxUnrolledK ? kBlock : 0);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t c = r % s.C;
@@ -141,7 +139,7 @@ void backward(const T* dy, const T* x, const T* w, T* dx, T* dw, T* db, const Ro
   const RowKernel<T, A> row = row_kernel<T, A>(s.K);
   const int64_t K1 = s.K + 1;
   std::vector<A> part(static_cast<size_t>(s.rows * K1));
-  at::parallel_for(0, s.rows, row_grain(s), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, s.rows, grain_rows(s.L * s.K), [&](int64_t begin, int64_t end) {
     std::vector<A> scratch(s.K > kMaxUnrolledK ? kBlock : 0);
     for (int64_t r = begin; r < end; ++r) {
       const T* g = dy + r * s.L;

@@ -13,17 +13,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/cpu_grain.h"
 #include "embedding/embedding.h"
 
 namespace gpu_puzzles {
 namespace {
 
-// Rows per task for row copies of E elements: about 32k elements a task.
-int64_t row_grain(int64_t E) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, E)); }
-
 template <typename T, typename I>
 void forward(const I* idx, const T* w, T* out, int64_t T_, int64_t V, int64_t E) {
-  at::parallel_for(0, T_, row_grain(E), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T_, grain_rows(E), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t v = static_cast<int64_t>(idx[t]);
       T* dst = out + t * E;
@@ -67,7 +65,7 @@ void backward(const T* g, const I* idx, T* gw, int64_t T_, int64_t V, int64_t E,
   using A = at::opmath_type<T>;
   std::vector<int64_t> start, pos;
   group_by_row(idx, T_, V, pad, start, pos);
-  at::parallel_for(0, V, row_grain(E), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, V, grain_rows(E), [&](int64_t begin, int64_t end) {
     // Half types sum in float here, then round once.
     std::vector<A> acc(std::is_same<T, A>::value ? 0 : E);
     for (int64_t v = begin; v < end; ++v) {
