@@ -168,3 +168,23 @@ def racecheck_skips(case):
     """Whether racecheck leaves out this case of the running test (see RACECHECK_CASES)."""
     chosen = RACECHECK_CASES.get(current_test())
     return chosen is not None and case not in chosen
+
+
+# Kernels that only move data: what an op launches when it copies a strided input
+# (aten's copy/contiguous/clone kernels and cudaMemcpy device-to-device).
+_COPY_PATTERNS = ("copy", "Memcpy", "CatArrayBatched", "clone")
+
+
+def copy_kernels(fn, *args, **kwargs):
+    """Runs fn(*args, **kwargs) once under the CUDA profiler (after a warm-up call) and returns
+    (result, names of the copy kernels it launched)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA
+             and any(p in e.name for p in _COPY_PATTERNS)]
+    return out, names
