@@ -184,7 +184,11 @@ def copy_kernels(fn, *args, **kwargs):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         out = fn(*args, **kwargs)
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA
-             and any(p in e.name for p in _COPY_PATTERNS)]
+    import json
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    names = [e["name"] for e in events if e.get("cat") in ("kernel", "gpu_memcpy")
+             and any(p in e["name"] for p in _COPY_PATTERNS)]
     return out, names
