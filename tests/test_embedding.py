@@ -288,6 +288,53 @@ def test_cuda_misaligned_views(kernel, offset):
     _grad_close(gw, reference_grad(g, idx, V), torch.float16, "grad")
 
 
+def _strided_views(kind, device, dtype, idx_dtype=torch.int64):
+    """indices, weight and grad_out as views a model hands over."""
+    V, E, B, S = 97, 64, 3, 41
+    ids = torch.randint(-2, V + 2, (B, S + 1), device=device, dtype=idx_dtype)
+    if kind == "shift":  # input_ids[:, :-1]: rows of the index tensor strided
+        idx = ids[:, :-1]
+        w = torch.randn(V, E, device=device, dtype=dtype)
+        g = torch.randn(B, S, 2 * E, device=device, dtype=dtype)[..., E:]
+    elif kind == "transposed":  # (S, B) view of a (B, S) batch: two levels of strides
+        idx = ids[:, 1:].t()
+        w = torch.randn(V, E + 8, device=device, dtype=dtype)[:, 8:]  # rows every E + 8
+        g = torch.randn(B, S, E, device=device, dtype=dtype).transpose(0, 1)
+    else:  # three uncollapsible levels: copied, still right
+        idx = torch.randint(-2, V + 2, (2, 5, 3, 7), device=device, dtype=idx_dtype)[:, ::2, :, :6]
+        w = torch.randn(V, E, device=device, dtype=dtype)
+        g = torch.randn(2, 3, 3, 6, E + 1, device=device, dtype=dtype)[..., 1:]
+    return idx, w, g
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("kernel", FNS)
+@pytest.mark.parametrize("kind", ["shift", "transposed", "three_levels"])
+def test_strided_views(device, dtype, kernel, kind):
+    torch.manual_seed(5)
+    idx, w, g = _strided_views(kind, device, dtype)
+    assert not idx.is_contiguous() and not g.is_contiguous()
+    y = FNS[kernel](idx, w)
+    assert torch.equal(y, reference(idx, w))
+    gw = BWD_OP(g, idx, w.shape[0], None, True, kernel)
+    _grad_close(gw, reference_grad(g, idx, w.shape[0]), dtype, f"grad {kernel}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["shift", "transposed"])
+def test_strided_views_launch_no_copy(kind):
+    from conftest import copy_kernels
+    idx, w, g = _strided_views(kind, "cuda", torch.bfloat16)
+    _, fwd = copy_kernels(OP, idx, w, None, "coalesced")
+    assert fwd == [], fwd
+    # The backward reads the grad rows in place: no copy beyond those of contiguous inputs
+    # (the index sort may copy its keys internally either way).
+    ic = idx.contiguous()
+    _, bwd = copy_kernels(BWD_OP, g, ic, w.shape[0], None, True, "coalesced")
+    _, base = copy_kernels(BWD_OP, g.contiguous(), ic, w.shape[0], None, True, "coalesced")
+    assert bwd == base, (bwd, base)
+
+
 @requires_cuda
 @pytest.mark.parametrize("run", [1, 15, 16, 17, 31, 32, 33, 100])
 def test_cuda_tile_boundaries(run):

@@ -7,6 +7,7 @@
 
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "common/checks.h"
 #include "common/register.h"
@@ -67,6 +68,23 @@ Shape check_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::opt
   return s;
 }
 
+#ifdef WITH_CUDA
+// x (or grad_out) as (B, C, L) rows read in place when each row is contiguous; any other
+// layout is copied once.
+std::pair<at::Tensor, Conv1dRows> rows_of(const at::Tensor& x) {
+  const at::Tensor t = x.size(-1) <= 1 || x.stride(-1) == 1 ? x : x.contiguous();
+  if (t.dim() == 3) return {t, Conv1dRows{t.stride(0), t.stride(1)}};
+  if (t.dim() == 2) return {t, Conv1dRows{0, t.stride(0)}};
+  return {t, Conv1dRows{0, 0}};
+}
+
+// weight (C, K) or (K,) with contiguous rows, and its row stride.
+std::pair<at::Tensor, int64_t> taps_of(const at::Tensor& w) {
+  const at::Tensor t = w.size(-1) <= 1 || w.stride(-1) == 1 ? w : w.contiguous();
+  return {t, t.dim() == 2 ? t.stride(0) : t.size(0)};
+}
+#endif
+
 at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                       bool causal, c10::string_view algorithm) {
   const Shape s = check_inputs(x, weight, bias);
@@ -107,11 +125,12 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, const c10:
   const Conv1dAlgo algo = parse_algorithm(std::string(algorithm), s.K, /*on_cuda=*/true);
   TORCH_CHECK(x.is_cuda(), "conv1d: x must be a CUDA tensor for the CUDA kernel, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const auto [xc, xs] = rows_of(x);
+  const auto [wc, ws] = taps_of(weight);
   const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor out = at::empty(x.sizes(), x.options());
   Conv1dArgs a{xc.data_ptr(), wc.data_ptr(), bc.defined() ? bc.data_ptr() : nullptr, out.data_ptr(),
-               s.B, s.C, s.L, static_cast<int>(s.K), causal, to_dtype(x.scalar_type())};
+               s.B, s.C, s.L, static_cast<int>(s.K), causal, to_dtype(x.scalar_type()), xs, ws};
   GP_CUDA_CHECK_STATUS(conv1d_forward_cuda(a, algo, current_stream()));
   return out;
 }
@@ -123,7 +142,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv1d_backward_cuda(const at::Te
   check_grad_out(grad_out, x);
   const Conv1dAlgo algo = parse_algorithm(std::string(algorithm), s.K, /*on_cuda=*/true);
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor g = grad_out.contiguous(), xc = x.contiguous(), wc = weight.contiguous();
+  const auto [g, gs] = rows_of(grad_out);
+  const auto [xc, xs] = rows_of(x);
   at::Tensor dx = at::empty(x.sizes(), x.options());
   at::Tensor dw = at::empty(weight.sizes(), weight.options());
   at::Tensor db = at::empty({s.C}, weight.options());
@@ -133,16 +153,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv1d_backward_cuda(const at::Te
     const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     at::Tensor ws = at::empty({conv1d_backward_fast_workspace(s.B, s.C, s.L, static_cast<int>(s.K))},
                               x.options().dtype(acc));
-    GP_CUDA_CHECK_STATUS(conv1d_backward_fast_cuda(g.data_ptr(), xc.data_ptr(), wc.data_ptr(), dx.data_ptr(),
-                                                   dw.data_ptr(), db.data_ptr(), ws.data_ptr(), s.B, s.C, s.L,
-                                                   static_cast<int>(s.K), causal, dt, stream));
+    const auto [wc, wstride] = taps_of(weight);
+    GP_CUDA_CHECK_STATUS(conv1d_backward_fast_cuda(g.data_ptr(), gs, xc.data_ptr(), xs, wc.data_ptr(), wstride,
+                                                   dx.data_ptr(), dw.data_ptr(), db.data_ptr(), ws.data_ptr(), s.B,
+                                                   s.C, s.L, static_cast<int>(s.K), causal, dt, stream));
   } else {
     const at::Tensor wflip = weight.flip({-1}).contiguous();
     Conv1dArgs a{g.data_ptr(), wflip.data_ptr(), nullptr, dx.data_ptr(), s.B, s.C, s.L, static_cast<int>(s.K),
-                 !causal, dt};
+                 !causal, dt, gs, s.K};
     GP_CUDA_CHECK_STATUS(conv1d_forward_cuda(a, algo, stream));
-    GP_CUDA_CHECK_STATUS(conv1d_weight_grad_generic_cuda(g.data_ptr(), xc.data_ptr(), dw.data_ptr(), db.data_ptr(),
-                                                         s.B, s.C, s.L, static_cast<int>(s.K), causal, dt, stream));
+    GP_CUDA_CHECK_STATUS(conv1d_weight_grad_generic_cuda(g.data_ptr(), gs, xc.data_ptr(), xs, dw.data_ptr(),
+                                                         db.data_ptr(), s.B, s.C, s.L, static_cast<int>(s.K), causal,
+                                                         dt, stream));
   }
   return {dx, dw, db};
 }

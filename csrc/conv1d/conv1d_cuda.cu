@@ -20,6 +20,12 @@ constexpr unsigned kFull = 0xffffffffu;
 
 static_assert(kConv1dFastMaxK == kE + 1, "fast path halo is one neighbouring chunk");
 
+// Start of row `row` = b * C + c of a strided input.
+__device__ __forceinline__ int64_t row_start(int64_t row, int64_t C, Conv1dRows s) {
+  const int64_t b = row / C;
+  return b * s.b_stride + (row - b * C) * s.c_stride;
+}
+
 // ---- fast path -------------------------------------------------------------
 
 // Chunk [i0, i0 + kE) of one row, zero outside [0, L). In the vector form
@@ -109,8 +115,9 @@ __device__ __forceinline__ void load_taps(acc_t<T> (&wr)[KMAX], const T* __restr
 
 template <typename T, int KMAX, bool CAUSAL, bool VEC>
 __global__ void __launch_bounds__(kWarps * 32)
-    conv1d_fwd_fast(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
-                    T* __restrict__ out, int64_t rows, int64_t C, int64_t L, int K, int64_t segs) {
+    conv1d_fwd_fast(const T* __restrict__ x, Conv1dRows xs, const T* __restrict__ w, int64_t ws,
+                    const T* __restrict__ bias, T* __restrict__ out, int64_t rows, int64_t C, int64_t L, int K,
+                    int64_t segs) {
   using A = acc_t<T>;
   const int lane = threadIdx.x & 31;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -121,11 +128,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t i0 = seg * kSeg + static_cast<int64_t>(lane) * kE;
 
   A wr[KMAX];
-  load_taps<T, KMAX, CAUSAL>(wr, w + c * K, K);
+  load_taps<T, KMAX, CAUSAL>(wr, w + c * ws, K);
   const A b = bias ? to_acc<A>(bias[c]) : A(0);
 
   A own[kE], nb[kE], y[kE];
-  load_window<T, VEC, CAUSAL ? -1 : 1>(own, nb, x + row * L, i0, L, lane);
+  load_window<T, VEC, CAUSAL ? -1 : 1>(own, nb, x + row_start(row, C, xs), i0, L, lane);
   taps<KMAX, CAUSAL>(y, own, nb, wr, b);
   store_chunk<T, VEC>(out + row * L, y, i0, L);
 }
@@ -136,9 +143,9 @@ __global__ void __launch_bounds__(kWarps * 32)
 // order, so the result is deterministic.
 template <typename T, int KMAX, bool CAUSAL, bool VEC>
 __global__ void __launch_bounds__(kWarps * 32)
-    conv1d_bwd_fast(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
-                    T* __restrict__ dx, acc_t<T>* __restrict__ partial, int64_t B, int64_t C,
-                    int64_t L, int K, int64_t segs, int64_t bper, int64_t nbg) {
+    conv1d_bwd_fast(const T* __restrict__ dy, Conv1dRows dys, const T* __restrict__ x, Conv1dRows xs,
+                    const T* __restrict__ w, int64_t ws, T* __restrict__ dx, acc_t<T>* __restrict__ partial,
+                    int64_t B, int64_t C, int64_t L, int K, int64_t segs, int64_t bper, int64_t nbg) {
   using A = acc_t<T>;
   const int lane = threadIdx.x & 31;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -151,7 +158,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   // dx = conv(dy, taps reversed, opposite alignment): the same wr array as the
   // forward, applied in the other window direction.
   A wr[KMAX];
-  load_taps<T, KMAX, CAUSAL>(wr, w + c * K, K);
+  load_taps<T, KMAX, CAUSAL>(wr, w + c * ws, K);
 
   A dwp[KMAX];
 #pragma unroll
@@ -162,8 +169,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int64_t b = bg * bper; b < b_end; ++b) {
     const int64_t row = b * C + c;
     A gown[kE], gnb[kE], xown[kE], xnb[kE], g[kE];
-    load_window<T, VEC, CAUSAL ? 1 : -1>(gown, gnb, dy + row * L, i0, L, lane);
-    load_window<T, VEC, CAUSAL ? -1 : 1>(xown, xnb, x + row * L, i0, L, lane);
+    load_window<T, VEC, CAUSAL ? 1 : -1>(gown, gnb, dy + row_start(row, C, dys), i0, L, lane);
+    load_window<T, VEC, CAUSAL ? -1 : 1>(xown, xnb, x + row_start(row, C, xs), i0, L, lane);
     taps<KMAX, !CAUSAL>(g, gown, gnb, wr, A(0));
     store_chunk<T, VEC>(dx + row * L, g, i0, L);
 #pragma unroll
@@ -225,8 +232,9 @@ __global__ void conv1d_reduce_partials(const acc_t<T>* __restrict__ partial, T* 
 
 template <typename T>
 __global__ void __launch_bounds__(kTile)
-    conv1d_fwd_tiled(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
-                     T* __restrict__ out, int64_t C, int64_t L, int K, int shift, int64_t tiles) {
+    conv1d_fwd_tiled(const T* __restrict__ x, Conv1dRows xs, const T* __restrict__ w, int64_t ws,
+                     const T* __restrict__ bias, T* __restrict__ out, int64_t C, int64_t L, int K, int shift,
+                     int64_t tiles) {
   using A = acc_t<T>;
   extern __shared__ unsigned char smem_raw[];
   A* sx = reinterpret_cast<A*>(smem_raw);
@@ -234,12 +242,12 @@ __global__ void __launch_bounds__(kTile)
   const int64_t row = blockIdx.x / tiles;
   const int64_t t0 = (blockIdx.x - row * tiles) * kTile;
   const int64_t c = row % C;
-  const T* xr = x + row * L;
+  const T* xr = x + row_start(row, C, xs);
   for (int s = threadIdx.x; s < kTile + K - 1; s += kTile) {
     const int64_t i = t0 - shift + s;
     sx[s] = (i >= 0 && i < L) ? to_acc<A>(xr[i]) : A(0);
   }
-  for (int j = threadIdx.x; j < K; j += kTile) sw[j] = to_acc<A>(w[c * K + j]);
+  for (int j = threadIdx.x; j < K; j += kTile) sw[j] = to_acc<A>(w[c * ws + j]);
   __syncthreads();
   const int64_t i = t0 + threadIdx.x;
   if (i < L) {
@@ -252,17 +260,18 @@ __global__ void __launch_bounds__(kTile)
 // ---- naive path: one thread per output -------------------------------------
 
 template <typename T>
-__global__ void conv1d_fwd_naive(const T* __restrict__ x, const T* __restrict__ w,
+__global__ void conv1d_fwd_naive(const T* __restrict__ x, Conv1dRows xs, const T* __restrict__ w, int64_t ws,
                                  const T* __restrict__ bias, T* __restrict__ out, int64_t n,
                                  int64_t C, int64_t L, int K, int shift) {
   using A = acc_t<T>;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = idx / L, i = idx - row * L, c = row % C;
+    const T* xr = x + row_start(row, C, xs);
     A s = bias ? to_acc<A>(bias[c]) : A(0);
     for (int j = 0; j < K; ++j) {
       const int64_t p = i - shift + j;
-      if (p >= 0 && p < L) s += to_acc<A>(x[row * L + p]) * to_acc<A>(w[c * K + j]);
+      if (p >= 0 && p < L) s += to_acc<A>(xr[p]) * to_acc<A>(w[c * ws + j]);
     }
     out[idx] = from_acc<T>(s);
   }
@@ -270,9 +279,9 @@ __global__ void conv1d_fwd_naive(const T* __restrict__ x, const T* __restrict__ 
 
 // dw[c, j] (j < K) or dbias[c] (j == K): one block reduces over (b, i).
 template <typename T>
-__global__ void conv1d_dw_generic(const T* __restrict__ dy, const T* __restrict__ x,
-                                  T* __restrict__ dw, T* __restrict__ dbias, int64_t B, int64_t C,
-                                  int64_t L, int K, int shift) {
+__global__ void conv1d_dw_generic(const T* __restrict__ dy, Conv1dRows dys, const T* __restrict__ x,
+                                  Conv1dRows xs, T* __restrict__ dw, T* __restrict__ dbias, int64_t B,
+                                  int64_t C, int64_t L, int K, int shift) {
   using A = acc_t<T>;
   __shared__ A red[32];
   const int64_t c = blockIdx.x / (K + 1);
@@ -280,13 +289,12 @@ __global__ void conv1d_dw_generic(const T* __restrict__ dy, const T* __restrict_
   A s = A(0);
   for (int64_t t = threadIdx.x; t < B * L; t += blockDim.x) {
     const int64_t b = t / L, i = t - b * L;
-    const int64_t row = b * C + c;
-    const A g = to_acc<A>(dy[row * L + i]);
+    const A g = to_acc<A>(dy[b * dys.b_stride + c * dys.c_stride + i]);
     if (j == K) {
       s += g;
     } else {
       const int64_t p = i - shift + j;
-      if (p >= 0 && p < L) s += g * to_acc<A>(x[row * L + p]);
+      if (p >= 0 && p < L) s += g * to_acc<A>(x[b * xs.b_stride + c * xs.c_stride + p]);
     }
   }
   s = warp_sum(s);
@@ -300,10 +308,14 @@ __global__ void conv1d_dw_generic(const T* __restrict__ dy, const T* __restrict_
   }
 }
 
-bool vec_ok(const void* const* ptrs, int n, int64_t L, int elem) {
+// 16-byte vectors need every row start aligned: the bases, and the row strides of the
+// strided inputs (`rows`) in whole vectors.
+bool vec_ok(const void* const* ptrs, int n, const Conv1dRows* rows, int nrows, int64_t L, int elem) {
   if ((L * elem) % 16 != 0 || L % kE != 0) return false;
   for (int i = 0; i < n; ++i)
     if (ptrs[i] && (reinterpret_cast<uintptr_t>(ptrs[i]) & 15) != 0) return false;
+  for (int i = 0; i < nrows; ++i)
+    if ((rows[i].b_stride * elem) % 16 != 0 || (rows[i].c_stride * elem) % 16 != 0) return false;
   return true;
 }
 
@@ -356,9 +368,9 @@ LaunchStatus conv1d_forward_cuda(const Conv1dArgs& a, Conv1dAlgo algo, cudaStrea
       const int64_t segs = (a.L + kSeg - 1) / kSeg;
       const void* ptrs[2] = {a.x, a.out};
       const unsigned blocks = ceil_div_u(rows * segs, kWarps);
-      dispatch_fast(a.K, a.causal, vec_ok(ptrs, 2, a.L, sizeof(T)), [&](auto kmax, auto causal_c, auto vec_c) {
+      dispatch_fast(a.K, a.causal, vec_ok(ptrs, 2, &a.xs, 1, a.L, sizeof(T)), [&](auto kmax, auto causal_c, auto vec_c) {
         conv1d_fwd_fast<T, decltype(kmax)::value, decltype(causal_c)::value, decltype(vec_c)::value>
-            <<<blocks, kWarps * 32, 0, stream>>>(x, w, bias, out, rows, a.C, a.L, a.K, segs);
+            <<<blocks, kWarps * 32, 0, stream>>>(x, a.xs, w, a.w_stride, bias, out, rows, a.C, a.L, a.K, segs);
       });
     } else if (algo == Conv1dAlgo::Tiled) {
       const int64_t tiles = (a.L + kTile - 1) / kTile;
@@ -366,12 +378,12 @@ LaunchStatus conv1d_forward_cuda(const Conv1dArgs& a, Conv1dAlgo algo, cudaStrea
       if (smem > 48 * 1024)
         cudaFuncSetAttribute(conv1d_fwd_tiled<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
       conv1d_fwd_tiled<T><<<static_cast<unsigned>(rows * tiles), kTile, smem, stream>>>(
-          x, w, bias, out, a.C, a.L, a.K, shift, tiles);
+          x, a.xs, w, a.w_stride, bias, out, a.C, a.L, a.K, shift, tiles);
     } else {
       const int64_t n = rows * a.L;
       const int64_t blocks = (n + 255) / 256;
       conv1d_fwd_naive<T><<<static_cast<unsigned>(blocks < (1 << 20) ? blocks : (1 << 20)), 256, 0, stream>>>(
-          x, w, bias, out, n, a.C, a.L, a.K, shift);
+          x, a.xs, w, a.w_stride, bias, out, n, a.C, a.L, a.K, shift);
     }
   });
   return static_cast<LaunchStatus>(cudaGetLastError());
@@ -384,10 +396,10 @@ int64_t conv1d_backward_fast_workspace(int64_t B, int64_t C, int64_t L, int K) {
   return nbg * C * segs * (K + 1);
 }
 
-LaunchStatus conv1d_backward_fast_cuda(const void* dy, const void* x, const void* w, void* dx,
-                                       void* dw, void* dbias, void* workspace, int64_t B,
-                                       int64_t C, int64_t L, int K, bool causal, DType dtype,
-                                       cudaStream_t stream) {
+LaunchStatus conv1d_backward_fast_cuda(const void* dy, Conv1dRows dys, const void* x, Conv1dRows xs,
+                                       const void* w, int64_t w_stride, void* dx, void* dw, void* dbias,
+                                       void* workspace, int64_t B, int64_t C, int64_t L, int K, bool causal,
+                                       DType dtype, cudaStream_t stream) {
   if (C == 0) return 0;
   const int64_t segs = (L + kSeg - 1) / kSeg;
   int64_t bper, nbg;
@@ -399,10 +411,11 @@ LaunchStatus conv1d_backward_fast_cuda(const void* dy, const void* x, const void
     if (B > 0 && L > 0) {
       const void* ptrs[3] = {dy, x, dx};
       const unsigned blocks = ceil_div_u(nbg * C * segs, kWarps);
-      dispatch_fast(K, causal, vec_ok(ptrs, 3, L, sizeof(T)), [&](auto kmax, auto causal_c, auto vec_c) {
+      const Conv1dRows strided[2] = {dys, xs};
+      dispatch_fast(K, causal, vec_ok(ptrs, 3, strided, 2, L, sizeof(T)), [&](auto kmax, auto causal_c, auto vec_c) {
         conv1d_bwd_fast<T, decltype(kmax)::value, decltype(causal_c)::value, decltype(vec_c)::value>
-            <<<blocks, kWarps * 32, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
-                                                 static_cast<const T*>(w), static_cast<T*>(dx), partial,
+            <<<blocks, kWarps * 32, 0, stream>>>(static_cast<const T*>(dy), dys, static_cast<const T*>(x), xs,
+                                                 static_cast<const T*>(w), w_stride, static_cast<T*>(dx), partial,
                                                  B, C, L, K, segs, bper, nbg);
       });
     } else {
@@ -414,15 +427,15 @@ LaunchStatus conv1d_backward_fast_cuda(const void* dy, const void* x, const void
   return static_cast<LaunchStatus>(cudaGetLastError());
 }
 
-LaunchStatus conv1d_weight_grad_generic_cuda(const void* dy, const void* x, void* dw, void* dbias,
-                                             int64_t B, int64_t C, int64_t L, int K, bool causal,
-                                             DType dtype, cudaStream_t stream) {
+LaunchStatus conv1d_weight_grad_generic_cuda(const void* dy, Conv1dRows dys, const void* x, Conv1dRows xs,
+                                             void* dw, void* dbias, int64_t B, int64_t C, int64_t L, int K,
+                                             bool causal, DType dtype, cudaStream_t stream) {
   if (C == 0) return 0;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     conv1d_dw_generic<T><<<static_cast<unsigned>(C * (K + 1)), 256, 0, stream>>>(
-        static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dw), static_cast<T*>(dbias),
-        B, C, L, K, causal ? K - 1 : 0);
+        static_cast<const T*>(dy), dys, static_cast<const T*>(x), xs, static_cast<T*>(dw),
+        static_cast<T*>(dbias), B, C, L, K, causal ? K - 1 : 0);
   });
   return static_cast<LaunchStatus>(cudaGetLastError());
 }

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/checks.h"
@@ -111,21 +112,52 @@ at::Tensor embedding_backward_cpu(const at::Tensor& grad_out, const at::Tensor& 
 }
 
 #ifdef WITH_CUDA
+// The first `dims` dims of t as at most two levels (n0, n1) of strides (s0, s1): size-1
+// dims dropped, neighbours merged where one steps over the other exactly.
+c10::optional<TokenStrides> two_levels(const at::Tensor& t, int64_t dims) {
+  std::vector<std::pair<int64_t, int64_t>> lv;  // (size, stride), outermost first
+  for (int64_t d = 0; d < dims; ++d) {
+    const int64_t n = t.size(d), st = t.stride(d);
+    if (n == 1) continue;
+    if (!lv.empty() && lv.back().second == st * n) lv.back() = {lv.back().first * n, st};
+    else lv.push_back({n, st});
+  }
+  if (lv.size() > 2) return c10::nullopt;
+  if (lv.empty()) return TokenStrides{1, 0, 0};
+  if (lv.size() == 1) return TokenStrides{lv[0].first, 0, lv[0].second};
+  return TokenStrides{lv[1].first, lv[0].second, lv[1].second};
+}
+
+// t read in place when its leading dims (all of them, or all but the contiguous last
+// with rows = true) collapse to two levels; else a contiguous copy.
+std::pair<at::Tensor, TokenStrides> tokens_of(const at::Tensor& t, bool rows) {
+  const int64_t dims = rows ? t.dim() - 1 : t.dim();
+  const bool inner_ok = !rows || t.size(-1) <= 1 || t.stride(-1) == 1;
+  if (inner_ok) {
+    if (const auto s = two_levels(t, dims)) return {t, *s};
+  }
+  const at::Tensor c = t.contiguous();
+  return {c, *two_levels(c, dims)};
+}
+
 at::Tensor forward_cuda_op(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx,
                            bool two_d, const char* op) {
   const Sizes s = check_forward(indices, weight, padding_idx, op);
   TORCH_CHECK(weight.is_cuda(), op, ": weight must be a CUDA tensor for the CUDA kernel, got ", weight.device());
   const c10::cuda::CUDAGuard guard(weight.device());
-  const at::Tensor ic = indices.contiguous(), wc = weight.contiguous();
+  const auto [ic, is] = tokens_of(indices, false);
+  const at::Tensor wc = s.E <= 1 || weight.stride(1) == 1 ? weight : weight.contiguous();
   at::Tensor out = at::empty(out_shape(indices, s.E), weight.options());
   EmbeddingFwdArgs a{ic.data_ptr(), ic.scalar_type() == at::kLong, wc.data_ptr(), out.data_ptr(),
-                     s.T, s.V, s.E, to_dtype(weight.scalar_type())};
+                     s.T, s.V, s.E, to_dtype(weight.scalar_type()), is, s.E <= 1 ? s.E : wc.stride(0)};
   GP_CUDA_CHECK_STATUS(two_d ? embedding_forward_2d_cuda(a, current_stream())
                              : embedding_forward_cuda(a, current_stream()));
   return out;
 }
 
-at::Tensor backward_sorted_cuda(const at::Tensor& gc, const at::Tensor& ic, const Sizes& s, int64_t pad) {
+at::Tensor backward_sorted_cuda(const at::Tensor& grad_out, const at::Tensor& ic, const Sizes& s, int64_t pad) {
+  const auto [gc, gs] = tokens_of(grad_out, true);
+  // The sort needs one flat int64 key array: strided or int32 indices are gathered into it.
   const at::Tensor keys = ic.reshape({-1}).to(at::kLong);
   // Stable: equal keys keep token order, which fixes the summation order.
   auto sorted = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
@@ -135,7 +167,7 @@ at::Tensor backward_sorted_cuda(const at::Tensor& gc, const at::Tensor& ic, cons
   at::Tensor partial = at::empty({embedding_backward_partial_elems(s.T, s.E)}, gc.options().dtype(acc));
   at::Tensor gw = at::empty({s.V, s.E}, gc.options());
   EmbeddingBwdArgs a{gc.data_ptr(), skey.data_ptr<int64_t>(), spos.data_ptr<int64_t>(), seg.data_ptr<int64_t>(),
-                     partial.data_ptr(), gw.data_ptr(), s.T, s.V, s.E, pad, to_dtype(gc.scalar_type())};
+                     partial.data_ptr(), gw.data_ptr(), s.T, s.V, s.E, pad, to_dtype(gc.scalar_type()), gs};
   GP_CUDA_CHECK_STATUS(embedding_backward_sorted_cuda(a, current_stream()));
   return gw;
 }
@@ -146,11 +178,11 @@ at::Tensor backward_cuda_op(const at::Tensor& grad_out, const at::Tensor& indice
   const int64_t pad = normalise_padding(padding_idx, V, op);
   TORCH_CHECK(grad_out.is_cuda(), op, ": grad_out must be a CUDA tensor for the CUDA kernel, got ", grad_out.device());
   const c10::cuda::CUDAGuard guard(grad_out.device());
-  const at::Tensor gc = grad_out.contiguous(), ic = indices.contiguous();
   // The sorted path is deterministic and also the fastest one we have for the
   // coalesced kernel; the 2D grid keeps the seed-style atomics unless asked for
   // determinism.
-  if (!two_d || deterministic) return backward_sorted_cuda(gc, ic, s, pad);
+  if (!two_d || deterministic) return backward_sorted_cuda(grad_out, indices, s, pad);
+  const at::Tensor gc = grad_out.contiguous(), ic = indices.contiguous();
   at::Tensor gw = at::empty({V, s.E}, gc.options());
   const bool half = gc.scalar_type() == at::kHalf || gc.scalar_type() == at::kBFloat16;
   at::Tensor acc = half ? at::empty({V, s.E}, gc.options().dtype(at::kFloat)) : gw;

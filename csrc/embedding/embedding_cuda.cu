@@ -86,12 +86,17 @@ __device__ __forceinline__ bool valid_key(int64_t v, int64_t V, int64_t pad) {
   return v >= 0 && v < V && v != pad;
 }
 
+__device__ __forceinline__ int64_t token_at(int64_t t, TokenStrides s) {
+  const int64_t a = t / s.n1;
+  return a * s.s0 + (t - a * s.n1) * s.s1;
+}
+
 // ---- forward ---------------------------------------------------------------
 
 template <typename T, typename I, int N>
 __global__ void __launch_bounds__(kThreads)
-    emb_fwd(const I* __restrict__ idx, const T* __restrict__ w, T* __restrict__ out, int64_t ntok,
-            int64_t V, int64_t nvec, int lg, int64_t chunks) {
+    emb_fwd(const I* __restrict__ idx, TokenStrides is, const T* __restrict__ w, int64_t ws,
+            T* __restrict__ out, int64_t ntok, int64_t V, int64_t nvec, int lg, int64_t chunks) {
   const int G = 1 << lg;
   const int lane = threadIdx.x & (G - 1);
   const int64_t per_block = kThreads >> lg;
@@ -100,9 +105,9 @@ __global__ void __launch_bounds__(kThreads)
        unit += static_cast<int64_t>(gridDim.x) * per_block) {
     const int64_t t = unit / chunks;
     const int64_t c = unit - t * chunks;
-    const int64_t v = static_cast<int64_t>(idx[t]);
+    const int64_t v = static_cast<int64_t>(idx[token_at(t, is)]);
     const bool ok = v >= 0 && v < V;  // the seed's rule: out of range -> zero row
-    const T* src = w + (ok ? v : 0) * nvec * N;
+    const T* src = w + (ok ? v : 0) * ws;
     T* dst = out + t * nvec * N;
     const int64_t s0 = c * G * kU + lane;
     T r[kU][N];
@@ -130,15 +135,15 @@ __global__ void __launch_bounds__(kThreads)
 // over tokens (the fast-varying index inside a warp), threadIdx.y over columns.
 template <typename T, typename I>
 __global__ void __launch_bounds__(256)
-    emb_fwd_2d(const I* __restrict__ idx, const T* __restrict__ w, T* __restrict__ out, int64_t ntok,
-               int64_t V, int64_t E) {
+    emb_fwd_2d(const I* __restrict__ idx, TokenStrides is, const T* __restrict__ w, int64_t ws,
+               T* __restrict__ out, int64_t ntok, int64_t V, int64_t E) {
   const int64_t tok = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (tok >= ntok) return;
-  const int64_t v = static_cast<int64_t>(idx[tok]);
+  const int64_t v = static_cast<int64_t>(idx[token_at(tok, is)]);
   const bool ok = v >= 0 && v < V;
   for (int64_t e = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; e < E;
        e += static_cast<int64_t>(gridDim.y) * blockDim.y)
-    out[tok * E + e] = ok ? w[v * E + e] : zero_of<T>();
+    out[tok * E + e] = ok ? w[v * ws + e] : zero_of<T>();
 }
 
 // ---- backward: sorted segments ----------------------------------------------
@@ -203,7 +208,8 @@ __device__ __forceinline__ void flush_run(int64_t v, int64_t a, int64_t b, int64
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
-    emb_bwd_tiles(const T* __restrict__ g, const int64_t* __restrict__ key, const int64_t* __restrict__ pos,
+    emb_bwd_tiles(const T* __restrict__ g, TokenStrides gs, const int64_t* __restrict__ key,
+                  const int64_t* __restrict__ pos,
                   const int64_t* __restrict__ seg, acc_t<T>* __restrict__ part, T* __restrict__ gw,
                   int64_t ntok, int64_t V, int64_t pad, int64_t nvec, int lg, int64_t chunks, int64_t tiles) {
   using A = acc_t<T>;
@@ -232,7 +238,7 @@ __global__ void __launch_bounds__(kThreads)
         run_a = i;
       }
       if (!valid_key(v, V, pad)) continue;
-      const T* grow = g + pos[i] * nvec * N;
+      const T* grow = g + token_at(pos[i], gs);
       T x[kU][N];
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
@@ -327,15 +333,16 @@ LaunchStatus embedding_forward_cuda(const EmbeddingFwdArgs& a, cudaStream_t stre
   dispatch_dtype(a.dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int NV = 16 / sizeof(T);
-    const bool vec = (a.E * static_cast<int64_t>(sizeof(T))) % 16 == 0 && aligned(a.weight) && aligned(a.out);
+    const bool vec = (a.E * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
+                     (a.w_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0 && aligned(a.weight) && aligned(a.out);
     dispatch_index(a.idx64, [&](auto itag) {
       using I = decltype(itag);
       auto launch = [&](auto n_c) {
         constexpr int N = decltype(n_c)::value;
         const Plan p = make_plan(a.E, N);
         emb_fwd<T, I, N><<<blocks_for(a.T * p.chunks, p.lg), kThreads, 0, stream>>>(
-            static_cast<const I*>(a.idx), static_cast<const T*>(a.weight), static_cast<T*>(a.out), a.T, a.V,
-            p.nvec, p.lg, p.chunks);
+            static_cast<const I*>(a.idx), a.is, static_cast<const T*>(a.weight), a.w_stride,
+            static_cast<T*>(a.out), a.T, a.V, p.nvec, p.lg, p.chunks);
       };
       if (vec) launch(std::integral_constant<int, NV>{});
       else launch(std::integral_constant<int, 1>{});
@@ -351,7 +358,8 @@ LaunchStatus embedding_forward_2d_cuda(const EmbeddingFwdArgs& a, cudaStream_t s
     dispatch_index(a.idx64, [&](auto itag) {
       using I = decltype(itag);
       emb_fwd_2d<T, I><<<grid_2d(a.T, a.E), dim3(16, 16), 0, stream>>>(
-          static_cast<const I*>(a.idx), static_cast<const T*>(a.weight), static_cast<T*>(a.out), a.T, a.V, a.E);
+          static_cast<const I*>(a.idx), a.is, static_cast<const T*>(a.weight), a.w_stride,
+          static_cast<T*>(a.out), a.T, a.V, a.E);
     });
   });
   return static_cast<LaunchStatus>(cudaGetLastError());
@@ -373,15 +381,16 @@ LaunchStatus embedding_backward_sorted_cuda(const EmbeddingBwdArgs& a, cudaStrea
     using T = decltype(tag);
     using A = acc_t<T>;
     constexpr int NV = 16 / sizeof(T);
-    const bool vec = (a.E * static_cast<int64_t>(sizeof(T))) % 16 == 0 && aligned(a.grad_out) &&
-                     aligned(a.grad_weight);
+    const int64_t es = static_cast<int64_t>(sizeof(T));
+    const bool vec = (a.E * es) % 16 == 0 && (a.gs.s0 * es) % 16 == 0 && (a.gs.s1 * es) % 16 == 0 &&
+                     aligned(a.grad_out) && aligned(a.grad_weight);
     auto launch = [&](auto n_c) {
       constexpr int N = decltype(n_c)::value;
       const Plan p = make_plan(a.E, N);
       const int64_t tiles = (a.T + kEmbTile - 1) / kEmbTile;
       if (tiles > 0)
         emb_bwd_tiles<T, N><<<blocks_for(tiles * p.chunks, p.lg), kThreads, 0, stream>>>(
-            static_cast<const T*>(a.grad_out), a.sorted_key, a.sorted_pos, a.seg, static_cast<A*>(a.partial),
+            static_cast<const T*>(a.grad_out), a.gs, a.sorted_key, a.sorted_pos, a.seg, static_cast<A*>(a.partial),
             static_cast<T*>(a.grad_weight), a.T, a.V, a.padding_idx, p.nvec, p.lg, p.chunks, tiles);
       emb_bwd_rows<T, N><<<blocks_for(a.V * p.chunks, p.lg), kThreads, 0, stream>>>(
           a.seg, static_cast<const A*>(a.partial), static_cast<T*>(a.grad_weight), a.V, p.nvec, p.lg, p.chunks);
