@@ -13,9 +13,28 @@ from gpu_puzzles.ops._common import schema_default
 from conftest import DEVICES, TOL, assert_close_ref, device_dtypes, many, poison_allocator, requires_caching_allocator, requires_cuda
 
 unfused = functools.partial(gp.fused_layernorm_linear, algorithm="unfused")
-IMPLS = {"fused": gp.fused_layernorm_linear, "unfused": unfused}
+PLANS = ("fold", "normalize")  # the fused forward's plans (knob layernorm_linear_plan); "auto" picks one
+
+
+def _planned(plan):
+    """The fused op with its forward plan forced (the backward is the same for both)."""
+    def f(*args, **kwargs):
+        with gp.tuning.override(layernorm_linear_plan=plan):
+            return gp.fused_layernorm_linear(*args, **kwargs)
+    return f
+
+
+IMPLS = {"fused": gp.fused_layernorm_linear, **{p: _planned(p) for p in PLANS}, "unfused": unfused}
 # The ops' default eps, as the schema writes it.
 EPS = schema_default(torch.ops.gpu_puzzles.layer_norm.default, "eps")
+
+@pytest.fixture
+def fold_plan():
+    """Forces the fold plan: the tests of its kernels (prep, epilogue, CUTLASS GEMM, large-mean
+    fix-up), whose shapes the auto plan may hand to normalize."""
+    with gp.tuning.override(layernorm_linear_plan="fold"):
+        yield
+
 
 def _params(H, N, device, dtype, bias=True, grad=False, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -177,6 +196,7 @@ def _large_mean_x(lead, H, means, device, dtype, seed):
     return (m[..., None] + torch.randn(*lead, H, generator=g, dtype=torch.float64)).to(device, dtype)
 
 
+@pytest.mark.usefixtures("fold_plan")
 @pytest.mark.parametrize("device,dtype", device_dtypes())
 @pytest.mark.parametrize("means", [[8.0], [1000.0], [0.0, 3000.0, -12.0, 20.0]])
 def test_large_mean_inputs(device, dtype, means):
@@ -299,6 +319,224 @@ def test_non_contiguous_input(device):
     assert_close_ref(gp.fused_layernorm_linear(x, lw, lb, W, b), _ref(x, lw, lb, W, b)[0], torch.float32, "strided")
 
 
+# ---- the forward plans and W's layouts ----------------------------------------------------
+# W comes as (N, H) rows or as a transposed view of (H, N) memory (GPT-2's Conv1D hands
+# weight.t()); either is taken without a copy (the fold plan reads rows: a forced fold copies
+# a transposed W, the auto plan takes normalize), and dW comes back in W's layout.
+
+def _w_view(W, layout):
+    """W's values in the given memory layout: "rows" (N, H) row-major, "t" a view of (H, N) memory."""
+    if layout == "rows":
+        return W
+    Wt = W.detach().t().contiguous().t().requires_grad_(W.requires_grad)
+    assert Wt.stride() == (1, W.shape[0]) or W.shape[0] == 1 or W.shape[1] == 1
+    return Wt
+
+
+LAYOUTS = ("rows", "t")
+PLAN_SHAPES = [((4, 5), 24, 40), ((37,), 64, 8), ((3,), 1, 7), ((2, 3), 100, 33)]
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("plan", ("auto",) + PLANS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_plans_and_layouts_forward(device, dtype, plan, layout, bias):
+    # Every plan, W in either layout: y and the saved statistics vs float64.
+    for lead, H, N in PLAN_SHAPES:
+        torch.manual_seed(H + N)
+        x = (torch.randn(*lead, H, dtype=torch.float64) * 1.3 + 0.4).to(device, dtype)
+        lw, lb, W, b = _params(H, N, device, dtype, bias=bias, seed=N)
+        W = _w_view(W, layout)
+        with gp.tuning.override(layernorm_linear_plan=None if plan == "auto" else plan):
+            y, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, EPS)
+        assert y.shape == (*lead, N) and y.dtype == dtype and y.is_contiguous()
+        assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"{plan} {layout} {lead} {H} {N}")
+        _assert_stats(x, mean, rstd)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+def test_plans_agree(device, dtype):
+    # fold and normalize: the same output within the dtype's rounding, the same statistics.
+    torch.manual_seed(2)
+    M, H, N = 70, 96, 48
+    x = (torch.randn(M, H, dtype=torch.float64) * 2 - 0.5).to(device, dtype)
+    lw, lb, W, b = _params(H, N, device, dtype, seed=3)
+    outs = {p: _planned(p)(x, lw, lb, W, b) for p in PLANS}
+    stats = {}
+    for p in PLANS:
+        with gp.tuning.override(layernorm_linear_plan=p):
+            stats[p] = torch.ops.gpu_puzzles.fused_layernorm_linear(x, lw, lb, W, b, EPS)[1:]
+    y_ref = _ref(x, lw, lb, W, b)[0]
+    scale = max(1.0, y_ref.abs().max().item())
+    diff = (outs["fold"].double() - outs["normalize"].double()).abs().max().item()
+    assert diff <= 8 * TOL[dtype] * scale, f"plans differ by {diff:.3e}"
+    for a, c in zip(stats["fold"], stats["normalize"]):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("plan", ("auto",) + PLANS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_plans_and_layouts_backward(device, dtype, plan, layout):
+    # All five gradients vs float64, dW in W's own layout (strides equal), for each plan and layout.
+    lead, H, N = (3, 11), 40, 24
+    torch.manual_seed(5)
+    x = (torch.randn(*lead, H, dtype=torch.float64) - 0.3).to(device, dtype).requires_grad_()
+    lw, lb, W, b = _params(H, N, device, dtype, grad=True, seed=7)
+    W = _w_view(W, layout)
+    with gp.tuning.override(layernorm_linear_plan=None if plan == "auto" else plan):
+        y = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, lw, lb, W, b), g)
+    y_ref, leaves = _ref(x, lw, lb, W, b)
+    refs = torch.autograd.grad(y_ref, leaves, g.double())
+    M = x.numel() // H
+    rstd_max = (x.detach().double().var(-1, unbiased=False) + EPS).rsqrt().max().item()
+    for name, a, r in zip(("dx", "dln_weight", "dln_bias", "dW", "db"), grads, refs):
+        assert a.shape == r.shape and a.dtype == dtype, name
+        k = (N ** 0.5 * max(1.0, rstd_max)) if name == "dx" else M ** 0.5
+        assert_close_ref(a / k, r / k, dtype, f"{plan} {layout} {name}")
+    assert grads[3].stride() == W.stride(), f"dW strides {grads[3].stride()}, W's {W.stride()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transposed_parameter_gradient_layout(device):
+    # Conv1D's case: the parameter P is (H, N) and the op sees P.t(). P's gradient comes out
+    # contiguous (as P), so that AccumulateGrad stores it without a copy; .backward() agrees.
+    torch.manual_seed(9)
+    H, N = 32, 20
+    P = torch.randn(H, N, device=device, requires_grad=True)
+    x = torch.randn(6, H, device=device)
+    lw, lb, _, b = _params(H, N, device, torch.float32)
+    y = gp.fused_layernorm_linear(x, lw, lb, P.t(), b)
+    (dP,) = torch.autograd.grad(y, (P,), torch.ones_like(y), retain_graph=True)
+    assert dP.is_contiguous() and dP.stride() == P.stride()
+    y.sum().backward()
+    torch.testing.assert_close(P.grad, dP)
+    P64 = P.detach().double().requires_grad_()
+    ref = F.linear(F.layer_norm(x.double(), (H,), lw.double(), lb.double(), EPS), P64.t(), b.double())
+    assert_close_ref(dP, torch.autograd.grad(ref.sum(), (P64,))[0], torch.float32, "dP")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("plan", PLANS)
+def test_gradcheck_transposed_w(device, plan):
+    torch.manual_seed(1)
+    x = torch.randn(5, 6, device=device, dtype=torch.float64, requires_grad=True)
+    lw, lb, W, b = _params(6, 4, device, torch.float64, grad=True)
+    Wt = _w_view(W, "t")
+    f = _planned(plan)
+    assert torch.autograd.gradcheck(f, (x, lw, lb, Wt, b))
+    assert torch.autograd.gradcheck(lambda *a: f(*a, None), (x, lw, lb, Wt))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("plan", PLANS)
+def test_opcheck_transposed_w(device, requires_grad, plan):
+    # The fake kernels give dW W's strides, as the real backward does (opcheck compares them).
+    x = torch.randn(2, 3, 8, device=device, requires_grad=requires_grad)
+    lw, lb, W, b = _params(8, 5, device, torch.float32, grad=requires_grad)
+    Wt = _w_view(W, "t")
+    ops = torch.ops.gpu_puzzles
+    with gp.tuning.override(layernorm_linear_plan=plan):
+        torch.library.opcheck(ops.fused_layernorm_linear.default, (x, lw, lb, Wt, b, EPS))
+        torch.library.opcheck(ops.fused_layernorm_linear.default, (x, lw, lb, Wt, None, EPS))
+    xd, lwd, lbd, Wtd = (t.detach() for t in (x, lw, lb, Wt))
+    _, mean, rstd = ops.layer_norm(xd, lwd, lbd, EPS)
+    torch.library.opcheck(ops.fused_layernorm_linear_backward.default,
+                          (torch.randn(2, 3, 5, device=device), xd, lwd, lbd, Wtd, mean, rstd))
+    dW = ops.fused_layernorm_linear_backward(torch.randn(2, 3, 5, device=device), xd, lwd, lbd, Wtd, mean, rstd)[3]
+    assert dW.stride() == Wtd.stride()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("plan", ("auto",) + PLANS)
+def test_strided_rows(device, plan):
+    # x as a slice of wider rows (x[:, :H]) and W as rows of a wider matrix (W[:, :H]): correct
+    # under every plan (x is copied to rows of its own; W is read through its strides).
+    torch.manual_seed(4)
+    H, N = 48, 24
+    xb = torch.randn(30, H + 16, device=device) + 0.2
+    Wb = torch.randn(N, H + 8, device=device) / H ** 0.5
+    x, W = xb[:, :H], Wb[:, :H]
+    lw, lb, _, b = _params(H, N, device, torch.float32)
+    with gp.tuning.override(layernorm_linear_plan=None if plan == "auto" else plan):
+        y = gp.fused_layernorm_linear(x, lw, lb, W, b)
+    assert_close_ref(y, _ref(x, lw, lb, W, b)[0], torch.float32, f"strided rows {plan}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,H,N", [(64, 768, 2304), (1000, 1024, 264), (3, 4096, 40)])
+def test_cuda_transposed_w_no_copy(dtype, M, H, N):
+    # Conv1D's weight.t(): the forward (auto) and the backward op launch no copy kernel, and
+    # every output element is written (poisoned memory) and correct.
+    from conftest import copy_kernels
+    torch.manual_seed(M + N)
+    x = torch.randn(M, H, device="cuda", dtype=dtype) + 0.3
+    lw, lb, W, b = _params(H, N, "cuda", dtype, seed=H)
+    Wt = _w_view(W, "t")
+    ops = torch.ops.gpu_puzzles
+    _poison_allocator()
+    (y, mean, rstd), copies = copy_kernels(ops.fused_layernorm_linear, x, lw, lb, Wt, b, EPS)
+    assert copies == [], f"forward copies: {copies}"
+    assert not torch.isnan(y).any()
+    assert_close_ref(y, _ref(x, lw, lb, Wt, b)[0], dtype, "forward, transposed W")
+    g = torch.randn(M, N, device="cuda", dtype=dtype)
+    _poison_allocator()
+    grads, copies = copy_kernels(ops.fused_layernorm_linear_backward, g, x, lw, lb, Wt, mean, rstd)
+    assert copies == [], f"backward copies: {copies}"
+    assert grads[3].stride() == Wt.stride()
+    y_ref, leaves = _ref(x, lw, lb, Wt, b)
+    refs = torch.autograd.grad(y_ref, leaves[:4], g.double())
+    rstd_max = rstd.double().max().item()
+    for name, a, r in zip(("dx", "dln_weight", "dln_bias", "dW"), grads[:4], refs):
+        assert not torch.isnan(a).any(), name
+        k = (N ** 0.5 * max(1.0, rstd_max)) if name == "dx" else M ** 0.5
+        assert_close_ref(a / k, r / k, dtype, f"{name} transposed W")
+
+
+@requires_cuda
+@pytest.mark.parametrize("plan", PLANS)
+def test_cuda_plans_no_copy_contiguous_w(plan):
+    # W as (N, H) rows: neither plan copies anything (forward op, backward op).
+    from conftest import copy_kernels
+    torch.manual_seed(0)
+    M, H, N = 512, 768, 256
+    x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+    lw, lb, W, b = _params(H, N, "cuda", torch.bfloat16)
+    ops = torch.ops.gpu_puzzles
+    with gp.tuning.override(layernorm_linear_plan=plan):
+        (y, mean, rstd), copies = copy_kernels(ops.fused_layernorm_linear, x, lw, lb, W, b, EPS)
+    assert copies == [], f"{plan} forward copies: {copies}"
+    _, copies = copy_kernels(ops.fused_layernorm_linear_backward, torch.randn_like(y), x, lw, lb, W, mean, rstd)
+    assert copies == [], f"backward copies: {copies}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("M,N,layout,want", [
+    (8192, 256, "rows", "fold"),       # tall x, narrow projection: the fold moves fewer bytes
+    (256, 4096, "rows", "normalize"),  # N*H far above M*H: writing xn is cheaper than folding W
+    (8192, 256, "t", "normalize"),     # the fold reads W as rows: a transposed W is normalised
+])
+def test_cuda_auto_plan_choice(M, N, layout, want):
+    # The auto plan by its kernels: the fold runs the prep (statistics + fold) kernel, the
+    # normalise plan our LayerNorm forward and no fold.
+    if not _profiler_sees_kernels():
+        pytest.skip("the profiler sees no kernels here (compute-sanitizer)")
+    torch.manual_seed(1)
+    H = 1024
+    x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+    lw, lb, W, b = _params(H, N, "cuda", torch.bfloat16)
+    W = _w_view(W, layout)
+    names, y = _kernels(lambda: gp.fused_layernorm_linear(x, lw, lb, W, b))
+    folded = any("layernorm_linear_prep" in n or "fold_weight" in n for n in names)
+    assert folded == (want == "fold"), f"expected {want}, kernels: {names}"
+    assert_close_ref(y, _ref(x, lw, lb, W, b)[0], torch.bfloat16, f"auto {want}")
+
+
 # ---- bad input --------------------------------------------------------------------------
 
 def _bad(d):
@@ -358,9 +596,9 @@ def test_cuda_every_element_written(dtype, M, H, N):
     lw, lb, W, b = _params(H, N, "cuda", dtype, grad=True)
     x.requires_grad_()
     _poison_allocator()
-    for f in (gp.fused_layernorm_linear, unfused):
+    for name, f in IMPLS.items():
         y = f(x, lw, lb, W, b)
-        assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"{f} M={M} H={H} N={N}")
+        assert_close_ref(y, _ref(x, lw, lb, W, b)[0], dtype, f"{name} M={M} H={H} N={N}")
         _poison_allocator()
         grads = torch.autograd.grad(y, (x, lw, lb, W, b), torch.randn_like(y))
         for gr in grads:
@@ -379,11 +617,12 @@ def test_cuda_misaligned_views(dtype):
     lw = lwb[1:]
     lb = torch.randn(H, device="cuda", dtype=dtype)
     W = torch.randn(N, H, device="cuda", dtype=dtype) / 8
-    for f in (gp.fused_layernorm_linear, unfused):
-        assert_close_ref(f(x, lw, lb, W, None), _ref(x, lw, lb, W, None)[0], dtype, "misaligned")
+    for name, f in IMPLS.items():
+        assert_close_ref(f(x, lw, lb, W, None), _ref(x, lw, lb, W, None)[0], dtype, f"misaligned {name}")
     assert_close_ref(gp.layer_norm(x, lw, lb), F.layer_norm(x.double(), (H,), lw.double(), lb.double()), dtype, "ln")
 
 
+@pytest.mark.usefixtures("fold_plan")
 @requires_cuda
 def test_cuda_matches_cpu_float64():
     torch.manual_seed(11)
@@ -403,6 +642,7 @@ def test_cuda_matches_cpu_float64():
     (torch.float64, 500, 100, 1030),    # 2-wide vectors, 2 tiles
     (torch.bfloat16, 20000, 16, 24),    # many rows per block (grid.y capped at ~one wave)
 ])
+@pytest.mark.usefixtures("fold_plan")
 def test_cuda_fold_epilogue_tiles(dtype, M, H, N):
     # The folded form's epilogue tiles columns across grid.x and walks rows across grid.y,
     # holding r/bp in registers; rows with a large mean (|mean| * rstd > 16) take the
@@ -453,6 +693,7 @@ def test_cuda_layer_norm_short_rows(dtype, H):
                                          (torch.bfloat16, 257, 4096, 136), (torch.float32, 65, 2052, 33),
                                          (torch.bfloat16, 20, 16384, 40), (torch.bfloat16, 9, 16392, 24),
                                          (torch.float64, 33, 4096, 17), (torch.float64, 17, 4098, 9)])
+@pytest.mark.usefixtures("fold_plan")
 def test_cuda_fused_prep_statistics_and_fold(dtype, M, H, N):
     # The forward's statistics and fold share one launch, the x rows and W rows in one
     # grid, when H is a multiple of the vector: a warp per row for rows of at most 4
@@ -656,6 +897,7 @@ def _ref_and_eager_err(x, lw, lb, W, b):
     (257, 2048, 136),   # K = 2048: cooperative 128x256 config, partial tiles both ways
     (333, 4104, 520),   # K >= 2048, K not a multiple of 64
 ])
+@pytest.mark.usefixtures("fold_plan")
 def test_cuda_evt_matches_reference(dtype, M, H, N):
     torch.manual_seed(M + H + N)
     x = (torch.randn(M, H, dtype=torch.float64) * 2 + torch.randn(M, 1, dtype=torch.float64)).to("cuda", dtype)
@@ -671,6 +913,7 @@ def test_cuda_evt_matches_reference(dtype, M, H, N):
             assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
 
 
+@pytest.mark.usefixtures("fold_plan")
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,H,N", [(517, 1024, 264), (300, 2048, 520)])  # both configs
@@ -700,6 +943,7 @@ def test_cuda_evt_large_mean_rows(dtype, M, H, N):
         assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
 
 
+@pytest.mark.usefixtures("fold_plan")
 @pytest.mark.parametrize("device,dtype", device_dtypes())
 @pytest.mark.parametrize("H", [1024, 4104, 40000])  # warp-per-row / block-per-row / looping kernels
 def test_statistics_far_first_element(device, dtype, H):
@@ -729,6 +973,7 @@ def test_statistics_far_first_element(device, dtype, H):
     (1, 8, 16),          # one row, one chunk
     (333, 4104, 264),    # K >= 2048 and not a multiple of 64
 ])
+@pytest.mark.usefixtures("fold_plan")
 def test_cuda_evt_statistics(dtype, M, H, N):
     # The CUTLASS path's shapes: the statistics come from the prep pass before the GEMM and
     # its epilogue applies them. Written for the in-GEMM statistics experiment
@@ -754,6 +999,7 @@ def test_cuda_evt_statistics(dtype, M, H, N):
         assert _ran_evt(names), f"expected the CUTLASS EVT GEMM, kernels: {names}"
 
 
+@pytest.mark.usefixtures("fold_plan")
 @requires_cuda
 @pytest.mark.parametrize("N", [8, 264])
 def test_cuda_evt_fixup_many_rows_per_block(N):
@@ -781,6 +1027,7 @@ def test_cuda_evt_fixup_many_rows_per_block(N):
     assert not bad, f"rows {bad[:10]} (large-mean: {big[bad[:10]].tolist()}) err {err[bad[:10]].tolist()}"
 
 
+@pytest.mark.usefixtures("fold_plan")
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["misaligned_x", "H_not_8", "N_not_8"])
@@ -804,6 +1051,7 @@ def test_cuda_evt_fallback_conditions(dtype, case):
         assert not _ran_evt(names), f"{case} must not take the CUTLASS path, kernels: {names}"
 
 
+@pytest.mark.usefixtures("fold_plan")
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_evt_knob_off_agrees(dtype):
@@ -828,6 +1076,7 @@ def test_cuda_evt_knob_off_agrees(dtype):
     assert diff <= 4 * TOL[dtype] * scale, f"EVT and cuBLAS paths differ by {diff:.3e}"
 
 
+@pytest.mark.usefixtures("fold_plan")
 @requires_cuda
 @pytest.mark.parametrize("M,H,N", [(8192, 1024, 4096), (4096, 4096, 2048)])  # both configs
 def test_cuda_evt_pdl_off_agrees(M, H, N):
@@ -856,6 +1105,7 @@ def test_cuda_evt_pdl_off_agrees(M, H, N):
     assert (err <= bound).all(), f"large-mean rows off: {err.max().item():.3e}"
 
 
+@pytest.mark.usefixtures("fold_plan")
 @requires_cuda
 @pytest.mark.parametrize("K", [512, 2048])  # both configs
 def test_cuda_evt_graph_capture(K):
@@ -886,6 +1136,7 @@ def test_cuda_evt_graph_capture(K):
         torch.testing.assert_close(y, want, rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])
 
 
+@pytest.mark.usefixtures("fold_plan")
 @requires_cuda
 def test_cuda_evt_taken_when_built():
     # build_info() tells the EVT tests whether CUTLASS was built in; on an sm_90 device a
@@ -944,10 +1195,12 @@ def test_algorithm_naive_forward_only_and_bad_name(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("knobs", [dict(layernorm_linear_evt="evt"), dict(layernorm_linear_evt="cublas"),
-                                   dict(layernorm_linear_pdl="plain")])
+                                   dict(layernorm_linear_pdl="plain"), dict(layernorm_linear_plan="normalize"),
+                                   dict(layernorm_linear_plan="fold")])
+@pytest.mark.usefixtures("fold_plan")
 def test_knobs_keep_results(device, knobs):
-    # The fused forward's knobs (the CPU path has one plan and ignores them): every setting
-    # gives a correct result, and the override is undone on exit.
+    # The fused forward's knobs (the CPU path has no CUTLASS GEMM and ignores the evt/pdl
+    # knobs): every setting gives a correct result, and the override is undone on exit.
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(6)
     x = torch.randn(130, 264, device=device, dtype=dtype) + 0.3
@@ -1086,6 +1339,7 @@ def test_cpu_every_simd_level(level, dtype):
                 assert_close_ref(a / k, r / k, dtype, f"fused {name} {what}")
 
 
+@pytest.mark.usefixtures("fold_plan")
 @pytest.mark.parametrize("level", CPU_SIMD)
 def test_cpu_large_mean_every_simd_level(level):
     # Rows far from zero mean: the statistics' shifted sums and the fused forward's

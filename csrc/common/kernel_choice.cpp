@@ -31,6 +31,7 @@ const std::array<KnobSpec, static_cast<int>(Knob::Count)>& knob_table() {
       {"attention_fwd_warps", {"4", "8"}},
       {"layernorm_linear_evt", {"evt", "cublas"}},
       {"layernorm_linear_pdl", {"pdl", "plain"}},
+      {"layernorm_linear_plan", {"fold", "normalize"}},
       {"cpu_simd", {"baseline", "avx2", "avx512"}},
   }};
   return t;

@@ -19,6 +19,7 @@ enum class Knob : int {
   AttentionFwdWarps,   // mma kernel's warps per block: 4 | 8
   LayerNormLinearEvt,  // sm_90 fused forward: evt (CUTLASS epilogue) | cublas
   LayerNormLinearPdl,  // EVT launches: pdl (programmatic dependent) | plain
+  LayerNormLinearPlan,  // fused forward: fold (gamma into W) | normalize (xn, then cuBLAS)
   CpuSimd,             // CPU kernels' SIMD level, a cap: baseline | avx2 | avx512 (common/cpu_isa.h)
   Count
 };

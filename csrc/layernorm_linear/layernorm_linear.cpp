@@ -2,7 +2,15 @@
 // calls and their registrations (the CPU kernels are in layernorm_linear_cpu.cpp).
 // x is viewed as (M, H) rows.
 //
-// Fused forward (CPU and CUDA follow the same algebra, so the CPU is the oracle):
+// Fused forward: two plans, chosen by the bytes each moves (fused_forward_plan in
+// layernorm_linear_plan.h; knob layernorm_linear_plan = fold | normalize). Both write
+// the same statistics for the backward, on CPU and CUDA alike (the CPU is the oracle).
+//
+// normalize: our LayerNorm writes xn = gamma * (x - mu) * rstd + beta, then one GEMM
+// with the bias in its epilogue (addmm, as F.linear) reads it and W through W's strides
+// (any view with a unit stride: Conv1D's weight.t() is not copied). Costs 2*M*H for xn.
+//
+// fold (W row-major (N, H) only; a forced fold copies another layout):
 //   y = W (gamma * (x - mu) * rstd + beta) + b
 //     = rstd * (x @ Wc^T - mu * r) + bp,
 //   Wc[n,:] = W[n,:]*gamma - mean_h(W[n,:]*gamma)   row-centred, stored in x's dtype
@@ -13,19 +21,16 @@
 // What is left grows like |mu| * rstd * eps_acc * sqrt(H); rows with
 // |mu| * rstd > kLayerNormLinearMaxMeanRatio are recomputed normalise-first in the
 // epilogue (decided per row on the device: no host sync, graph-safe).
-// The GEMM goes to at::mm (cuBLAS on CUDA); the normalised x is never written.
-// It moves more bytes than normalising first (2*N*H for the fold + 2*M*N for the
-// epilogue's pass over z, against 2*M*H for writing and re-reading xn): at N >= H
-// only a GEMM with the epilogue inside it can beat eager. On sm_90a (bf16/fp16, built
-// with CUTLASS) that GEMM is a CUTLASS kernel whose epilogue applies the statistics
-// (layernorm_linear_evt_sm90.cu); a fix-up pass then recomputes the large-mean rows
-// only. Elsewhere: cuBLAS + the separate epilogue pass. Which one:
-// layernorm_linear_plan (layernorm_linear_plan.h; knobs layernorm_linear_evt/_pdl).
+// The normalised x is never written; the fold costs 2*N*H (+ 2*M*N for a separate
+// epilogue pass over z), so it pays off for tall x and narrow projections. On sm_90a
+// (bf16/fp16, built with CUTLASS) the GEMM is a CUTLASS kernel whose epilogue applies the
+// statistics (layernorm_linear_evt_sm90.cu); a fix-up pass then recomputes the large-mean
+// rows only. Elsewhere: cuBLAS + the separate epilogue pass (knobs layernorm_linear_evt/_pdl).
 // Before the GEMM, the statistics and the fold share one launch on CUDA where a row fits
 // in registers (layernorm_linear_prep_cuda).
-// Backward: xn = gamma*xhat + beta is materialised (backward only) for
-// dW = dy^T xn; d(xn) = dy W; our LayerNorm backward gives dx, dgamma, dbeta. On CUDA
-// that LayerNorm backward also writes xn (it reads x anyway), and db (dy's column
+// Backward (either plan): xn = gamma*xhat + beta is materialised again for
+// dW = dy^T xn (in W's layout: (xn^T dy)^T for a transposed W); d(xn) = dy W; our
+// LayerNorm backward gives dx, dgamma, dbeta. On CUDA that LayerNorm backward also writes xn (it reads x anyway), and db (dy's column
 // sums) is its own launch (layernorm_linear_bias_grad_cuda), after the dW GEMM.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
@@ -177,17 +182,49 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
   return {dx, dg, db};
 }
 
+// W's memory is (K, N) row-major: a transposed view such as GPT-2's Conv1D weight.t().
+bool w_transposed(const Tensor& W) { return !W.is_contiguous() && W.t().is_contiguous(); }
+
+// The normalise plan: our LayerNorm writes xn (and the statistics), then one cuBLAS GEMM
+// with the bias in its epilogue (addmm, as F.linear), reading W through its strides.
+Tensor normalize_forward(const Tensor& x, const Tensor& g, const Tensor& be, const Tensor& W,
+                         const c10::optional<Tensor>& b, Tensor& mean, Tensor& rstd, int64_t M, int64_t H,
+                         double eps, bool cuda) {
+  Tensor xn = at::empty({M, H}, x.options());
+  const DType dt = to_dtype(x.scalar_type());
+  if (cuda) {
+#ifdef WITH_CUDA
+    GP_CUDA_CHECK_STATUS(layer_norm_forward_cuda(x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(),
+                                                 mean.data_ptr(), rstd.data_ptr(), M, H, eps, dt, current_stream()));
+#endif
+  } else {
+    GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(), mean.data_ptr(),
+                                        rstd.data_ptr(), M, H, eps, dt, false);
+  }
+  return b ? at::addmm(*b, xn, W.t()) : at::mm(xn, W.t());
+}
+
 Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const Tensor& W_,
                            const c10::optional<Tensor>& b_, double eps, bool cuda) {
   const char* op = "fused_layernorm_linear";
   const int64_t H = check_ln(x_, lw_, lb_, op);
   const int64_t N = check_linear(x_, W_, b_, H, op);
   TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
-  const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous(), W = W_.contiguous();
+  const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous();
   const c10::optional<Tensor> b = b_.has_value() ? c10::optional<Tensor>(b_->contiguous()) : c10::nullopt;
   const int64_t M = x.numel() / H;
   const auto st = x.options().dtype(stat_type(x));
   Tensor mean = at::empty(lead_shape(x), st), rstd = at::empty(lead_shape(x), st);
+  bool evt_possible = false;
+#ifdef WITH_CUDA
+  // wc (below) is a fresh allocation, aligned as the CUTLASS GEMM needs: only x's alignment matters here.
+  if (cuda) evt_possible = layernorm_linear_evt_possible(x.data_ptr(), x.data_ptr(), M, N, H, to_dtype(x.scalar_type()));
+#endif
+  const Plan fwd = layernorm_linear::fused_forward_plan(M, N, H, x.element_size(), W_.is_contiguous(), evt_possible);
+  if (!fwd.fold)
+    return {normalize_forward(x, g, be, W_, b, mean, rstd, M, H, eps, cuda).view(out_shape(x, N)), mean, rstd};
+  // The fold kernels read W as (N, H) rows: a forced fold of another layout copies it.
+  const Tensor W = W_.contiguous();
   Tensor wc = at::empty({N, H}, x.options());
   Tensor r = at::empty({N}, st), bp = at::empty({N}, st);
   Tensor z;
@@ -251,11 +288,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
   const int64_t N = check_linear(x_, W_, c10::nullopt, H, op);
   check_grad(grad_, at::IntArrayRef(out_shape(x_, N)), x_, op);
   check_stats(mean_, rstd_, x_, op);
-  const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous(), W = W_.contiguous();
+  // W as it comes: cuBLAS reads any view with a unit stride through its transpose flags.
+  const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous(), &W = W_;
   const Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
   const int64_t M = x.numel() / H;
   const Tensor dy = grad_.contiguous().view({M, N});
-  // The normalised activation exists only here, for dW (the forward never writes it).
+  // dW in W's own layout, so that autograd's accumulation into a transposed parameter
+  // (Conv1D's (H, N) weight, seen here through .t()) needs no copy: (xn^T dy)^T then.
+  const bool wt = w_transposed(W);
+  auto dw_gemm = [&](const Tensor& xn_) {
+    if (!wt) return at::mm(dy.t(), xn_);  // (N, H)
+    Tensor dWt = at::empty({H, N}, x.options());
+    at::mm_out(dWt, xn_.t(), dy);
+    return dWt.t();
+  };
+  // The normalised activation, recomputed for dW (the forward does not keep it).
   Tensor xn = at::empty({M, H}, x.options());
   if (cuda) {
 #ifdef WITH_CUDA
@@ -264,7 +311,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
     Tensor dxn = at::mm(dy, W).view(x.sizes());  // (.., H)
     auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda, &be, &xn);
     dxn.reset();
-    Tensor dW = at::mm(dy.t(), xn);  // (N, H)
+    Tensor dW = dw_gemm(xn);  // (N, H)
     xn.reset();
     // db: dy's column sums, in a fixed order; last, so that it starts on the rows of dy
     // the dW GEMM left in L2 (see layernorm_linear_colsum).
@@ -278,7 +325,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
   GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(), mean.data_ptr(),
                                       rstd.data_ptr(), M, H, 0.0, to_dtype(x.scalar_type()), true);
   Tensor db = dy.sum(0);
-  Tensor dW = at::mm(dy.t(), xn);              // (N, H)
+  Tensor dW = dw_gemm(xn);                     // (N, H)
   Tensor dxn = at::mm(dy, W).view(x.sizes());  // (.., H)
   xn.reset();
   auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda);

@@ -2,9 +2,9 @@
 // one place: layernorm_linear_plan() decides for every stage how a row is spread over
 // threads, whether it takes 16-byte vectors, and (fused forward) which GEMM runs; the
 // launchers (.cu) and the host (layernorm_linear.cpp) only carry the plan out.
-// Torch-free. The knobs layernorm_linear_evt and layernorm_linear_pdl
-// (common/kernel_choice.h, Python: gpu_puzzles.tuning.override) override the fused
-// forward's GEMM choice; they are read on every call.
+// Torch-free. The knobs layernorm_linear_plan, layernorm_linear_evt and
+// layernorm_linear_pdl (common/kernel_choice.h, Python: gpu_puzzles.tuning.override)
+// override the fused forward's plan and GEMM choice; they are read on every call.
 #pragma once
 #include <cstdint>
 
@@ -52,6 +52,8 @@ struct Plan {
                      // else cuBLAS + the epilogue pass
   bool pdl = false;  // kGemm with evt: the GEMM and the fix-up after it as programmatic
                      // dependent launches
+  bool fold = false;  // fused forward (fused_forward_plan): fold gamma into W; else normalise
+                      // x first and run one cuBLAS GEMM with the bias in its epilogue
 };
 
 // Threads for a cached kernel on rows of nvec vectors: whole warps, kCache vectors each.
@@ -117,6 +119,47 @@ inline Plan layernorm_linear_plan(Stage stage, int64_t H, int vec_width, bool al
       p.evt = evt_possible && knob(Knob::LayerNormLinearEvt) != 2;  // 2: "cublas"
       p.pdl = p.evt && knob(Knob::LayerNormLinearPdl) != 2;         // 2: "plain"
       break;
+  }
+  return p;
+}
+
+// The fused forward's plan, chosen by the bytes each moves beyond what one GEMM on x and
+// W must move (both write mean/rstd):
+//   fold:      x read again for the statistics (M*K) + W read, wc written, wc read by
+//              the GEMM in place of W (2*N*K) + without the sm_90a epilogue GEMM, the
+//              epilogue pass over z (2*M*N); the CUTLASS GEMM is slower than cuBLAS by
+//              kEvtGemmPenalty of its FLOP time at K >= 2048 (its 128x256 tile; the
+//              128x128 ping-pong tile below that kept pace: lnlinear_evt_sweep_h100.txt),
+//              and the large-mean fix-up is one more launch (kFoldFixedBytes).
+//   normalize: xn (M*K) written by our layer_norm and read back by the GEMM (2*M*K).
+// Roughly: fold when M > 2N (tall x, narrow projection), normalise otherwise. The fold
+// kernels read W as (N, K) rows: a W that is not row-major (Conv1D's weight.t()) is taken
+// by the normalise plan, whose cuBLAS GEMM reads any W with a unit stride as it is (a
+// forced fold copies it). Ties go to normalise: cuBLAS, and exact for any row mean.
+// The knob layernorm_linear_plan (fold | normalize) overrides the choice.
+constexpr double kBytesPerFlop = 2.97e12 / 770e12;  // H100: copy bandwidth / bf16 GEMM rate
+constexpr double kEvtGemmPenalty = 0.05;
+constexpr int64_t kEvtBigTileMinK = 2048;            // as kBigMinK in layernorm_linear_evt_sm90.cu
+constexpr double kFoldFixedBytes = 3e6;              // ~1 us of launch at copy bandwidth
+
+inline double fold_cost_bytes(int64_t M, int64_t N, int64_t K, int64_t esize, bool evt) {
+  double e = double(M) * K + 2.0 * N * K + (evt ? 0.0 : 2.0 * M * N);
+  double c = e * esize + kFoldFixedBytes;
+  if (evt && K >= kEvtBigTileMinK) c += kEvtGemmPenalty * kBytesPerFlop * 2.0 * M * N * K;
+  return c;
+}
+
+inline double normalize_cost_bytes(int64_t M, int64_t K, int64_t esize) { return 2.0 * M * K * esize; }
+
+// w_rows: W is (N, K) row-major (what the fold kernels read). evt_possible: as for
+// Stage::kGemm. The result's evt/pdl apply to the fold plan only.
+inline Plan fused_forward_plan(int64_t M, int64_t N, int64_t K, int64_t esize, bool w_rows, bool evt_possible) {
+  Plan p = layernorm_linear_plan(Stage::kGemm, K, 8, true, evt_possible);
+  switch (knob(Knob::LayerNormLinearPlan)) {
+    case 1: p.fold = true; break;   // "fold"
+    case 2: p.fold = false; break;  // "normalize"
+    default:
+      p.fold = w_rows && fold_cost_bytes(M, N, K, esize, p.evt) < normalize_cost_bytes(M, K, esize);
   }
   return p;
 }

@@ -5,10 +5,13 @@ layer_norm(x) = (x - mean) / sqrt(var + eps) * weight + bias over the last dim,
 biased variance, statistics in float32 (float64 for float64 inputs).
 
 fused_layernorm_linear(x, ...) = F.linear(layer_norm(x, ln_weight, ln_bias), W, b),
-computed without writing layer_norm(x): the GEMM runs on x against W with
-ln_weight folded in and its rows centred, and our epilogue applies the per-row
-statistics (see csrc/layernorm_linear/layernorm_linear.cpp for the algebra and
-the large-mean guard).
+by the cheaper of two plans (by the bytes each moves; knob ``layernorm_linear_plan``):
+"fold" runs the GEMM on x against W with ln_weight folded in and its rows centred, and
+an epilogue applies the per-row statistics, never writing layer_norm(x); "normalize"
+writes layer_norm(x) and runs one cuBLAS GEMM with the bias in its epilogue. W may be any
+2-D view with a unit stride (GPT-2's Conv1D ``weight.t()``): it is not copied, and its
+gradient comes back in its layout. See csrc/layernorm_linear/layernorm_linear.cpp for the
+algebra and the large-mean guard, layernorm_linear_plan.h for the choice.
 """
 from typing import Optional
 
@@ -50,7 +53,10 @@ def _fused_fake(x, ln_weight, ln_bias, linear_weight, linear_bias=None, eps=None
 @torch.library.register_fake("gpu_puzzles::fused_layernorm_linear_backward")
 def _fused_backward_fake(grad_out, x, ln_weight, ln_bias, linear_weight, mean, rstd):
     N, H = linear_weight.shape
-    return (x.new_empty(x.shape), x.new_empty((H,)), x.new_empty((H,)), x.new_empty((N, H)), x.new_empty((N,)))
+    # dW in W's layout (the C++ w_transposed): (H, N) memory for a transposed W.
+    W = linear_weight
+    dW = x.new_empty((H, N)).t() if not W.is_contiguous() and W.t().is_contiguous() else x.new_empty((N, H))
+    return (x.new_empty(x.shape), x.new_empty((H,)), x.new_empty((H,)), dW, x.new_empty((N,)))
 
 
 @torch.library.register_fake("gpu_puzzles::fused_layernorm_linear_naive")
@@ -105,9 +111,11 @@ def fused_layernorm_linear(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Opti
 
     ``algorithm``:
 
-    * ``"auto"``: the fused op. The normalised activation is never written to memory,
-      forward or saved for the backward (which recomputes it); the backward returns all
-      five gradients.
+    * ``"auto"``: the fused op, by the cheaper plan for the shape and W's layout ("fold":
+      the normalised activation is never written; "normalize": written once and read by
+      one GEMM). Nothing is saved but x and the row statistics (the backward recomputes
+      the normalised activation); the backward returns all five gradients, the weight's
+      in the weight's layout.
     * ``"naive"``: the curriculum's kernel (one thread per row computes the statistics,
       then all N outputs; ``torch.ops.gpu_puzzles.fused_layernorm_linear_naive``).
       Forward only: it raises if a gradient would be needed.
