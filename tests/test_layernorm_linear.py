@@ -517,9 +517,10 @@ def test_cuda_plans_no_copy_contiguous_w(plan):
 
 @requires_cuda
 @pytest.mark.parametrize("M,N,layout,want", [
-    (8192, 256, "rows", "fold"),       # tall x, narrow projection: the fold moves fewer bytes
+    (16384, 1024, "rows", "fold"),     # tall x, narrow projection: the fold moves fewer bytes
     (256, 4096, "rows", "normalize"),  # N*H far above M*H: writing xn is cheaper than folding W
-    (8192, 256, "t", "normalize"),     # the fold reads W as rows: a transposed W is normalised
+    (4096, 1024, "rows", "normalize"),  # tall but small: the fold's extra launches cost more
+    (16384, 1024, "t", "normalize"),   # the fold reads W as rows: a transposed W is normalised
 ])
 def test_cuda_auto_plan_choice(M, N, layout, want):
     # The auto plan by its kernels: the fold runs the prep (statistics + fold) kernel, the

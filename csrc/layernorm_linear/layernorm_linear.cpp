@@ -2,7 +2,7 @@
 // calls and their registrations (the CPU kernels are in layernorm_linear_cpu.cpp).
 // x is viewed as (M, H) rows.
 //
-// Fused forward: two plans, chosen by the bytes each moves (fused_forward_plan in
+// Fused forward: two plans, chosen by their measured cost (fused_forward_plan in
 // layernorm_linear_plan.h; knob layernorm_linear_plan = fold | normalize). Both write
 // the same statistics for the backward, on CPU and CUDA alike (the CPU is the oracle).
 //
@@ -220,7 +220,7 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
   // wc (below) is a fresh allocation, aligned as the CUTLASS GEMM needs: only x's alignment matters here.
   if (cuda) evt_possible = layernorm_linear_evt_possible(x.data_ptr(), x.data_ptr(), M, N, H, to_dtype(x.scalar_type()));
 #endif
-  const Plan fwd = layernorm_linear::fused_forward_plan(M, N, H, x.element_size(), W_.is_contiguous(), evt_possible);
+  const Plan fwd = layernorm_linear::fused_forward_plan(M, N, H, W_.is_contiguous(), evt_possible);
   if (!fwd.fold)
     return {normalize_forward(x, g, be, W_, b, mean, rstd, M, H, eps, cuda).view(out_shape(x, N)), mean, rstd};
   // The fold kernels read W as (N, H) rows: a forced fold of another layout copies it.

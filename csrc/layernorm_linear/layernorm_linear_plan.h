@@ -123,43 +123,28 @@ inline Plan layernorm_linear_plan(Stage stage, int64_t H, int vec_width, bool al
   return p;
 }
 
-// The fused forward's plan, chosen by the bytes each moves beyond what one GEMM on x and
-// W must move (both write mean/rstd):
-//   fold:      x read again for the statistics (M*K) + W read, wc written, wc read by
-//              the GEMM in place of W (2*N*K) + without the sm_90a epilogue GEMM, the
-//              epilogue pass over z (2*M*N); the CUTLASS GEMM is slower than cuBLAS by
-//              kEvtGemmPenalty of its FLOP time at K >= 2048 (its 128x256 tile; the
-//              128x128 ping-pong tile below that kept pace: lnlinear_evt_sweep_h100.txt),
-//              and the large-mean fix-up is one more launch (kFoldFixedBytes).
-//   normalize: xn (M*K) written by our layer_norm and read back by the GEMM (2*M*K).
-// Roughly: fold when M > 2N (tall x, narrow projection), normalise otherwise. The fold
-// kernels read W as (N, K) rows: a W that is not row-major (Conv1D's weight.t()) is taken
-// by the normalise plan, whose cuBLAS GEMM reads any W with a unit stride as it is (a
-// forced fold copies it). Ties go to normalise: cuBLAS, and exact for any row mean.
-// The knob layernorm_linear_plan (fold | normalize) overrides the choice.
-constexpr double kBytesPerFlop = 2.97e12 / 770e12;  // H100: copy bandwidth / bf16 GEMM rate
-constexpr double kEvtGemmPenalty = 0.05;
-constexpr int64_t kEvtBigTileMinK = 2048;            // as kBigMinK in layernorm_linear_evt_sm90.cu
-constexpr double kFoldFixedBytes = 3e6;              // ~1 us of launch at copy bandwidth
-
-inline double fold_cost_bytes(int64_t M, int64_t N, int64_t K, int64_t esize, bool evt) {
-  double e = double(M) * K + 2.0 * N * K + (evt ? 0.0 : 2.0 * M * N);
-  double c = e * esize + kFoldFixedBytes;
-  if (evt && K >= kEvtBigTileMinK) c += kEvtGemmPenalty * kBytesPerFlop * 2.0 * M * N * K;
-  return c;
-}
-
-inline double normalize_cost_bytes(int64_t M, int64_t K, int64_t esize) { return 2.0 * M * K * esize; }
+// The fused forward's plan. Beyond what one GEMM on x and W must move, the fold plan reads
+// x again for the statistics (M*K) and writes and reads the folded W (2*N*K); the
+// normalise plan writes xn and reads it back (2*M*K). So fold saves traffic only for tall
+// x (M > 2N), and it also pays its prep and fix-up launches and, at K >= 2048, the CUTLASS
+// GEMM's big tile, which ran slower than cuBLAS. Measured over the bf16 sweep
+// (benchmarks/results/lnlin_sweep_h100.json) it won, by 1-9%, only with the sm_90a epilogue
+// GEMM, K < 2048, M >= 2N and M*N >= 2^23; elsewhere it lost by up to 30%. The fold kernels
+// read W as (N, K) rows: a W that is not row-major (Conv1D's weight.t()) takes the
+// normalise plan, whose cuBLAS GEMM reads any W with a unit stride as it is (a forced fold
+// copies it). The knob layernorm_linear_plan (fold | normalize) overrides the choice.
+constexpr int64_t kEvtBigTileMinK = 2048;  // as kBigMinK in layernorm_linear_evt_sm90.cu
+constexpr int64_t kFoldMinOutput = int64_t(1) << 23;
 
 // w_rows: W is (N, K) row-major (what the fold kernels read). evt_possible: as for
 // Stage::kGemm. The result's evt/pdl apply to the fold plan only.
-inline Plan fused_forward_plan(int64_t M, int64_t N, int64_t K, int64_t esize, bool w_rows, bool evt_possible) {
+inline Plan fused_forward_plan(int64_t M, int64_t N, int64_t K, bool w_rows, bool evt_possible) {
   Plan p = layernorm_linear_plan(Stage::kGemm, K, 8, true, evt_possible);
   switch (knob(Knob::LayerNormLinearPlan)) {
     case 1: p.fold = true; break;   // "fold"
     case 2: p.fold = false; break;  // "normalize"
     default:
-      p.fold = w_rows && fold_cost_bytes(M, N, K, esize, p.evt) < normalize_cost_bytes(M, K, esize);
+      p.fold = w_rows && p.evt && K < kEvtBigTileMinK && M >= 2 * N && M * N >= kFoldMinOutput;
   }
   return p;
 }

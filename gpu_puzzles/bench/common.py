@@ -318,16 +318,18 @@ def device_name(device: torch.device) -> str:
 
 
 def run_case(case: Case, device: torch.device, copy_gbs: float, rep: int = 40, warmup: int = 5,
-             skip: tuple = (), backlog: bool = True) -> list[dict]:
-    """Time every implementation of a case; returns one row per implementation."""
+             skip: tuple = (), backlog: bool = True, rounds: Optional[int] = None) -> list[dict]:
+    """Time every implementation of a case; returns one row per implementation. With
+    ``rounds`` (default: CPU_ROUNDS on the CPU, 1 on CUDA) the implementations take turns,
+    rep/rounds calls each per round, and each keeps its fastest round."""
     first = case.make()
     set_bytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
     sets = [first] + [case.make() for _ in range(n_sets_for(set_bytes) - 1)]
     impls = [(label, fn) for label, fn in case.impls.items() if label not in skip]
-    # CPU: the implementations take turns, rep/3 calls each per round, fastest call kept,
-    # so a burst of other work on the shared machine, or the first case's cold allocator,
-    # does not fall on one implementation only.
-    rounds = CPU_ROUNDS if device.type == "cpu" else 1
+    # Taking turns, a burst of other work on a shared CPU, a cold allocator or a GPU's clock
+    # drifting under a long sweep does not fall on one implementation only.
+    if rounds is None:
+        rounds = CPU_ROUNDS if device.type == "cpu" else 1
     best, hosts, errors = {}, {}, {}
     for _ in range(rounds):
         for label, fn in impls:
