@@ -331,9 +331,11 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
 // `rank` of the cluster owns output vectors [rank SV, rank SV + SV): exactly the
 // row elements [lo, hi) they hold, so no two blocks write the same 16 bytes. The
 // block copies the aligned 16-byte input vectors covering [lo, hi) (at most SB,
-// SV + 1 when the input may be misaligned against the output, else SV;
-// bytes outside the row in them are never used, and lie in the same 16-byte
-// blocks as row elements, inside the allocation) to shared memory. Each pass walks
+// SV + 1 when the input may be misaligned against the output, else SV) to
+// shared memory; bytes outside the row in them are never used. Those before the
+// row's first element lie inside the allocation (it starts 16-byte aligned); the
+// vector with the row's last element, where it runs past the row, is copied
+// element by element (past the row may be past the allocation). Each pass walks
 // the output vectors: an input misaligned against the output is read as two
 // shared vectors and a shift (smem_fetch); the row's first and last output vectors,
 // partly outside the row, go element by element (masked reads, element stores).
@@ -386,24 +388,39 @@ smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
     const int sa = int(((oa - oo) % V + V) % V), sb = int(((ob - oo) % V + V) % V);  // shifts, row-uniform
     const uint4* asrc = reinterpret_cast<const uint4*>(arow - oa) + fa;
     const uint4* bsrc = BWD ? reinterpret_cast<const uint4*>(brow - ob) + fb : nullptr;
+    // The vector holding the row's last element may run past the end of the
+    // allocation (the last row of a tensor whose size is not a multiple of 16
+    // bytes): that one is copied element by element, only the row's elements.
+    const bool at = any && hi == N && (fa + na) * V - oa > N, bt = BWD && any && hi == N && (fb + nb) * V - ob > N;
+    const int64_t ca = na - at, cb = nb - bt;  // whole vectors copied
+    if (tid < V) {
+      if (at) {
+        const int64_t i = (na - 1) * V + tid - da;
+        if (i >= lo && i < N) reinterpret_cast<T*>(abuf)[i + da] = arow[i];
+      }
+      if (bt) {
+        const int64_t i = (nb - 1) * V + tid - db;
+        if (i >= lo && i < N) reinterpret_cast<T*>(bbuf)[i + db] = brow[i];
+      }
+    }
     if constexpr (BULK) {
       if (any) {  // block-uniform
         if (tid == 0) {
-          mbar_arrive_expect(&bar, unsigned((na + nb) * 16));
-          bulk_load(abuf, asrc, unsigned(na * 16), &bar);
-          if (BWD) bulk_load(bbuf, bsrc, unsigned(nb * 16), &bar);
+          mbar_arrive_expect(&bar, unsigned((ca + cb) * 16));
+          if (ca > 0) bulk_load(abuf, asrc, unsigned(ca * 16), &bar);
+          if (BWD && cb > 0) bulk_load(bbuf, bsrc, unsigned(cb * 16), &bar);
         }
         mbar_wait(&bar, phase);
         phase ^= 1u;
       }
     } else {
-      for (int64_t q = tid; q < na; q += kSmThreads) cp_async16(&abuf[q], asrc + q);
+      for (int64_t q = tid; q < ca; q += kSmThreads) cp_async16(&abuf[q], asrc + q);
       if (BWD)
-        for (int64_t q = tid; q < nb; q += kSmThreads) cp_async16(&bbuf[q], bsrc + q);
+        for (int64_t q = tid; q < cb; q += kSmThreads) cp_async16(&bbuf[q], bsrc + q);
       cp_async_commit();
       cp_async_wait<0>();
-      __syncthreads();  // a shifted read takes vectors another thread copied
     }
+    __syncthreads();  // shifted reads and the tail take elements other threads copied
     // Output vector j holds row elements i0 = j V - oo .. i0 + V - 1; an edge one
     // (partly outside the row) is read element by element, `fill` outside.
     auto edge = [&](int64_t i0) { return i0 < 0 || i0 + V > N; };
