@@ -333,9 +333,9 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
 // block copies the aligned 16-byte input vectors covering [lo, hi) (at most SB,
 // SV + 1 when the input may be misaligned against the output, else SV) to
 // shared memory; bytes outside the row in them are never used. Those before the
-// row's first element lie inside the allocation (it starts 16-byte aligned); the
-// vector with the row's last element, where it runs past the row, is copied
-// element by element (past the row may be past the allocation). Each pass walks
+// row's first element lie inside the allocation (it starts 16-byte aligned); a
+// block's last vector, where it runs past the row's end, is copied element by
+// element (past the row may be past the allocation). Each pass walks
 // the output vectors: an input misaligned against the output is read as two
 // shared vectors and a shift (smem_fetch); the row's first and last output vectors,
 // partly outside the row, go element by element (masked reads, element stores).
@@ -388,19 +388,19 @@ smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
     const int sa = int(((oa - oo) % V + V) % V), sb = int(((ob - oo) % V + V) % V);  // shifts, row-uniform
     const uint4* asrc = reinterpret_cast<const uint4*>(arow - oa) + fa;
     const uint4* bsrc = BWD ? reinterpret_cast<const uint4*>(brow - ob) + fb : nullptr;
-    // The vector holding the row's last element may run past the end of the
+    // A last vector that runs past the row's end may run past the end of the
     // allocation (the last row of a tensor whose size is not a multiple of 16
-    // bytes): that one is copied element by element, only the row's elements.
-    const bool at = any && hi == N && (fa + na) * V - oa > N, bt = BWD && any && hi == N && (fb + nb) * V - ob > N;
+    // bytes): that one is copied element by element, only this block's elements.
+    const bool at = any && (fa + na) * V - oa > N, bt = BWD && any && (fb + nb) * V - ob > N;
     const int64_t ca = na - at, cb = nb - bt;  // whole vectors copied
     if (tid < V) {
       if (at) {
         const int64_t i = (na - 1) * V + tid - da;
-        if (i >= lo && i < N) reinterpret_cast<T*>(abuf)[i + da] = arow[i];
+        if (i >= lo && i < hi) reinterpret_cast<T*>(abuf)[i + da] = arow[i];
       }
       if (bt) {
         const int64_t i = (nb - 1) * V + tid - db;
-        if (i >= lo && i < N) reinterpret_cast<T*>(bbuf)[i + db] = brow[i];
+        if (i >= lo && i < hi) reinterpret_cast<T*>(bbuf)[i + db] = brow[i];
       }
     }
     if constexpr (BULK) {
