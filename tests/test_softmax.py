@@ -6,7 +6,7 @@ import torch
 
 import gpu_puzzles as gp
 
-from conftest import (DEVICES, HAS_CUDA, RACECHECK, assert_close_ref, device_dtypes, kinds_for, many,
+from conftest import (DEVICES, HAS_CUDA, RACECHECK, assert_close_ref, copy_kernels, device_dtypes, kinds_for, many,
                       poison_allocator, racecheck_skips, requires_cuda, sanitize_timing)
 from strategies import OFFSET, make_tensor
 
@@ -776,3 +776,188 @@ def test_cpu_long_row_fp64_and_threads():
     finally:
         torch.set_num_threads(prev)
     assert torch.equal(one, many_)
+
+
+# ---- odd row lengths, any alignment, strided rows without a copy ---------------------------------
+# Rows of an odd length N start at r N elements: most are not 16-byte aligned. The long-row kernel
+# (smem_rows_kernel, forward and backward, N > 2048 V) takes them, and rows at any strides, as they
+# come; the other row kernels read them element by element. Outputs are fresh contiguous tensors.
+
+_BWD_OPS = {"softmax": torch.ops.gpu_puzzles.softmax_backward.default,
+            "log_softmax": torch.ops.gpu_puzzles.log_softmax_backward.default}
+_FWD_OPS = {"softmax": torch.ops.gpu_puzzles.softmax.default, "log_softmax": torch.ops.gpu_puzzles.log_softmax.default}
+
+
+def _vec(dtype):
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def _strided_copy(t, pad):
+    """t's values in a view t' = big[..., :N] of a wider buffer (its pad columns random)."""
+    big = torch.randn(*t.shape[:-1], t.shape[-1] + pad, device=t.device, dtype=t.dtype)
+    big[..., :t.shape[-1]] = t
+    return big[..., :t.shape[-1]]
+
+
+def _check_rows(x, g, kind, dtype, what, y_view=None):
+    """The forward and backward ops called directly on x, g (any layout) vs float64 references;
+    outputs poisoned first. y_view(y) gives the y the backward reads (default: y itself)."""
+    if racecheck_skips(what):
+        return
+    with sanitize_timing(what):
+        _poison_cache()
+        y = _FWD_OPS[kind](x, -1, "auto")
+        assert y.shape == x.shape and y.is_contiguous()
+        assert_close_ref(y, _ref64(x, -1, kind), dtype, what)
+        yb = y_view(y) if y_view else y
+        _poison_cache()
+        dx = _BWD_OPS[kind](g, yb, -1, "auto")
+        assert dx.is_contiguous()
+        y64, g64 = y.double(), g.double()
+        if kind == "softmax":
+            ref_dx = y64 * (g64 - (g64 * y64).sum(-1, keepdim=True))
+        else:
+            ref_dx = g64 - y64.exp() * g64.sum(-1, keepdim=True)
+        scale = math.sqrt(x.shape[-1]) if kind == "log_softmax" else 1.0  # sum(dy) grows like sqrt(N)
+        assert_close_ref(dx / scale, ref_dx / scale, dtype, what + " backward")
+
+
+def _odd_lengths(v):
+    # N = k V +/- 1..V-1 next to each row kernel's edge (warp 32 V / 128 V, warp-per-row 512 V,
+    # block and shared-memory rows 2048 V, the shared-memory slices' cluster doubling), plus the
+    # GPT-2 and a Llama-2 style vocabulary.
+    edges = [32 * v, 128 * v, 512 * v, 2048 * v, 4096 * v, 16384 * v // 2]
+    near = {e + d for e in edges for d in (-(v - 1), -1, 1, v - 1) if e + d > 0}
+    return sorted(near | {50257, 32003})
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_odd_lengths(dtype, kind):
+    torch.manual_seed(41)
+    v = _vec(dtype)
+    lengths = _odd_lengths(v)
+    if RACECHECK:  # seconds per launch of the shared-memory kernels: one length past their edge
+        lengths = [n for n in lengths if n <= 2048 * v + 1]
+    for j, n in enumerate(lengths):
+        if kind not in kinds_for(j):
+            continue
+        rows = 3 if n > 20000 else 5
+        x = torch.randn(rows, n, device="cuda", dtype=dtype) * 3
+        g = torch.randn(rows, n, device="cuda", dtype=dtype)
+        _check_rows(x, g, kind, dtype, f"{kind} odd ({rows},{n}) {dtype}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_offset_views(dtype, kind):
+    # x = buf[off:off + R N].view(R, N) for every element offset of a 16-byte vector, dy at a
+    # different offset: input, dy and output misaligned against each other, row by row.
+    torch.manual_seed(42)
+    v = _vec(dtype)
+    lengths = [100, 1000, 2048 * v + 3, 50257] if not RACECHECK else [2048 * v + 3]
+    for n in lengths:
+        rows = 3
+        offsets = range(v) if n < 20000 else many(range(v), (0, 1, v - 1))
+        if RACECHECK:
+            offsets = (0, v // 2)
+        for off in offsets:
+            buf = torch.randn(rows * n + v, device="cuda", dtype=dtype) * 3
+            gbuf = torch.randn(rows * n + v, device="cuda", dtype=dtype)
+            x = buf[off:off + rows * n].view(rows, n)
+            go = (off + 1) % v
+            g = gbuf[go:go + rows * n].view(rows, n)
+            _check_rows(x, g, kind, dtype, f"{kind} offset {off} ({rows},{n}) {dtype}")
+
+
+def _strided_cases(n, dtype, seed):
+    """(label, x, g) with rows at strides: column slices of wider buffers, t[:, :-1, :] and
+    t[:, 1:, :] of (B, S, N), a row-sliced view, and an element-offset slice."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+    t, tg = rnd(2, 4, n) * 3, rnd(2, 4, n)
+    big, bigg = rnd(5, n + 7) * 3, rnd(5, n + 1)
+    return [("x[:, :N] of (5, N+7)", big[:, :n], bigg[:, :n]),
+            ("t[:, :-1, :]", t[:, :-1, :], tg[:, :-1, :]),
+            ("t[:, 1:, :]", t[:, 1:, :], tg[:, 1:, :]),
+            ("t[:, 1:3, :]", t[:, 1:3, :], tg[:, 1:3, :]),
+            ("rows 1::2 of (5, N+7), from element 3", big[1::2, 3:n + 3], bigg[1::2, 1:n + 1])]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_strided_rows(dtype, kind):
+    v = _vec(dtype)
+    if RACECHECK and dtype not in (torch.float32, torch.bfloat16):
+        pytest.skip("racecheck: the shared-memory kernels' launches cost seconds; fp32 and bf16 cover them")
+    lengths = [37, 1000, 2048 * v + 5, 50257] if not RACECHECK else [2048 * v + 5]
+    for n in lengths:
+        cases = _strided_cases(n, dtype, seed=n)
+        for label, x, g in cases[:2] if RACECHECK else cases:
+            assert not x.is_contiguous() and x.stride(-1) == 1
+            what = f"{kind} strided {label} N={n} {dtype}"
+            _check_rows(x, g, kind, dtype, what)
+            if not RACECHECK:  # y saved by the forward may be a strided view too
+                _check_rows(x, g, kind, dtype, what + " y strided", y_view=lambda y: _strided_copy(y, 3))
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_strided_rows_no_copy(kind):
+    # Forward and backward ops called directly: no copy kernel for rows at strides.
+    for dtype in (torch.float32, torch.bfloat16):
+        v = _vec(dtype)
+        for n in (1000, 2048 * v + 5, 50257):
+            for label, x, g in _strided_cases(n, dtype, seed=n):
+                y, copies = copy_kernels(_FWD_OPS[kind], x, -1, "auto")
+                assert copies == [], f"{kind} {label} N={n}: forward copied ({copies})"
+                assert_close_ref(y, _ref64(x, -1, kind), dtype, f"{kind} {label} N={n}")
+                _, copies = copy_kernels(_BWD_OPS[kind], g, _strided_copy(y, 5), -1, "auto")
+                assert copies == [], f"{kind} {label} N={n}: backward copied ({copies})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_layouts_that_need_a_copy(device):
+    # Three outer levels that do not collapse, a non-unit last-dim stride, a reduced dim that is
+    # not last: still right (through a copy).
+    t = torch.randn(3, 4, 5, 300, device=device)
+    for x, dim in ((t[:, :-1, :-1, :], -1), (t.transpose(-1, -2), -1), (t[..., ::2], -1), (t[:, :, :, :7], 2)):
+        for kind in ("softmax", "log_softmax"):
+            assert_close_ref(FUNCS[kind][0](x, dim), _ref64(x, dim, kind), torch.float32, f"{kind} {x.stride()}")
+    # Expanded rows (stride 0) are read, never written.
+    e = torch.randn(1, 70, device=device).expand(4, 70)
+    assert_close_ref(gp.softmax(e), _ref64(e, -1, "softmax"), torch.float32, "expanded")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_strided(device):
+    # The fake kernels give the real kernels' (contiguous) output strides for strided inputs.
+    t = torch.randn(2, 5, 33, device=device)
+    x = t[:, :-1, :]
+    for kind in ("softmax", "log_softmax"):
+        torch.library.opcheck(_FWD_OPS[kind], (x, -1, "auto"))
+        y = FUNCS[kind][1](x.contiguous(), -1)
+        torch.library.opcheck(_BWD_OPS[kind], (torch.randn_like(t)[:, 1:, :], y, -1, "auto"))
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", ["smem", "bulk", "old"])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_large_vocab(rows, kind):
+    # One large vocabulary per kind through the long-row kernels: the shifted logits
+    # t[:, :-1, :] of GPT-2's 50257 (odd: rows misaligned, strided), Llama-3's 128256.
+    torch.manual_seed(43)
+    if RACECHECK and rows != "smem":
+        pytest.skip("racecheck: the shared-memory kernels' launches cost seconds; rows=smem covers them")
+    with gp.tuning.override(softmax_rows=rows):
+        t = torch.randn(2, many(9, 3), 50257, device="cuda", dtype=torch.bfloat16) * 3
+        tg = torch.randn_like(t)
+        _check_rows(t[:, :-1, :], tg[:, :-1, :], kind, torch.bfloat16, f"{rows} {kind} t[:, :-1, :] 50257 bf16")
+        for dtype in (torch.bfloat16, torch.float32) if not RACECHECK else ():
+            x = torch.randn(many(6, 2), 128256, device="cuda", dtype=dtype) * 3
+            _check_rows(x, torch.randn_like(x), kind, dtype, f"{rows} {kind} ({x.shape[0]},128256) {dtype}")

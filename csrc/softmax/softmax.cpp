@@ -1,7 +1,9 @@
 // softmax / log_softmax host side: argument checks, the CPU and CUDA calls and
 // their registrations (the CPU kernels are in softmax_cpu.cpp). A tensor is viewed
-// contiguous as (outer, N, inner) with N the size of the reduced dim; a 0-d tensor
-// is one row of one element.
+// as (outer, N, inner) with N the size of the reduced dim; a 0-d tensor is one row
+// of one element. Outputs are fresh contiguous tensors. On CUDA (auto algorithm) an
+// input reduced over a last dim of stride 1 is taken without a copy when its outer
+// dims collapse to two row strides; everything else is made contiguous first.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -80,8 +82,17 @@ at::Tensor run_cpu(const at::Tensor& a, const at::Tensor* b, const Dims& d, bool
   const at::Tensor bc = b ? b->contiguous() : at::Tensor();
   at::Tensor out = at::empty(a.sizes(), a.options());
   if (a.numel() == 0) return out;
-  const SoftmaxArgs args{ac.data_ptr(), bc.defined() ? bc.data_ptr() : nullptr, out.data_ptr(), d.outer, d.N,
-                         d.inner, Log, to_dtype(a.scalar_type()), SoftmaxTuning{}};
+  const SoftmaxArgs args{ac.data_ptr(),
+                         bc.defined() ? bc.data_ptr() : nullptr,
+                         out.data_ptr(),
+                         d.outer,
+                         d.N,
+                         d.inner,
+                         Log,
+                         to_dtype(a.scalar_type()),
+                         SoftmaxTuning{},
+                         RowLayout{1, d.N, 0},
+                         RowLayout{1, d.N, 0}};
   if (backward) GP_CPU_CALL(softmax_backward_cpu)(args);
   else GP_CPU_CALL(softmax_forward_cpu)(args);
   return out;
@@ -104,18 +115,53 @@ at::Tensor backward_cpu(const at::Tensor& grad_out, const at::Tensor& out, int64
 // last through a copy (they are for the notebook, not for speed).
 bool needs_move(const Dims& d, SoftmaxAlgo algo) { return algo != SoftmaxAlgo::Auto && d.inner != 1; }
 
+// The row starts of `t` when the auto row kernels can take it as it is: the
+// reduced dim is the last with stride 1 (or of size 1), and the dims before it
+// collapse to at most two levels of row strides. False: it needs a copy.
+bool row_layout(const at::Tensor& t, const Dims& d, RowLayout& L) {
+  if (t.dim() == 0 || d.inner != 1 || d.dim != t.dim() - 1) return false;
+  if (d.N > 1 && t.stride(d.dim) != 1) return false;
+  // Outer dims innermost first as (size, stride), size-1 dims dropped, a dim merged
+  // into the one inside it when its stride spans it exactly.
+  int64_t sz[2] = {1, 1}, st[2] = {0, 0};
+  int n = 0;
+  for (int64_t i = d.dim - 1; i >= 0; --i) {
+    const int64_t s = t.size(i), k = t.stride(i);
+    if (s == 1) continue;
+    if (n > 0 && k == st[n - 1] * sz[n - 1]) {
+      sz[n - 1] *= s;
+      continue;
+    }
+    if (n == 2) return false;
+    sz[n] = s;
+    st[n] = k;
+    ++n;
+  }
+  if (n <= 1) L = RowLayout{1, n == 1 ? st[0] : d.N, 0};  // one row stride
+  else L = RowLayout{sz[0], st[1], st[0]};                // row r: (r / sz0) st1 + (r % sz0) st0
+  return true;
+}
+
 at::Tensor run_cuda(const at::Tensor& a, const at::Tensor* b, const Dims& d0, SoftmaxAlgo algo, bool log,
                     bool backward) {
   Dims d = d0;
   const bool move = needs_move(d, algo);
-  at::Tensor ac = move ? a.movedim(d.dim, -1).contiguous() : a.contiguous();
+  // The auto rows take strided inputs as they come (RowLayout); the rest is
+  // made contiguous (a no-op when it already is).
+  RowLayout la{1, d.N, 0}, lb{1, d.N, 0};
+  const bool strided_ok = algo == SoftmaxAlgo::Auto;
+  const bool keep_a = strided_ok && row_layout(a, d, la);
+  const bool keep_b = strided_ok && b && row_layout(*b, d, lb);
+  at::Tensor ac = move ? a.movedim(d.dim, -1).contiguous() : (keep_a ? a : a.contiguous());
   at::Tensor bc;
-  if (b) bc = move ? b->movedim(d.dim, -1).contiguous() : b->contiguous();
+  if (b) bc = move ? b->movedim(d.dim, -1).contiguous() : (keep_b ? *b : b->contiguous());
+  if (!keep_a) la = RowLayout{1, d.N, 0};
+  if (!keep_b) lb = RowLayout{1, d.N, 0};
   if (move) d = Dims{ac.dim() - 1, d.N > 0 ? ac.numel() / d.N : 0, d.N, 1};
-  at::Tensor out = at::empty(ac.sizes(), ac.options());
+  at::Tensor out = at::empty(ac.sizes(), ac.options());  // contiguous, whatever the layout of ac
   if (ac.numel() > 0) {
     SoftmaxArgs args{ac.data_ptr(), bc.defined() ? bc.data_ptr() : nullptr, out.data_ptr(), d.outer, d.N, d.inner,
-                     log, to_dtype(a.scalar_type()), softmax_tuning()};
+                     log, to_dtype(a.scalar_type()), softmax_tuning(), la, lb};
     const int64_t wsb = softmax_workspace_bytes(args, algo, backward);
     at::Tensor ws = wsb > 0 ? at::empty({wsb}, a.options().dtype(at::kByte)) : at::Tensor();
     void* wp = ws.defined() ? ws.data_ptr() : nullptr;

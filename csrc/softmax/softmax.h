@@ -1,6 +1,7 @@
 // Torch-free interface between softmax.cpp (ATen side), the CUDA files and the CPU
-// kernels (softmax_cpu.cpp). Every tensor is contiguous and viewed as (outer, N, inner),
-// N the reduced dim.
+// kernels (softmax_cpu.cpp). Every tensor is viewed as (outer, N, inner), N the
+// reduced dim; outputs are contiguous, inputs contiguous except the CUDA rows
+// (inner == 1) of the auto algorithm, whose rows may sit at any strides (RowLayout).
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -23,8 +24,9 @@ enum class SoftmaxAlgo : int { Auto = 0, Tree = 1, Shuffle = 2, Online = 3 };
 // its knob (common/kernel_choice.h: softmax_rows, softmax_cluster, ...) when
 // overridden, else the default; softmax_tuning() decides both in one place.
 struct SoftmaxTuning {
-  int rows = 0;      // long rows, forward: 1 old (cluster in registers), 2 new (staged, persistent),
-                     // 3 smem (the slice in shared memory, cp.async), 4 bulk (the same, one bulk copy)
+  int rows = 0;      // long rows: 1 old (cluster in registers), 2 new (forward: staged, persistent),
+                     // 3 smem (the slice in shared memory, cp.async; forward and backward, any
+                     // alignment), 4 bulk (the same, one bulk copy)
   int cluster = 0;   // new rows kernel: preferred cluster size, 4 (smem/bulk only), 8 or 16; smem/bulk:
                      // the cluster size of a 512 KB row (the slice is 512 KB / cluster)
   int stages = 0;    // new kernels: copies in flight per block, 2 or 3; columns: 1 = one tile at a
@@ -39,6 +41,13 @@ struct SoftmaxTuning {
 // Read once per op call, so the workspace size and the launch see the same plan.
 SoftmaxTuning softmax_tuning();
 
+// Where an input's rows start: row r at element offset (r / n1) * s0 + (r % n1) * s1
+// from its pointer (two outer levels, e.g. logits[:, :-1, :]); the elements of a
+// row are contiguous. A contiguous input is {1, N, 0}.
+struct RowLayout {
+  int64_t n1 = 1, s0 = 0, s1 = 0;
+};
+
 struct SoftmaxArgs {
   const void* a;  // forward: x;     backward: y (the forward's output)
   const void* b;  // forward: null;  backward: dy
@@ -47,6 +56,9 @@ struct SoftmaxArgs {
   bool log;       // log_softmax instead of softmax
   DType dtype;
   SoftmaxTuning tune;  // softmax_tuning(), filled by the caller
+  // Row starts of a and b (inner == 1 only; the CPU and the other CUDA paths take
+  // contiguous inputs, {1, N, 0}); `out` is always contiguous.
+  RowLayout la, lb;
 };
 
 // Bytes of scratch the launch needs (the split path for very long rows keeps

@@ -2,7 +2,8 @@
 // statistics exchanged through distributed shared memory: the row in registers
 // (cluster_rows_kernel, forward and backward; cluster_fwd_kernel, forward), staged
 // through shared memory by persistent clusters (staged_rows_fwd_kernel), or the
-// row's slices held in shared memory (smem_rows_fwd_kernel).
+// row's slices held in shared memory (smem_rows_kernel, forward and backward, any
+// row length and alignment). Input rows start at any row strides (RowLayout).
 #include "common/bulk_copy.cuh"
 #include "common/cp_async.cuh"
 #include "softmax/softmax_kernels.cuh"
@@ -13,7 +14,7 @@ namespace {
 using namespace softmax_detail;
 
 // ---- the row exchange of the one-barrier cluster kernels -----------------------
-// cluster_fwd_kernel, staged_rows_fwd_kernel and smem_rows_fwd_kernel reduce each
+// cluster_fwd_kernel, staged_rows_fwd_kernel and smem_rows_kernel (forward) reduce each
 // warp's values to a pair (shift, sum of exp(x - shift)) in wred, then merge the
 // pairs over the block and the cluster.
 
@@ -92,7 +93,7 @@ __device__ __forceinline__ void finish_row(A (&v)[K][V], A M, A S, A s, A shift)
 template <typename T, bool BWD>
 __global__ void __launch_bounds__(1024)
 cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
-                    bool log, bool vec) {
+                    RowLayout la, RowLayout lb, bool log, bool vec) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -106,7 +107,7 @@ cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restr
   const int64_t step = gridDim.x / CS;
   int parity = 0;
   for (int64_t row = blockIdx.x / CS; row < rows; row += step, parity ^= 1) {
-    const T* ar = a + row * N;
+    const T* ar = row_ptr(a, la, row);
     T* outr = out + row * N;
     A v[CH][V];
     A s = A(0);
@@ -145,7 +146,7 @@ cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restr
         store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, N, vec);
       }
     } else {
-      const T* br = b + row * N;
+      const T* br = row_ptr(b, lb, row);
       A g[CH][V];
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
@@ -183,7 +184,7 @@ cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restr
 
 template <typename T, bool LOG>
 __global__ void __launch_bounds__(kClusterFwdThreads, 2)
-cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, bool vec) {
+cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowLayout la, bool vec) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -200,7 +201,7 @@ cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, i
   for (int64_t row = blockIdx.x / CS; row < rows; row += step, parity ^= 1) {  // cluster-uniform
     // Rebased on this thread's first element: 32-bit chunk offsets (c G V <= N <=
     // 131072), fewer live 64-bit addresses.
-    const T* ar = a + row * N + int64_t(t) * V;
+    const T* ar = row_ptr(a, la, row) + int64_t(t) * V;
     T* outr = out + row * N + int64_t(t) * V;
     const int64_t rem = N - int64_t(t) * V;
     A v[CH][V];
@@ -241,7 +242,8 @@ cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, i
 
 template <typename T, bool LOG, int K>
 __global__ void __launch_bounds__(kSrThreads, K <= 4 ? 2 : 1)
-staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, int stages) {
+staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowLayout la,
+                       int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -260,7 +262,7 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
   const int64_t rem = N - t * V;  // elements of a row from this thread's first
   auto issue = [&](int64_t row, int st) {
     if (row < rows) {
-      const T* ar = a + row * N + t * V;
+      const T* ar = row_ptr(a, la, row) + t * V;
 #pragma unroll
       for (int c = 0; c < K; ++c)
         if (int64_t(c) * G * V < rem) cp_async16(&buf[(st * K + c) * BT + tid], ar + int64_t(c) * G * V);
@@ -315,100 +317,211 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
 #endif
 }
 
-// ---- long rows, forward, on Hopper: the row slice in shared memory (rows=smem|bulk)
+// ---- long rows on Hopper: the row slice in shared memory (rows=smem|bulk) -----
 // Why another one: the staged kernel above keeps its slice in registers (112 per
 // thread), so one 512-thread block fills an SM, and a cluster of 8 then needs 8
 // whole SMs of one GPC: SMs left over in a GPC stay idle.
-// Here the block's slice of the row (SV 16-byte vectors, SV 16 bytes of dynamic
-// shared memory, 64 KB for fp32 131072 over 8 blocks) is the only copy; threads
-// read it three times (max, sum, write) at shared-memory speed, need few
-// registers, and several blocks share an SM: one block's loads overlap another's
-// reductions and stores, and a cluster may spread over fewer SMs. BULK: thread 0
-// copies the slice with one bulk copy (TMA) completing on an mbarrier; else each
-// thread cp.asyncs its own vectors and reads back only those (no barrier needed
-// for them). Statistics as staged_rows_fwd_kernel: per-warp (shift, sum) pairs,
-// one DSMEM exchange per row. A grid of up to kMaxGrid blocks strides over rows.
+// Here a block's slice of the row is the only copy, in dynamic shared memory;
+// threads read it two or three times at shared-memory speed, need few registers,
+// and several blocks share an SM: one block's loads overlap another's reductions
+// and stores, and a cluster may spread over fewer SMs.
+//
+// Any row length, alignment and row stride. The row's output, from the 16-byte
+// boundary at or below its first element, is cut into 16-byte vectors; block
+// `rank` of the cluster owns output vectors [rank SV, rank SV + SV): exactly the
+// row elements [lo, hi) they hold, so no two blocks write the same 16 bytes. The
+// block copies the aligned 16-byte input vectors covering [lo, hi) (at most SB,
+// SV + 1 when the input may be misaligned against the output, else SV) to
+// shared memory; bytes outside the row in them are never used. Those before the
+// row's first element lie inside the allocation (it starts 16-byte aligned); a
+// block's last vector, where it runs past the row's end, is copied element by
+// element (past the row may be past the allocation). Each pass walks
+// the output vectors: an input misaligned against the output is read as two
+// shared vectors and a shift (smem_fetch); the row's first and last output vectors,
+// partly outside the row, go element by element (masked reads, element stores).
+//
+// Forward: per-warp (shift, sum) pairs, one DSMEM exchange per row (as
+// staged_rows_fwd_kernel), then y. Backward (a = y, b = dy): dot = sum(dy y)
+// (softmax) or sum(dy) (log_softmax), one DSMEM exchange, then dx: y and dy read
+// once from memory. BULK: thread 0 copies each input with one bulk copy (TMA)
+// completing on an mbarrier; else the threads cp.async the vectors. A grid of up
+// to kMaxGrid blocks strides over rows.
 
-template <typename T, bool LOG, bool BULK>
+template <typename T, bool LOG, bool BWD, bool BULK>
 __global__ void __launch_bounds__(kSmThreads)
-smem_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, int64_t SV) {
+smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
+                 RowLayout la, RowLayout lb, int64_t SV, int64_t SB) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
   extern __shared__ __align__(128) unsigned char sm_raw[];
-  uint4* buf = reinterpret_cast<uint4*>(sm_raw);
+  uint4* abuf = reinterpret_cast<uint4*>(sm_raw);
+  uint4* bbuf = abuf + SB;  // BWD: dy's vectors
+  const T* abufT = reinterpret_cast<const T*>(abuf);
+  const T* bbufT = reinterpret_cast<const T*>(bbuf);
   __shared__ A wred[kSmThreads / 32][2];
   __shared__ A part[2][2];  // [row parity][shift, sum]
   __shared__ uint64_t bar;
   cg::cluster_group cluster = cg::this_cluster();
   const int CS = int(cluster.num_blocks());
   const int tid = int(threadIdx.x), lane = tid & 31, w = tid >> 5;
-  const int64_t v0 = int64_t(cluster.block_rank()) * SV;
-  const int64_t cnt = max(int64_t(0), min(SV, N / V - v0));  // vectors of this block's slice
+  const int64_t j0 = int64_t(cluster.block_rank()) * SV;  // this block's first output vector
   const int64_t step = gridDim.x / CS, first = blockIdx.x / CS;
   if (BULK && tid == 0) mbar_init(&bar);
   __syncthreads();
   unsigned phase = 0;
   int parity = 0;
   for (int64_t row = first; row < rows; row += step, parity ^= 1) {  // cluster-uniform
-    const T* src = a + row * N + v0 * V;
+    const T* arow = row_ptr(a, la, row);
+    const T* brow = BWD ? row_ptr(b, lb, row) : nullptr;
+    T* orow = out + row * N;
+    const int oo = misalign(orow), oa = misalign(arow), ob = BWD ? misalign(brow) : 0;
+    const int64_t j1 = min(j0 + SV, (oo + N + V - 1) / V);  // output vectors [j0, j1)
+    // Row elements [lo, hi) of this block (empty when j1 <= j0: the block only
+    // takes part in the barriers); input vectors from fa (fb) hold them, element i
+    // at position i + da (i + db) of the shared copy.
+    const int64_t lo = max(int64_t(0), j0 * V - oo), hi = min(N, j1 * V - oo);
+    const bool any = j1 > j0;
+    const int64_t fa = any ? (lo + oa) / V : 0, na = any ? (hi - 1 + oa) / V - fa + 1 : 0;
+    const int64_t fb = any ? (lo + ob) / V : 0, nb = BWD && any ? (hi - 1 + ob) / V - fb + 1 : 0;
+    const int64_t da = oa - fa * V, db = ob - fb * V;
+    const int sa = int(((oa - oo) % V + V) % V), sb = int(((ob - oo) % V + V) % V);  // shifts, row-uniform
+    const uint4* asrc = reinterpret_cast<const uint4*>(arow - oa) + fa;
+    const uint4* bsrc = BWD ? reinterpret_cast<const uint4*>(brow - ob) + fb : nullptr;
+    // A last vector that runs past the row's end may run past the end of the
+    // allocation (the last row of a tensor whose size is not a multiple of 16
+    // bytes): that one is copied element by element, only this block's elements.
+    const bool at = any && (fa + na) * V - oa > N, bt = BWD && any && (fb + nb) * V - ob > N;
+    const int64_t ca = na - at, cb = nb - bt;  // whole vectors copied
+    if (tid < V) {
+      if (at) {
+        const int64_t i = (na - 1) * V + tid - da;
+        if (i >= lo && i < hi) reinterpret_cast<T*>(abuf)[i + da] = arow[i];
+      }
+      if (bt) {
+        const int64_t i = (nb - 1) * V + tid - db;
+        if (i >= lo && i < hi) reinterpret_cast<T*>(bbuf)[i + db] = brow[i];
+      }
+    }
     if constexpr (BULK) {
-      if (cnt > 0) {
+      if (any) {  // block-uniform
         if (tid == 0) {
-          mbar_arrive_expect(&bar, unsigned(cnt * 16));
-          bulk_load(buf, src, unsigned(cnt * 16), &bar);
+          mbar_arrive_expect(&bar, unsigned((ca + cb) * 16));
+          if (ca > 0) bulk_load(abuf, asrc, unsigned(ca * 16), &bar);
+          if (BWD && cb > 0) bulk_load(bbuf, bsrc, unsigned(cb * 16), &bar);
         }
         mbar_wait(&bar, phase);
         phase ^= 1u;
       }
     } else {
-      for (int64_t j = tid; j < cnt; j += kSmThreads) cp_async16(&buf[j], src + j * V);
+      for (int64_t q = tid; q < ca; q += kSmThreads) cp_async16(&abuf[q], asrc + q);
+      if (BWD)
+        for (int64_t q = tid; q < cb; q += kSmThreads) cp_async16(&bbuf[q], bsrc + q);
       cp_async_commit();
       cp_async_wait<0>();
     }
-    A m = neg_inf<A>();
-#pragma unroll 4
-    for (int64_t j = tid; j < cnt; j += kSmThreads) {
-      Vec<T, V> r;
-      r.q[0] = buf[j];
+    __syncthreads();  // shifted reads and the tail take elements other threads copied
+    // Output vector j holds row elements i0 = j V - oo .. i0 + V - 1; an edge one
+    // (partly outside the row) is read element by element, `fill` outside.
+    auto edge = [&](int64_t i0) { return i0 < 0 || i0 + V > N; };
+    auto get = [&](const uint4* buf, const T* bufT, int64_t d, int sh, int64_t i0, A (&v)[V], A fill) {
+      if (!edge(i0)) {
+        const Vec<T, V> r = smem_fetch<T, V>(buf, i0 + d, sh);
 #pragma unroll
-      for (int k = 0; k < V; ++k) m = max_a(m, to_acc<A>(r.e[k]));
-    }
-    m = warp_max(m);
-    const A shift = m == neg_inf<A>() ? A(0) : m;  // an empty warp: see cluster_fwd_kernel
-    const ExpShift<T> ex(shift);
-    A s = A(0);
-#pragma unroll 4
-    for (int64_t j = tid; j < cnt; j += kSmThreads) {
-      Vec<T, V> r;
-      r.q[0] = buf[j];
+        for (int k = 0; k < V; ++k) v[k] = to_acc<A>(r.e[k]);
+      } else {
 #pragma unroll
-      for (int k = 0; k < V; ++k) s += ex(to_acc<A>(r.e[k]));
-    }
-    s = warp_sum(s);
-    if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
-    __syncthreads();
-    publish_block_pair(wred, part[parity], lane, w, kSmThreads / 32);
-    cluster.sync();  // every block's pair visible; this row's wred reads done
-    A M, S;
-    cluster_pair(cluster, part[parity], CS, M, S);
-    const A nan = A(NAN);
-    const A mul = S == A(0) ? nan : (LOG ? log_a(S) : A(1) / S);  // an all -inf row: NaN, as torch
-    const ExpShift<T> exm(M);
-    T* dst = out + row * N + v0 * V;
-#pragma unroll 4
-    for (int64_t j = tid; j < cnt; j += kSmThreads) {
-      Vec<T, V> r, y;
-      r.q[0] = buf[j];
-#pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const A x = to_acc<A>(r.e[k]);
-        y.e[k] = from_acc<T>(LOG ? (x - M) - mul : exm(x) * mul);
+        for (int k = 0; k < V; ++k) {
+          const int64_t i = i0 + k;
+          v[k] = i >= 0 && i < N ? to_acc<A>(bufT[i + d]) : fill;
+        }
       }
-      __stcs(reinterpret_cast<uint4*>(dst + j * V), y.q[0]);
+    };
+    auto put = [&](int64_t i0, const A (&v)[V]) {
+      if (!edge(i0)) {
+        Vec<T, V> y;
+#pragma unroll
+        for (int k = 0; k < V; ++k) y.e[k] = from_acc<T>(v[k]);
+        __stcs(reinterpret_cast<uint4*>(orow + i0), y.q[0]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const int64_t i = i0 + k;
+          if (i >= 0 && i < N) orow[i] = from_acc<T>(v[k]);
+        }
+      }
+    };
+    A M, S;
+    if constexpr (!BWD) {
+      A m = neg_inf<A>();
+#pragma unroll 4
+      for (int64_t j = j0 + tid; j < j1; j += kSmThreads) {
+        A v[V];
+        get(abuf, abufT, da, sa, j * V - oo, v, neg_inf<A>());
+#pragma unroll
+        for (int k = 0; k < V; ++k) m = max_a(m, v[k]);
+      }
+      m = warp_max(m);
+      const A shift = m == neg_inf<A>() ? A(0) : m;  // an empty warp: see cluster_fwd_kernel
+      const ExpShift<T> ex(shift);
+      A s = A(0);
+#pragma unroll 4
+      for (int64_t j = j0 + tid; j < j1; j += kSmThreads) {
+        A v[V];
+        get(abuf, abufT, da, sa, j * V - oo, v, neg_inf<A>());
+#pragma unroll
+        for (int k = 0; k < V; ++k) s += ex(v[k]);  // outside the row: exp(-inf) = 0
+      }
+      s = warp_sum(s);
+      if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
+      __syncthreads();
+      publish_block_pair(wred, part[parity], lane, w, kSmThreads / 32);
+      cluster.sync();  // every block's pair visible; this row's wred reads done
+      cluster_pair(cluster, part[parity], CS, M, S);
+      const A nan = A(NAN);
+      const A mul = S == A(0) ? nan : (LOG ? log_a(S) : A(1) / S);  // an all -inf row: NaN, as torch
+      const ExpShift<T> exm(M);
+#pragma unroll 4
+      for (int64_t j = j0 + tid; j < j1; j += kSmThreads) {
+        A v[V];
+        get(abuf, abufT, da, sa, j * V - oo, v, A(0));
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[k] = LOG ? (v[k] - M) - mul : exm(v[k]) * mul;
+        put(j * V - oo, v);
+      }
+    } else {
+      // softmax: dx = y (dy - sum(dy y));  log_softmax: dx = dy - exp(y) sum(dy)
+      A s = A(0);
+#pragma unroll 2
+      for (int64_t j = j0 + tid; j < j1; j += kSmThreads) {
+        A y[V], g[V];
+        get(abuf, abufT, da, sa, j * V - oo, y, A(0));
+        get(bbuf, bbufT, db, sb, j * V - oo, g, A(0));
+#pragma unroll
+        for (int k = 0; k < V; ++k) s += LOG ? g[k] : g[k] * y[k];
+      }
+      s = warp_sum(s);
+      if (lane == 0) wred[w][1] = s;
+      __syncthreads();
+      if (w == 0) {
+        A t = lane < kSmThreads / 32 ? wred[lane][1] : A(0);
+        t = warp_sum(t);
+        if (lane == 0) { part[parity][0] = A(0); part[parity][1] = t; }
+      }
+      cluster.sync();  // every block's sum visible; this row's wred reads done
+      cluster_pair<true>(cluster, part[parity], CS, M, S);
+#pragma unroll 2
+      for (int64_t j = j0 + tid; j < j1; j += kSmThreads) {
+        A y[V], g[V];
+        get(abuf, abufT, da, sa, j * V - oo, y, A(0));
+        get(bbuf, bbufT, db, sb, j * V - oo, g, A(0));
+#pragma unroll
+        for (int k = 0; k < V; ++k) y[k] = LOG ? g[k] - exp_a(y[k]) * S : y[k] * (g[k] - S);
+        put(j * V - oo, y);
+      }
     }
-    // The next row's copy overwrites the slice (BULK: every thread's part of it).
-    if (BULK) __syncthreads();
+    // The next row's copies overwrite the shared slice every thread has read.
+    __syncthreads();
   }
   cluster.sync();  // no block exits while another may still read its `part`
 #endif
@@ -417,9 +530,9 @@ smem_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows,
 template <typename T, int K> auto staged_rows_kernel_for(bool log) {
   return log ? staged_rows_fwd_kernel<T, true, K> : staged_rows_fwd_kernel<T, false, K>;
 }
-template <typename T> auto smem_rows_kernel_for(bool log, bool bulk) {
-  return log ? (bulk ? smem_rows_fwd_kernel<T, true, true> : smem_rows_fwd_kernel<T, true, false>)
-             : (bulk ? smem_rows_fwd_kernel<T, false, true> : smem_rows_fwd_kernel<T, false, false>);
+template <typename T, bool BWD> auto smem_rows_kernel_for(bool log, bool bulk) {
+  return log ? (bulk ? smem_rows_kernel<T, true, BWD, true> : smem_rows_kernel<T, true, BWD, false>)
+             : (bulk ? smem_rows_kernel<T, false, BWD, true> : smem_rows_kernel<T, false, BWD, false>);
 }
 
 template <typename T, bool BWD>
@@ -443,22 +556,24 @@ cudaError_t launch_cluster_typed(const SoftmaxArgs& a, const Plan& p, cudaStream
       cfg.numAttrs = 1;
       if constexpr (sizeof(T) <= 4) {  // the plan never picks them for float64
         if (p.kind == Kind::ClusterRows)
-          return cudaLaunchKernelEx(&cfg, cluster_rows_kernel<T, BWD>, A_, B_, O, rows, N, a.log, vec);
+          return cudaLaunchKernelEx(&cfg, cluster_rows_kernel<T, BWD>, A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
         if constexpr (!BWD)
           return cudaLaunchKernelEx(&cfg, a.log ? cluster_fwd_kernel<T, true> : cluster_fwd_kernel<T, false>, A_, O,
-                                    rows, N, vec);
+                                    rows, N, a.la, vec);
       }
       return cudaErrorInvalidValue;  // ClusterFwd: forward, 2- and 4-byte types only
     }
     case Kind::StagedRows:
       if constexpr (!BWD && sizeof(T) <= 4)
-        return p.ch == 8 ? launch_staged(staged_rows_kernel_for<T, 8>(a.log), p, rows, st, A_, O, rows, N, p.stages)
-                         : launch_staged(staged_rows_kernel_for<T, 4>(a.log), p, rows, st, A_, O, rows, N, p.stages);
+        return p.ch == 8
+                   ? launch_staged(staged_rows_kernel_for<T, 8>(a.log), p, rows, st, A_, O, rows, N, a.la, p.stages)
+                   : launch_staged(staged_rows_kernel_for<T, 4>(a.log), p, rows, st, A_, O, rows, N, a.la, p.stages);
       return cudaErrorInvalidValue;  // forward, 2- and 4-byte types only
     case Kind::SmemRows:
-      if constexpr (!BWD && sizeof(T) <= 4)
-        return launch_staged(smem_rows_kernel_for<T>(a.log, p.bulk), p, rows, st, A_, O, rows, N, p.sv);
-      return cudaErrorInvalidValue;  // forward, 2- and 4-byte types only
+      if constexpr (sizeof(T) <= 4)
+        return launch_staged(smem_rows_kernel_for<T, BWD>(a.log, p.bulk), p, rows, st, A_, B_, O, rows, N, a.la,
+                             a.lb, p.sv, p.sb);
+      return cudaErrorInvalidValue;  // 2- and 4-byte types only
     default:
       break;
   }
@@ -495,13 +610,14 @@ const void* staged_rows_kernel_handle(DType dt, bool log, int K) {
   });
 }
 
-const void* smem_rows_kernel_handle(DType dt, bool log, bool bulk) {
+const void* smem_rows_kernel_handle(DType dt, bool log, bool bulk, bool bwd) {
   return dispatch_dtype(dt, [&](auto tag) -> const void* {
     using T = decltype(tag);
     if constexpr (sizeof(T) > 4) {
       return nullptr;
     } else {
-      return reinterpret_cast<const void*>(smem_rows_kernel_for<T>(log, bulk));
+      return bwd ? reinterpret_cast<const void*>(smem_rows_kernel_for<T, true>(log, bulk))
+                 : reinterpret_cast<const void*>(smem_rows_kernel_for<T, false>(log, bulk));
     }
   });
 }

@@ -36,7 +36,7 @@ constexpr int kIcTx = 8, kIcTy = 32, kIcRows = 16;
 constexpr int kIcThreads = kIcTx * kIcTy;  // 256
 constexpr int kIcMaxCols = kIcTx * 8;      // columns of a tile, bf16 / fp16 (fp32: 32)
 constexpr int kSrThreads = 512;  // staged_rows_fwd_kernel
-constexpr int kSmThreads = 256;  // smem_rows_fwd_kernel
+constexpr int kSmThreads = 256;  // smem_rows_kernel
 constexpr int kScTx = 8, kScTy = 32;       // staged_cols_kernel
 constexpr int kScThreads = kScTx * kScTy;  // 256
 // Dynamic shared memory a staged block may take (227 KB per block on sm_90, less
@@ -236,6 +236,51 @@ __device__ __forceinline__ void cluster_pair(Cluster& cluster, A* part, int CS, 
   }
 }
 
+// ---- rows at any strides and alignment ----------------------------------------
+// The start of row `row` of an input (softmax.h: RowLayout); 64-bit offsets.
+template <typename T>
+__device__ __forceinline__ const T* row_ptr(const T* __restrict__ p, const RowLayout& L, int64_t row) {
+  return p + (row / L.n1) * L.s0 + (row % L.n1) * L.s1;
+}
+
+// Elements of T from the 16-byte boundary at or below p (0..V-1).
+template <typename T> __device__ __forceinline__ int misalign(const T* p) {
+  return int((reinterpret_cast<uintptr_t>(p) & 15) / sizeof(T));
+}
+
+// Vector x shifted down by D elements, the vacated top filled from y: the V
+// elements starting at element D of the 32 bytes (x, y). Compile-time D, so every
+// element stays in registers.
+template <int D, typename T, int V>
+__device__ __forceinline__ void shift_into(Vec<T, V>& r, const Vec<T, V>& x, const Vec<T, V>& y) {
+#pragma unroll
+  for (int k = 0; k < V; ++k) r.e[k] = k + D < V ? x.e[k + D] : y.e[k + D - V];
+}
+template <int D, typename T, int V>
+__device__ __forceinline__ void shift_case(int d, Vec<T, V>& r, const Vec<T, V>& x, const Vec<T, V>& y) {
+  if constexpr (D < V) {
+    if (d == D) shift_into<D>(r, x, y);
+    else shift_case<D + 1>(d, r, x, y);
+  }
+}
+
+// The V elements at element position `pos` (>= 0) of shared vectors `buf`, d =
+// pos % V (uniform over a row, so the branches do not diverge): one 16-byte read
+// when aligned, else two and a shift. With d > 0 both vectors must hold data.
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> smem_fetch(const uint4* buf, int64_t pos, int d) {
+  Vec<T, V> r;
+  if (d == 0) {
+    r.q[0] = buf[pos / V];
+  } else {
+    Vec<T, V> x, y;
+    x.q[0] = buf[pos / V];
+    y.q[0] = buf[pos / V + 1];
+    shift_case<1>(d, r, x, y);
+  }
+  return r;
+}
+
 // ---- planning ----------------------------------------------------------------
 
 enum class Kind { WarpRows, RowWarp, BlockRows, ClusterRows, ClusterFwd, StagedRows, SmemRows, Split, Inner,
@@ -251,7 +296,9 @@ struct Plan {
   int64_t smem = 0;  // dynamic shared memory bytes (Inner, StagedRows, StagedCols)
   int stages = 2;    // StagedRows, StagedCols: copies in flight per thread, in rows / tiles;
                      // 1: one at a time, several blocks per SM (grid: see `grid`)
-  int64_t sv = 0;    // SmemRows: 16-byte vectors of a block's slice of the row
+  int64_t sv = 0;    // SmemRows: 16-byte vectors of the output a block writes per row
+  int64_t sb = 0;    // SmemRows: 16-byte vectors of shared memory per input (sv, or sv + 1 where
+                     // an input may be misaligned against the output)
   bool bulk = false; // SmemRows: the slice arrives by one bulk copy (TMA), not per-thread cp.async
   int grid = 1;      // StagedCols with 1 stage, SmemRows: clusters launched per resident cluster
   // InnerCluster keeps threads / cache / smem of the Inner plan: its fallback
@@ -293,10 +340,12 @@ cudaError_t launch_staged(Kern kernel, const Plan& p, int64_t items, cudaStream_
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
-// Vectorized 16-byte access: whole vectors per row and every pointer aligned.
+// Vectorized 16-byte access: whole vectors per row, every pointer aligned and
+// every row stride a whole number of vectors.
 inline bool vec_ok(const SoftmaxArgs& a, bool bwd) {
   const int V = 16 / esize(a.dtype);
-  return a.N % V == 0 && al16(a.a) && al16(a.out) && (!bwd || al16(a.b));
+  auto whole = [V](const RowLayout& L) { return L.s0 % V == 0 && L.s1 % V == 0; };
+  return a.N % V == 0 && al16(a.a) && al16(a.out) && whole(a.la) && (!bwd || (al16(a.b) && whole(a.lb)));
 }
 
 // ---- the kernel families' launchers (one per file) -----------------------------
@@ -315,7 +364,7 @@ cudaError_t launch_teaching(const SoftmaxArgs& a, SoftmaxAlgo algo, cudaStream_t
 const void* cluster_rows_kernel_handle(bool bwd);                            // float
 const void* cluster_fwd_kernel_handle();                                     // float, softmax
 const void* staged_rows_kernel_handle(DType dt, bool log, int K);
-const void* smem_rows_kernel_handle(DType dt, bool log, bool bulk);
+const void* smem_rows_kernel_handle(DType dt, bool log, bool bulk, bool bwd);
 const void* inner_cluster_kernel_handle();                                   // float, softmax
 const void* staged_cols_kernel_handle(DType dt, bool log, bool bwd);
 

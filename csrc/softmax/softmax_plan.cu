@@ -1,7 +1,9 @@
 // Softmax / log_softmax forward and backward on CUDA: the plan (which kernel for
 // which shape), the launch with its fallbacks, and the entry points of softmax.h.
 //
-// Tensors are contiguous (outer, N, inner), reduced over N. The auto kernels:
+// Tensors are (outer, N, inner), reduced over N; outputs contiguous. Inputs of
+// rows (inner == 1) may sit at any row strides (RowLayout, two outer levels), the
+// rest are contiguous. The auto kernels:
 //   rows (inner == 1), N <= 128 * V : one warp per row, the row in registers
 //                                      (V = elements per 16-byte vector); rows of
 //                                      N <= 16 V share a warp, a lane per vector;
@@ -25,11 +27,14 @@
 //   columns, 512 < N <= 4096        : a cluster per 128-byte column tile, N split
 //                                      over its blocks, in registers (inner_cluster_fwd_kernel).
 // With the knobs at their defaults (softmax_tuning(), below):
-//   rows, 2048 V < N, N % V == 0, aligned (forward): clusters of 2-16 blocks,
-//                                      each holding its slice of the row in shared
-//                                      memory (smem_rows_fwd_kernel; softmax_rows=new:
-//                                      persistent clusters with the next rows' slices
-//                                      in flight, staged_rows_fwd_kernel);
+//   rows, 2048 V < N (forward and backward, any N, alignment and row stride):
+//                                      clusters of 2-16 blocks, each holding its slice
+//                                      of the row (of y and dy) in shared memory
+//                                      (smem_rows_kernel; softmax_rows=new, forward,
+//                                      N % V == 0 and aligned: persistent clusters with
+//                                      the next rows' slices in flight,
+//                                      staged_rows_fwd_kernel; softmax_rows=old: the
+//                                      register cluster kernels above);
 //   columns, N > 512, inner % V == 0, aligned (forward and backward): clusters
 //                                      per 128-byte column tile, staged through
 //                                      shared memory (staged_cols_kernel).
@@ -182,21 +187,28 @@ bool plan_staged_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, Plan& p) {
 }
 
 // The slice a block holds is 512 KB / tu.cluster (64 KB at the default 8: three
-// blocks per SM), so the cluster is 8 for a 512 KB row and grows with it to 16.
-bool plan_smem_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, Plan& p) {
+// blocks per SM), so the cluster is 8 for a 512 KB row and grows with it to 16; the
+// backward holds two slices (y and dy), so its cluster is twice as large.
+bool plan_smem_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, bool bwd, Plan& p) {
   const int es = esize(a.dtype), V = 16 / es;
+  const int64_t arrays = bwd ? 2 : 1;
   const int64_t slice = (int64_t(512) << 10) / tu.cluster;
-  const int64_t cs = std::min<int64_t>(16, std::max<int64_t>(2, pow2ceil(cdiv(a.N * es, slice))));
+  const int64_t cs = std::min<int64_t>(16, std::max<int64_t>(2, pow2ceil(cdiv(arrays * a.N * es, slice))));
   p.kind = Kind::SmemRows;
   p.S = cs;
-  p.sv = cdiv(a.N / V, cs);
-  p.smem = p.sv * 16;
+  // Rows of whole aligned vectors (vec_ok) need N / V vectors each; else the
+  // output of a row spans up to one vector more, and a block's input slice up to
+  // one more than its output.
+  const bool whole = vec_ok(a, bwd);
+  p.sv = cdiv(whole ? a.N / V : cdiv(a.N + V - 1, V), cs);
+  p.sb = p.sv + (whole ? 0 : 1);
+  p.smem = arrays * p.sb * 16;
   p.threads = kSmThreads;
   p.stages = 1;
   p.bulk = tu.rows == 4;
   p.grid = tu.grid;
   if (p.smem > kStagedSmemMax) return false;
-  const void* k = smem_rows_kernel_handle(a.dtype, a.log, p.bulk);
+  const void* k = smem_rows_kernel_handle(a.dtype, a.log, p.bulk, bwd);
   return k != nullptr && resident_clusters(k, p.threads, int(cs), p.smem) > 0;
 }
 
@@ -271,20 +283,21 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
     p.ch = N <= 32 * 8 * V ? 8 : 16;
     return p;
   }
-  // Forward, long rows: the row slices in shared memory, several blocks per SM
-  // (rows=smem, rows=bulk).
-  if (!bwd && (tu.rows == 3 || tu.rows == 4) && N > 2048 * V && es <= 4 && N % V == 0 && al16(a.a) && al16(a.out)) {
+  // Long rows, forward and backward: the row slices in shared memory, several
+  // blocks per SM (rows=smem, rows=bulk); any row length, alignment and stride.
+  if ((tu.rows == 3 || tu.rows == 4) && N > 2048 * V && es <= 4) {
     Plan q{};
-    if (plan_smem_rows(a, tu, q)) return q;
+    if (plan_smem_rows(a, tu, bwd, q)) return q;
   }
   // Forward, long rows: staged, persistent clusters (rows=new), x read once with
   // the next rows' copies in flight.
-  if (!bwd && tu.rows == 2 && N > 2048 * V && es <= 4 && N % V == 0 && al16(a.a) && al16(a.out)) {
+  if (!bwd && tu.rows == 2 && N > 2048 * V && es <= 4 && vec_ok(a, false)) {
     Plan q{};
     if (plan_staged_rows(a, tu, q)) return q;
   }
   // Forward, long rows: a cluster per row with one cluster barrier and two
-  // blocks per SM (the backward keeps the 1024-thread cluster kernel below).
+  // blocks per SM (the backward takes the 1024-thread cluster kernel below when
+  // the smem kernel is off or refused).
   if (!bwd && N > 2048 * V && es <= 4 && N <= int64_t(kClusterMax) * kClusterFwdThreads * kClusterFwdElems &&
       cluster_fwd_ok(cluster_fwd_kernel_handle(), kClusterFwdThreads)) {
     p.kind = Kind::ClusterFwd;

@@ -1,4 +1,4 @@
-// Softmax rows (inner == 1) held in registers: a warp or a block per row
+// Softmax rows (inner == 1, input rows at any row strides: RowLayout) held in registers: a warp or a block per row
 // (rows_regs_kernel), the forward's packed warp-per-row kernel (row_warp_fwd_kernel),
 // and the split path for rows too long for one block (split_stats / split_apply),
 // which is also the fallback of the cluster kernels.
@@ -19,7 +19,7 @@ using namespace softmax_detail;
 template <typename T, int CH, bool BLOCK, bool BWD, int LANES = 32>
 __global__ void __launch_bounds__(BLOCK ? 1024 : kWarpRowsThreads)
 rows_regs_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
-                 bool log, bool vec) {
+                 RowLayout la, RowLayout lb, bool log, bool vec) {
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
   static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: a power of two up to 32");
@@ -34,7 +34,7 @@ rows_regs_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
     const int64_t row = BLOCK ? r0 : r0 + (threadIdx.x & 31) / LANES;
     const bool valid = row < rows;
     const int64_t Nr = valid ? N : 0;
-    const T* ar = a + (valid ? row : 0) * N;
+    const T* ar = row_ptr(a, la, valid ? row : 0);
     T* outr = out + (valid ? row : 0) * N;
     A v[CH][V];
     if constexpr (!BWD) {
@@ -67,7 +67,7 @@ rows_regs_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
       }
     } else {
       // softmax: dx = y (dy - sum(dy y));  log_softmax: dx = dy - exp(y) sum(dy)
-      const T* br = b + (valid ? row : 0) * N;
+      const T* br = row_ptr(b, lb, valid ? row : 0);
       A g[CH][V];
       A s = A(0);
 #pragma unroll
@@ -103,13 +103,13 @@ __device__ __forceinline__ SplitChunk split_chunk(int64_t blk, int64_t S, int64_
 template <typename T, bool BWD>
 __global__ void __launch_bounds__(kSplitThreads)
 split_stats_kernel(const T* __restrict__ a, const T* __restrict__ b, acc_t<T>* __restrict__ ws, int64_t rows,
-                   int64_t N, int64_t S, bool log, bool vec) {
+                   int64_t N, int64_t S, RowLayout la, RowLayout lb, bool log, bool vec) {
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
   __shared__ A red[33];
   for (int64_t blk = blockIdx.x; blk < rows * S; blk += gridDim.x) {
     const auto [row, lo, hi] = split_chunk(blk, S, N);
-    const T* ar = a + row * N;
+    const T* ar = row_ptr(a, la, row);
     A m = neg_inf<A>(), s = A(0);
     for (int64_t i = lo + int64_t(threadIdx.x) * V; i < hi; i += int64_t(kSplitThreads) * V) {
       A va[V];
@@ -120,7 +120,7 @@ split_stats_kernel(const T* __restrict__ a, const T* __restrict__ b, acc_t<T>* _
       } else {
         A vb[V];
         load_chunk<T, V>(va, ar, i, hi, vec, A(0));
-        load_chunk<T, V>(vb, b + row * N, i, hi, vec, A(0));
+        load_chunk<T, V>(vb, row_ptr(b, lb, row), i, hi, vec, A(0));
 #pragma unroll
         for (int k = 0; k < V; ++k) s += log ? vb[k] : va[k] * vb[k];
       }
@@ -140,7 +140,8 @@ split_stats_kernel(const T* __restrict__ a, const T* __restrict__ b, acc_t<T>* _
 template <typename T, bool BWD>
 __global__ void __launch_bounds__(kSplitThreads)
 split_apply_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out,
-                   const acc_t<T>* __restrict__ ws, int64_t rows, int64_t N, int64_t S, bool log, bool vec) {
+                   const acc_t<T>* __restrict__ ws, int64_t rows, int64_t N, int64_t S, RowLayout la, RowLayout lb,
+                   bool log, bool vec) {
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
   __shared__ A red[33];
@@ -156,7 +157,7 @@ split_apply_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
     }
     const A sub = log ? log_a(s) : A(0);
     const A mul = A(1) / s;
-    const T* ar = a + row * N;
+    const T* ar = row_ptr(a, la, row);
     T* outr = out + row * N;
     for (int64_t i = lo + int64_t(threadIdx.x) * V; i < hi; i += int64_t(kSplitThreads) * V) {
       A va[V];
@@ -166,7 +167,7 @@ split_apply_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
         for (int k = 0; k < V; ++k) va[k] = log ? va[k] - m - sub : exp_a(va[k] - m) * mul;
       } else {
         A vb[V];
-        load_chunk<T, V>(vb, b + row * N, i, hi, vec, A(0));
+        load_chunk<T, V>(vb, row_ptr(b, lb, row), i, hi, vec, A(0));
 #pragma unroll
         for (int k = 0; k < V; ++k) va[k] = log ? vb[k] - exp_a(va[k]) * s : va[k] * (vb[k] - s);
       }
@@ -213,7 +214,7 @@ template <typename T> __device__ __forceinline__ void set_word_elem(uint32_t (&w
 
 template <typename T, int CH, bool LOG>
 __global__ void __launch_bounds__(kRowWarpThreads, 3)
-row_warp_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, bool vec) {
+row_warp_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowLayout la, bool vec) {
   static_assert(sizeof(T) == 2 || sizeof(T) == 4, "2- and 4-byte types");
   constexpr int V = 16 / sizeof(T);
   const int lane = threadIdx.x & 31;
@@ -221,7 +222,7 @@ row_warp_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, 
   const uint32_t ninf = bits_of<T>(-INFINITY) * (sizeof(T) == 2 ? 0x10001u : 1u);  // -inf in every slot
   const int64_t step = int64_t(gridDim.x) * kWarps;
   for (int64_t row = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); row < rows; row += step) {  // warp-uniform
-    const T* ar = a + row * N + lane * V;
+    const T* ar = row_ptr(a, la, row) + lane * V;
     T* outr = out + row * N + lane * V;
     const int64_t rem = N - int64_t(lane) * V;  // elements from this lane's first
     uint32_t r[CH][4];
@@ -288,10 +289,10 @@ cudaError_t launch_split_typed(const SoftmaxArgs& a, void* workspace, cudaStream
   const int64_t rows = a.outer, N = a.N, S = cdiv(N, kSplitChunk);
   auto* ws = static_cast<acc_t<T>*>(workspace);
   const unsigned g = grid_for(rows * S);
-  split_stats_kernel<T, BWD><<<g, kSplitThreads, 0, st>>>(A_, B_, ws, rows, N, S, a.log, vec);
+  split_stats_kernel<T, BWD><<<g, kSplitThreads, 0, st>>>(A_, B_, ws, rows, N, S, a.la, a.lb, a.log, vec);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  split_apply_kernel<T, BWD><<<g, kSplitThreads, 0, st>>>(A_, B_, O, ws, rows, N, S, a.log, vec);
+  split_apply_kernel<T, BWD><<<g, kSplitThreads, 0, st>>>(A_, B_, O, ws, rows, N, S, a.la, a.lb, a.log, vec);
   return cudaGetLastError();
 }
 
@@ -306,20 +307,20 @@ cudaError_t launch_rows_typed(const SoftmaxArgs& a, const Plan& p, void* workspa
     case Kind::WarpRows: {
       const int per = kWarpRowsThreads / 32 * (32 / p.lanes);
       const unsigned g = grid_for(cdiv(rows, per));
-      if (p.lanes == 1) rows_regs_kernel<T, 1, false, BWD, 1><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
-      else if (p.lanes == 2) rows_regs_kernel<T, 1, false, BWD, 2><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
-      else if (p.lanes == 4) rows_regs_kernel<T, 1, false, BWD, 4><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
-      else if (p.lanes == 8) rows_regs_kernel<T, 1, false, BWD, 8><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
-      else if (p.lanes == 16) rows_regs_kernel<T, 1, false, BWD, 16><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
-      else if (p.ch == 1) rows_regs_kernel<T, 1, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
-      else if (p.ch == 2) rows_regs_kernel<T, 2, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
-      else rows_regs_kernel<T, 4, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
+      if (p.lanes == 1) rows_regs_kernel<T, 1, false, BWD, 1><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.lanes == 2) rows_regs_kernel<T, 1, false, BWD, 2><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.lanes == 4) rows_regs_kernel<T, 1, false, BWD, 4><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.lanes == 8) rows_regs_kernel<T, 1, false, BWD, 8><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.lanes == 16) rows_regs_kernel<T, 1, false, BWD, 16><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.ch == 1) rows_regs_kernel<T, 1, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.ch == 2) rows_regs_kernel<T, 2, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else rows_regs_kernel<T, 4, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
       break;
     }
     case Kind::BlockRows: {
       const unsigned g = grid_for(rows);
-      if (p.ch == 1) rows_regs_kernel<T, 1, true, BWD><<<g, p.threads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
-      else rows_regs_kernel<T, 2, true, BWD><<<g, p.threads, 0, st>>>(A_, B_, O, rows, N, a.log, vec);
+      if (p.ch == 1) rows_regs_kernel<T, 1, true, BWD><<<g, p.threads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else rows_regs_kernel<T, 2, true, BWD><<<g, p.threads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
       break;
     }
     case Kind::RowWarp: {
@@ -327,7 +328,7 @@ cudaError_t launch_rows_typed(const SoftmaxArgs& a, const Plan& p, void* workspa
         const unsigned g = grid_for(cdiv(rows, kRowWarpThreads / 32));
         auto k = p.ch == 8 ? (a.log ? row_warp_fwd_kernel<T, 8, true> : row_warp_fwd_kernel<T, 8, false>)
                            : (a.log ? row_warp_fwd_kernel<T, 16, true> : row_warp_fwd_kernel<T, 16, false>);
-        k<<<g, kRowWarpThreads, 0, st>>>(A_, O, rows, N, vec);
+        k<<<g, kRowWarpThreads, 0, st>>>(A_, O, rows, N, a.la, vec);
       } else {
         return cudaErrorInvalidValue;  // forward, 2- and 4-byte types only
       }

@@ -30,37 +30,67 @@ def _softmax_bwd_math(dy, y, dim):
     return (yf * (gf - (gf * yf).sum(dim, keepdim=True))).to(y.dtype)
 
 
+def _log_softmax_bwd_math(dy, y, dim):
+    yf, gf = y.float(), dy.float()
+    return (gf - yf.exp() * gf.sum(dim, keepdim=True)).to(y.dtype)
+
+
 def _esize(dtype):
     return torch.tensor([], dtype=dtype).element_size()
 
 
-def fwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), name=None):
+def _randn(shape, device, dtype, view):
+    """A random tensor of `shape`; view="drop_last" takes t[:, :-1, :] of a tensor one longer in
+    dim 1 (the shifted logits of a language-model loss: strided rows, no copy)."""
+    if view == "drop_last":
+        full = list(shape)
+        full[1] += 1
+        return torch.randn(full, device=device, dtype=dtype)[:, :-1]
+    return torch.randn(shape, device=device, dtype=dtype)
+
+
+def _label(shape, dim, log, view):
+    return (f"{'log_softmax ' if log else ''}{tuple(shape)} dim={dim}"
+            + (" of t[:, :-1, :]" if view else ""))
+
+
+def fwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), name=None, log=False, view=None):
     def make():
-        return (torch.randn(shape, device=device, dtype=dtype),)
-    impls = {("ours" if a == "auto" else f"ours-{a}"): functools.partial(gp.softmax, dim=dim, algorithm=a)
+        return (_randn(shape, device, dtype, view),)
+    ours, eager = (gp.log_softmax, torch.log_softmax) if log else (gp.softmax, torch.softmax)
+    impls = {("ours" if a == "auto" else f"ours-{a}"): functools.partial(ours, dim=dim, algorithm=a)
              for a in algorithms}
-    impls["eager"] = functools.partial(torch.softmax, dim=dim)
+    impls["eager"] = functools.partial(eager, dim=dim)
     if compile_:
-        impls["compile"] = torch.compile(functools.partial(torch.softmax, dim=dim), dynamic=False)
+        impls["compile"] = torch.compile(functools.partial(eager, dim=dim), dynamic=False)
     n = math.prod(shape)
     params = dict(shape=list(shape), dim=dim, dtype=str(dtype).replace("torch.", ""))
-    return Case(OP, name or f"{tuple(shape)} dim={dim}", "fwd", make, impls, bytes=2 * n * _esize(dtype),
+    if log:
+        params["log"] = True
+    if view:
+        params["view"] = view
+    return Case(OP, name or _label(shape, dim, log, view), "fwd", make, impls, bytes=2 * n * _esize(dtype),
                 params=params)
 
 
-def bwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), name=None):
+def bwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), name=None, log=False):
     def make():
-        y = torch.softmax(torch.randn(shape, device=device, dtype=dtype), dim)
+        x = torch.randn(shape, device=device, dtype=dtype)
+        y = torch.log_softmax(x, dim) if log else torch.softmax(x, dim)
         return y, torch.randn(shape, device=device, dtype=dtype)
+    op = torch.ops.gpu_puzzles.log_softmax_backward if log else torch.ops.gpu_puzzles.softmax_backward
     impls = {("ours" if a == "auto" else f"ours-{a}"):
-             (lambda y, dy, a=a: torch.ops.gpu_puzzles.softmax_backward(dy, y, dim, a)) for a in algorithms}
-    impls["eager"] = lambda y, dy: reference_backward(dy, y, dim)
+             (lambda y, dy, a=a: op(dy, y, dim, a)) for a in algorithms}
+    impls["eager"] = lambda y, dy: reference_backward(dy, y, dim, log)
     if compile_:
-        cf = torch.compile(functools.partial(_softmax_bwd_math, dim=dim), dynamic=False)
+        math_fn = _log_softmax_bwd_math if log else _softmax_bwd_math
+        cf = torch.compile(functools.partial(math_fn, dim=dim), dynamic=False)
         impls["compile"] = lambda y, dy: cf(dy, y)
     n = math.prod(shape)
     params = dict(shape=list(shape), dim=dim, dtype=str(dtype).replace("torch.", ""))
-    return Case(OP, name or f"{tuple(shape)} dim={dim}", "bwd", make, impls, bytes=3 * n * _esize(dtype),
+    if log:
+        params["log"] = True
+    return Case(OP, name or _label(shape, dim, log, None), "bwd", make, impls, bytes=3 * n * _esize(dtype),
                 params=params)
 
 
@@ -98,6 +128,12 @@ def bench_cases(device):
         bwd_case(device, (65536, 512), -1, bf16),
         fwd_case(device, (64, 4096, 256), 1, bf16),
         bwd_case(device, (64, 4096, 256), 1, bf16),
+        # Language-model vocabularies: odd (GPT-2's 50257, rows not 16-byte aligned), padded
+        # (50304) and Llama-3's 128256; the shifted logits t[:, :-1, :] as a strided view.
+        *[c(device, shape, -1, dt, log=True) for shape, dt in
+          (((8192, 50257), bf16), ((8184, 50257), f32), ((8192, 50304), f32), ((8192, 128256), bf16))
+          for c in (fwd_case, bwd_case)],
+        fwd_case(device, (8, 1024, 50257), -1, bf16, log=True, view="drop_last"),
     ]
 
 

@@ -10,7 +10,9 @@ from torch import Tensor
 
 
 # The fake kernels only give the output's shape; the C++ ops check the arguments
-# (dim, algorithm, dtypes, shapes) with messages naming them.
+# (dim, algorithm, dtypes, shapes) with messages naming them. Outputs are fresh
+# contiguous tensors whatever the inputs' strides (the CUDA rows read strided
+# inputs in place, without a copy), as new_empty gives.
 @torch.library.register_fake("gpu_puzzles::softmax")
 def _softmax_fake(x, *_):  # dim, algorithm: not needed for the shape
     return x.new_empty(x.shape)
