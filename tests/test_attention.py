@@ -810,16 +810,33 @@ def test_rank5_order_fallback(device):
     torch.library.opcheck(OPS.attention.default, (q, k, v, None, True))
 
 
+def _assert_fake_strides(op, args, real):
+    """The fake kernel's outputs have the real ones' strides (opcheck checks only ops with a meta
+    kernel of their own, so it skips ours)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    for i, (f, r) in enumerate(zip(fake, real)):
+        assert f.shape == r.shape and f.stride() == r.stride(), \
+            f"{op} output {i}: fake strides {f.stride()}, real {r.stride()} (shape {tuple(r.shape)})"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_strided(device):
-    # The fakes' strides equal the real kernels' (opcheck compares them), forward and backward.
-    for layout in LAYOUTS:
-        q, k, v, _ = _layout_qkv(layout, 2, 2, 7, 8, device, torch.float32, seed=1)
+    # Strided inputs through opcheck, and the fakes' strides equal the real kernels', forward and backward.
+    cases = [_layout_qkv(layout, 2, 2, 7, 8, device, torch.float32, seed=1)[:3] for layout in LAYOUTS]
+    base = torch.randn(2, 9, 2, 3, 8, device=device)
+    cases.append((base.permute(0, 2, 3, 1, 4), *(torch.randn(2, 2, 3, 11, 8, device=device) for _ in range(2))))
+    cases.append((torch.randn(8, device=device), torch.randn(5, 8, device=device), torch.randn(5, 3, device=device)))
+    for i, (q, k, v) in enumerate(cases):
         torch.library.opcheck(OPS.attention.default, (q, k, v, None, True))
         with torch.no_grad():
             out, lse = OPS.attention(q, k, v, None, True)
-        g = torch.randn(2, 7, 2, 8, device=device).transpose(1, 2) if layout != "bh_slice" else torch.randn_like(out)
-        torch.library.opcheck(OPS.attention_backward.default, (g, q, k, v, out, lse, None, True))
+        _assert_fake_strides(OPS.attention.default, (q, k, v, None, True), (out, lse))
+        g = torch.randn(2, 7, 2, 8, device=device).transpose(1, 2) if i < 2 else torch.randn_like(out)
+        args = (g, q, k, v, out, lse, None, True)
+        torch.library.opcheck(OPS.attention_backward.default, args)
+        _assert_fake_strides(OPS.attention_backward.default, args, OPS.attention_backward(*args))
 
 
 def test_model_transpose_back_is_a_view():
@@ -883,3 +900,29 @@ def test_cuda_strided_takes_tensor_cores_and_copies_misaligned_rows():
         (out, _), copies = copy_kernels(OPS.attention.default, qm, k, v, None, True)
         assert copies or SANITIZE, "a 136-byte row stride must be copied for the 16-byte loads"
         assert torch.equal(out, OPS.attention(qm.contiguous(), k, v, None, True)[0])
+
+
+def test_compile_strided_model_block():
+    # The model's block under torch.compile(fullgraph, dynamic): fused projection, split, views,
+    # attention, transpose back; the fakes' layout rule traces on symbolic strides, and values
+    # and gradients match eager.
+    device = "cuda" if HAS_CUDA else "cpu"
+    torch._dynamo.reset()
+    H, D = 2, 16
+
+    def block(x, w):
+        B, S, _ = x.shape
+        q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in (x @ w).split(H * D, dim=2))
+        return gp.attention(q, k, v, causal=True).transpose(1, 2).reshape(B, S, H * D)
+
+    fc = torch.compile(block, fullgraph=True, dynamic=True)
+    for S in (16, 23):
+        g = torch.Generator().manual_seed(S)
+        x = torch.randn(2, S, 24, generator=g).to(device).requires_grad_()
+        w = torch.randn(24, 3 * H * D, generator=g).to(device).requires_grad_()
+        y_c, y_e = fc(x, w), block(x, w)
+        torch.testing.assert_close(y_c, y_e)
+        gc = torch.autograd.grad(y_c.square().sum(), (x, w))
+        ge = torch.autograd.grad(y_e.square().sum(), (x, w))
+        for a, b in zip(gc, ge):
+            torch.testing.assert_close(a, b)
