@@ -3,7 +3,7 @@
 // curriculum's chain (transpose_last2, matmul; softmax is the softmax op's).
 // Shapes: the seed's vector form q (D,) k (S, D) v (S, Dv) is B = H = 1, Sq = 1;
 // q (..., Sq, D), k (..., Sk, D), v (..., Sk, Dv) have equal leading dims, the last of them
-// the head dim H and the others the batch B. The CUDA kernels read every operand where it
+// the heads H and the ones before it the batch B. The CUDA kernels read every operand where it
 // lies, through its (batch, head, row) strides (attention.h); the CPU kernels take
 // contiguous (BH, S, D) copies. Outputs follow their input's memory order on both
 // (empty_in_order_of; the fake kernels in gpu_puzzles/ops/attention.py do the same).
@@ -93,7 +93,7 @@ double resolve_scale(c10::optional<double> scale, int64_t D) {
 at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 // Contiguous (rows, S, D) with a 16-byte aligned base (a contiguous view can
-// start mid-allocation; the kernels may use vector loads).
+// start mid-allocation; the CPU kernels may use vector loads): the CPU kernels' layout.
 at::Tensor as_3d(const at::Tensor& t, int64_t BH, int64_t S, int64_t D) {
   at::Tensor c = t.reshape({BH, S, D}).contiguous();
   if (!aligned16(c.data_ptr()) && c.numel() > 0) c = c.clone();
