@@ -202,8 +202,10 @@ constexpr int kBwdQN = 32;  // keys per tile
 
 template <int D> constexpr int tc_dq_smem_bytes() { return (2 * kBwdQM + 2 * 2 * kBwdQN) * (D + 8) * 2; }
 
+// D = 64: at most 128 registers, so 4 blocks (16 warps) share an SM; ptxas fits the kernel
+// in them without spilling, and left free it takes ~150 (3 blocks).
 template <typename T, int D>
-__global__ void __launch_bounds__(kTcThreads)
+__global__ void __launch_bounds__(kTcThreads, D == 64 ? 4 : 1)
 attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout, const float* __restrict__ lse,
                const float* __restrict__ delta, Rows<T> dq, int64_t H, int64_t bh0, int64_t Sq, int64_t Sk,
                float scale, bool causal) {

@@ -39,8 +39,12 @@ bool device_has_sm80(int dev, cudaError_t& err) {
 
 bool half_type(DType t) { return t == DType::Float16 || t == DType::BFloat16; }
 
-// fp16 / bf16: 2 bytes an element (only they reach the tensor-core checks below).
-bool rows16(const void* p, const AttnStrides& st) { return attn_rows_aligned16(p, st, 2); }
+// Rows 16-byte aligned (fp16 / bf16: 2 bytes an element; only they reach the tensor-core
+// checks below), and rows close enough that a tile's offsets fit in 32 bits (the tile
+// loaders, load_rows_async: up to 192 rows of a tile times the row stride).
+bool rows16(const void* p, const AttnStrides& st) {
+  return attn_rows_aligned16(p, st, 2) && st.s < (int64_t{1} << 23);
+}
 
 // The tensor-core kernels' shapes: one head dim, 64 or 128, for q/k and v.
 bool tc_head_dims(int64_t D, int64_t Dv) { return D == Dv && (D == 64 || D == 128); }
