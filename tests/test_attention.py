@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.bench.attention import forward_kernels
 
-from conftest import DEVICES, HAS_CUDA, many, poison_allocator, requires_caching_allocator, requires_cuda
+from conftest import (DEVICES, HAS_CUDA, SANITIZE, copy_kernels, many, poison_allocator, requires_caching_allocator,
+                      requires_cuda)
 from strategies import OFFSET, make_tensor
 
 OPS = torch.ops.gpu_puzzles
@@ -732,3 +733,196 @@ def test_cuda_forward_kernel_fallbacks():
         for fwd in (None, "wgmma", "wgmma3"):
             with gp.tuning.override(attention_fwd=fwd):
                 _assert_forward_kernel(lambda: gp.attention(q, k, v), "mma_r32", f"attention_fwd={fwd}")
+
+
+# ---- layouts: views taken where they lie, outputs in the inputs' memory order --------------
+# Models hand attention views: q/k/v split out of a fused (B, S, 3 H D) projection and
+# transposed to (B, H, S, D); (B, S, H, D) tensors transposed; slices of a (BH, S, 3 D) tensor.
+# The CUDA kernels read them without a copy and write out (and dq, dk, dv) dense in the memory
+# order of q (k, v), so the model's out.transpose(1, 2).reshape(B, S, H * D) is a view.
+
+def _layout_qkv(layout, B, H, S, D, device, dtype, seed=0):
+    """(q, k, v, how out/dq/dk/dv must be laid out: 'bshd' (memory (B, S, H, D)) or 'contiguous')."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
+    if layout == "qkv_proj":
+        qkv = mk(B, S, 3 * H * D)
+        q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
+        return q, k, v, "bshd"
+    if layout == "bshd":
+        q, k, v = (mk(B, S, H, D).transpose(1, 2) for _ in range(3))
+        return q, k, v, "bshd"
+    if layout == "bh_slice":
+        base = mk(B * H, S, 3 * D)
+        q, k, v = base[..., :D], base[..., D:2 * D], base[..., 2 * D:]
+        return q, k, v, "contiguous"
+    raise ValueError(layout)
+
+
+def _assert_layout(t, want, what):
+    ok = t.transpose(1, 2).is_contiguous() if want == "bshd" else t.is_contiguous()
+    assert ok, f"{what}: strides {t.stride()} for shape {tuple(t.shape)}, want {want} memory order"
+
+
+LAYOUTS = ["qkv_proj", "bshd", "bh_slice"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cpu_strided_layouts(layout):
+    # CPU: same output strides rule as CUDA (the fake kernels are device-agnostic), values vs float64.
+    for dtype in (torch.float32, torch.float64):
+        for causal in (False, True):
+            q, k, v, want = _layout_qkv(layout, 2, 3, 19, 16, "cpu", dtype, seed=3)
+            assert not q.is_contiguous()
+            out, lse = OPS.attention(q, k, v, None, causal)
+            _assert_layout(out, want, f"{layout} out")
+            _assert_close(out, ref_attention(q, k, v, causal=causal), dtype, f"{layout} out")
+            g = torch.randn_like(out)
+            if want == "bshd":
+                g = torch.randn(2, 19, 3, 16, dtype=dtype).transpose(1, 2)  # the model's grad layout
+            grads = OPS.attention_backward(g, q, k, v, out, lse, None, causal)
+            leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            refs = torch.autograd.grad(ref_attention(*leaves, causal=causal), leaves, g.double())
+            for name, a, r in zip("qkv", grads, refs):
+                _assert_layout(a, want, f"{layout} d{name}")
+                _assert_close(a, r, dtype, f"{layout} d{name}", grad=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rank5_order_fallback(device):
+    # A rank-5 order whose batch dims do not collapse into one stride: the kernels read a copy
+    # and write a scratch copied into out, which still follows q's memory order (A, S, B, H, D).
+    dtype = torch.float64
+    base = torch.randn(2, 9, 2, 3, 8, dtype=dtype, device=device)  # (A, S, B, H, D)
+    q = base.permute(0, 2, 3, 1, 4)  # (A, B, H, S, D)
+    k, v = torch.randn(2, 2, 3, 11, 8, dtype=dtype, device=device), torch.randn(2, 2, 3, 11, 8, dtype=dtype,
+                                                                                device=device)
+    out, lse = OPS.attention(q, k, v, None, True)
+    assert out.permute(0, 3, 1, 2, 4).is_contiguous(), out.stride()
+    _assert_close(out, ref_attention(q, k, v, causal=True), dtype, "rank 5 out")
+    g = torch.randn_like(out)
+    dq, dk, dv = OPS.attention_backward(g, q, k, v, out, lse, None, True)
+    assert dq.permute(0, 3, 1, 2, 4).is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    refs = torch.autograd.grad(ref_attention(*leaves, causal=True), leaves, g)
+    for name, a, r in zip("qkv", (dq, dk, dv), refs):
+        _assert_close(a, r, dtype, f"rank 5 d{name}", grad=True)
+    torch.library.opcheck(OPS.attention.default, (q, k, v, None, True))
+
+
+def _assert_fake_strides(op, args, real):
+    """The fake kernel's outputs have the real ones' strides (opcheck checks only ops with a meta
+    kernel of their own, so it skips ours)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    for i, (f, r) in enumerate(zip(fake, real)):
+        assert f.shape == r.shape and f.stride() == r.stride(), \
+            f"{op} output {i}: fake strides {f.stride()}, real {r.stride()} (shape {tuple(r.shape)})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_strided(device):
+    # Strided inputs through opcheck, and the fakes' strides equal the real kernels', forward and backward.
+    cases = [_layout_qkv(layout, 2, 2, 7, 8, device, torch.float32, seed=1)[:3] for layout in LAYOUTS]
+    base = torch.randn(2, 9, 2, 3, 8, device=device)
+    cases.append((base.permute(0, 2, 3, 1, 4), *(torch.randn(2, 2, 3, 11, 8, device=device) for _ in range(2))))
+    cases.append((torch.randn(8, device=device), torch.randn(5, 8, device=device), torch.randn(5, 3, device=device)))
+    for i, (q, k, v) in enumerate(cases):
+        torch.library.opcheck(OPS.attention.default, (q, k, v, None, True))
+        with torch.no_grad():
+            out, lse = OPS.attention(q, k, v, None, True)
+        _assert_fake_strides(OPS.attention.default, (q, k, v, None, True), (out, lse))
+        g = torch.randn(2, 7, 2, 8, device=device).transpose(1, 2) if i < 2 else torch.randn_like(out)
+        args = (g, q, k, v, out, lse, None, True)
+        torch.library.opcheck(OPS.attention_backward.default, args)
+        _assert_fake_strides(OPS.attention_backward.default, args, OPS.attention_backward(*args))
+
+
+def test_model_transpose_back_is_a_view():
+    # out.transpose(1, 2).reshape(B, S, H * D), as GPT-2 does after attention: no copy.
+    B, H, S, D = 2, 3, 10, 8
+    q, k, v, _ = _layout_qkv("qkv_proj", B, H, S, D, "cpu", torch.float32)
+    out = gp.attention(q, k, v, causal=True)
+    y = out.transpose(1, 2).reshape(B, S, H * D)
+    assert y.data_ptr() == out.data_ptr() and y._base is not None
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [64, 128, 33])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_strided_layouts(layout, D):
+    # Strided q/k/v (and grad_out in the model's layout): no copy kernel, output and gradient
+    # strides in the inputs' memory order, results bitwise equal to the same call on contiguous
+    # copies (the same kernel runs, in the same order), on poisoned memory; values vs float64.
+    B, H, S = 2, 3, 100
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    for i, dtype in enumerate(many(dtypes, dtypes[D % 3:D % 3 + 1])):
+        for causal in (False, True):
+            what = f"{layout} D={D} {dtype} causal={causal}"
+            q, k, v, want = _layout_qkv(layout, B, H, S, D, "cuda", dtype, seed=D + i)
+            _poison_cache()
+            (out, lse), copies = copy_kernels(OPS.attention.default, q, k, v, None, causal)
+            assert copies == [], f"{what}: forward copies {copies}"
+            _assert_layout(out, want, f"{what} out")
+            qc, kc, vc = (t.contiguous() for t in (q, k, v))
+            out_c, lse_c = OPS.attention(qc, kc, vc, None, causal)
+            assert torch.equal(out, out_c) and torch.equal(lse, lse_c), f"{what}: out/lse differ from contiguous"
+            if i == 0:
+                _assert_close(out, ref_attention(q, k, v, causal=causal), dtype, f"{what} out")
+            if want == "bshd":
+                g = torch.randn(B, S, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+            else:
+                g = torch.randn(B * H, S, D, device="cuda", dtype=dtype)
+            _poison_cache()
+            grads, copies = copy_kernels(OPS.attention_backward.default, g, q, k, v, out, lse, None, causal)
+            assert copies == [], f"{what}: backward copies {copies}"
+            grads_c = OPS.attention_backward(g.contiguous(), qc, kc, vc, out_c, lse_c, None, causal)
+            for name, a, c in zip("qkv", grads, grads_c):
+                _assert_layout(a, want, f"{what} d{name}")
+                assert torch.equal(a, c), f"{what}: d{name} differs from the contiguous call"
+            if i == 0:
+                leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+                refs = torch.autograd.grad(ref_attention(*leaves, causal=causal), leaves, g.double())
+                for name, a, r in zip("qkv", grads, refs):
+                    _assert_close(a, r, dtype, f"{what} d{name}", grad=True)
+
+
+@requires_cuda
+def test_cuda_strided_takes_tensor_cores_and_copies_misaligned_rows():
+    # The qkv views run the tensor-core kernel in place; a view whose row stride is not a
+    # multiple of 16 bytes (bf16 rows 68 elements apart) is copied, and then runs it too.
+    q, k, v, _ = _layout_qkv("qkv_proj", 2, 3, 100, 64, "cuda", torch.bfloat16)
+    with gp.tuning.override(attention_fwd="mma", attention_fwd_warps="8"):
+        _assert_forward_kernel(lambda: OPS.attention(q, k, v, None, True), "mma/w8", "qkv views")
+        qm = torch.randn(2, 3, 100, 68, device="cuda", dtype=torch.bfloat16)[..., :64]
+        _assert_forward_kernel(lambda: OPS.attention(qm, k, v, None, True), "mma/w8", "misaligned rows")
+        (out, _), copies = copy_kernels(OPS.attention.default, qm, k, v, None, True)
+        assert copies or SANITIZE, "a 136-byte row stride must be copied for the 16-byte loads"
+        assert torch.equal(out, OPS.attention(qm.contiguous(), k, v, None, True)[0])
+
+
+def test_compile_strided_model_block():
+    # The model's block under torch.compile(fullgraph, dynamic): fused projection, split, views,
+    # attention, transpose back; the fakes' layout rule traces on symbolic strides, and values
+    # and gradients match eager.
+    device = "cuda" if HAS_CUDA else "cpu"
+    torch._dynamo.reset()
+    H, D = 2, 16
+
+    def block(x, w):
+        B, S, _ = x.shape
+        q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in (x @ w).split(H * D, dim=2))
+        return gp.attention(q, k, v, causal=True).transpose(1, 2).reshape(B, S, H * D)
+
+    fc = torch.compile(block, fullgraph=True, dynamic=True)
+    for S in (16, 23):
+        g = torch.Generator().manual_seed(S)
+        x = torch.randn(2, S, 24, generator=g).to(device).requires_grad_()
+        w = torch.randn(24, 3 * H * D, generator=g).to(device).requires_grad_()
+        y_c, y_e = fc(x, w), block(x, w)
+        torch.testing.assert_close(y_c, y_e)
+        gc = torch.autograd.grad(y_c.square().sum(), (x, w))
+        ge = torch.autograd.grad(y_e.square().sum(), (x, w))
+        for a, b in zip(gc, ge):
+            torch.testing.assert_close(a, b)

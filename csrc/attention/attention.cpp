@@ -1,16 +1,21 @@
 // attention host side: argument checks, the CUDA wrappers and the registrations
 // (the CPU kernels: attention_cpu.cpp), for the fused op (attention, attention_backward) and the
 // curriculum's chain (transpose_last2, matmul; softmax is the softmax op's).
-// Shapes are canonicalised to contiguous (BH, S, D): the seed's vector form
-// q (D,) k (S, D) v (S, Dv) is BH = 1, Sq = 1; q (..., Sq, D), k (..., Sk, D),
-// v (..., Sk, Dv) flatten the (equal) leading dims into BH.
+// Shapes: the seed's vector form q (D,) k (S, D) v (S, Dv) is B = H = 1, Sq = 1;
+// q (..., Sq, D), k (..., Sk, D), v (..., Sk, Dv) have equal leading dims, the last of them
+// the heads H and the ones before it the batch B. The CUDA kernels read every operand where it
+// lies, through its (batch, head, row) strides (attention.h); the CPU kernels take
+// contiguous (BH, S, D) copies. Outputs follow their input's memory order on both
+// (empty_in_order_of; the fake kernels in gpu_puzzles/ops/attention.py do the same).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <tuple>
 #include <vector>
 
@@ -24,7 +29,7 @@ namespace gpu_puzzles {
 namespace {
 
 struct AttnShape {
-  int64_t BH, Sq, Sk, D, Dv;
+  int64_t B, H, BH, Sq, Sk, D, Dv;  // BH = B * H
   std::vector<int64_t> out_shape;  // q.shape[:-1] + (Dv,)
   std::vector<int64_t> lse_shape;  // q.shape[:-1]
 };
@@ -56,6 +61,8 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     s.BH = c10::multiply_integers(lead);
     s.Sq = q.size(-2);
   }
+  s.H = q.dim() >= 3 ? q.size(-3) : 1;
+  s.B = q.dim() >= 3 ? c10::multiply_integers(q.sizes().slice(0, q.dim() - 3)) : 1;
   s.D = q.size(-1);
   s.Sk = k.size(-2);
   s.Dv = v.size(-1);
@@ -86,11 +93,38 @@ double resolve_scale(c10::optional<double> scale, int64_t D) {
 at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 // Contiguous (rows, S, D) with a 16-byte aligned base (a contiguous view can
-// start mid-allocation; the kernels may use vector loads).
+// start mid-allocation; the CPU kernels may use vector loads): the CPU kernels' layout.
 at::Tensor as_3d(const at::Tensor& t, int64_t BH, int64_t S, int64_t D) {
   at::Tensor c = t.reshape({BH, S, D}).contiguous();
   if (!aligned16(c.data_ptr()) && c.numel() > 0) c = c.clone();
   return c;
+}
+
+// An empty tensor of `sizes` laid out densely in x's memory order: x's leading dims
+// ordered by decreasing stride (ties keep their order), its last dim innermost. So out,
+// dq, dk and dv of views transposed out of a (B, S, H, D) projection are (B, S, H, D) in
+// memory too, and the model's transpose back is a view, as SDPA's outputs are.
+at::Tensor empty_in_order_of(const at::Tensor& x, at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  const int64_t n = x.dim();
+  std::vector<int64_t> perm(n), strides(n);
+  std::iota(perm.begin(), perm.end(), 0);
+  if (n > 1)
+    std::stable_sort(perm.begin(), perm.end() - 1, [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+  int64_t run = 1;
+  for (int64_t i = n - 1; i >= 0; --i) {
+    strides[perm[i]] = run;
+    run *= std::max<int64_t>(sizes[perm[i]], 1);
+  }
+  return at::empty_strided(sizes, strides, opts);
+}
+
+// The CPU kernels write contiguous (BH, S, Dl): into t itself where it is contiguous,
+// else into a scratch that cpu_finish copies into t.
+at::Tensor cpu_out_3d(const at::Tensor& t, int64_t BH, int64_t S, int64_t Dl) {
+  return t.is_contiguous() ? t.view({BH, S, Dl}) : at::empty({BH, S, Dl}, t.options());
+}
+void cpu_finish(at::Tensor& t, const at::Tensor& buf) {
+  if (!t.is_contiguous()) t.copy_(buf.view(t.sizes()));
 }
 
 // The backward's arguments: q, k, v as the forward's, then grad_out, out and lse.
@@ -114,10 +148,11 @@ AttnShape check_backward(const at::Tensor& grad_out, const at::Tensor& q, const 
   return s;
 }
 
-// dq, dk, dv as contiguous (BH, S, D) tensors.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_grads(const at::Tensor& q, const AttnShape& s) {
-  return {at::empty({s.BH, s.Sq, s.D}, q.options()), at::empty({s.BH, s.Sk, s.D}, q.options()),
-          at::empty({s.BH, s.Sk, s.Dv}, q.options())};
+// dq, dk, dv in the memory order of q, k, v.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_grads(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v) {
+  return {empty_in_order_of(q, q.sizes(), q.options()), empty_in_order_of(k, k.sizes(), q.options()),
+          empty_in_order_of(v, v.sizes(), q.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -125,10 +160,12 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
   const AttnShape s = check_qkv(q, k, v, "attention");
   const double sc = resolve_scale(scale, s.D);
   const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BH, s.Sk, s.D), vc = as_3d(v, s.BH, s.Sk, s.Dv);
-  at::Tensor out = at::empty({s.BH, s.Sq, s.Dv}, q.options());
+  at::Tensor out = empty_in_order_of(q, s.out_shape, q.options());
+  at::Tensor o3 = cpu_out_3d(out, s.BH, s.Sq, s.Dv);
   at::Tensor lse = at::empty({s.BH, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
-  attention_fwd_cpu(qc, kc, vc, out, lse, sc, causal);
-  return {out.view(s.out_shape), lse.view(s.lse_shape)};
+  attention_fwd_cpu(qc, kc, vc, o3, lse, sc, causal);
+  cpu_finish(out, o3);
+  return {out, lse.view(s.lse_shape)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
@@ -140,9 +177,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   const at::Tensor gc = as_3d(grad_out, s.BH, s.Sq, s.Dv), oc = as_3d(out, s.BH, s.Sq, s.Dv);
   const at::Tensor lc = lse.reshape({s.BH, s.Sq}).contiguous();
   at::Tensor dq, dk, dv;
-  std::tie(dq, dk, dv) = empty_grads(q, s);
-  attention_bwd_cpu(gc, qc, kc, vc, oc, lc, dq, dk, dv, sc, causal);
-  return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};
+  std::tie(dq, dk, dv) = empty_grads(q, k, v);
+  at::Tensor dq3 = cpu_out_3d(dq, s.BH, s.Sq, s.D), dk3 = cpu_out_3d(dk, s.BH, s.Sk, s.D),
+             dv3 = cpu_out_3d(dv, s.BH, s.Sk, s.Dv);
+  attention_bwd_cpu(gc, qc, kc, vc, oc, lc, dq3, dk3, dv3, sc, causal);
+  cpu_finish(dq, dq3);
+  cpu_finish(dk, dk3);
+  cpu_finish(dv, dv3);
+  return {dq, dk, dv};
 }
 
 // ---- the chain: transpose_last2 and matmul --------------------------------------
@@ -200,39 +242,105 @@ at::Tensor matmul_cpu(const at::Tensor& a, const at::Tensor& b, double alpha, bo
 #ifdef WITH_CUDA
 // ---- CUDA wrappers ------------------------------------------------------------
 
+// t's element strides as the kernels' (B, H, S, Dlast) view (attention.h), its leading dims
+// split as q's: the last one the head, the ones before it the batch. False where Dlast is
+// not contiguous or the batch dims do not collapse into one stride.
+bool kernel_strides(const at::Tensor& t, AttnStrides& st) {
+  const int64_t n = t.dim();
+  st = AttnStrides{0, 0, 0};
+  if (t.size(n - 1) > 1 && t.stride(n - 1) != 1) return false;
+  if (n >= 2 && t.size(n - 2) > 1) st.s = t.stride(n - 2);
+  if (n >= 3 && t.size(n - 3) > 1) st.h = t.stride(n - 3);
+  int64_t expect = -1;  // the stride the next outer batch dim needs to collapse; -1: none yet
+  for (int64_t i = n - 4; i >= 0; --i) {
+    if (t.size(i) == 1) continue;
+    if (expect < 0) {
+      st.b = t.stride(i);
+    } else if (t.stride(i) != expect) {
+      return false;
+    }
+    expect = t.stride(i) * t.size(i);
+  }
+  return true;
+}
+
+struct KernelInput {
+  at::Tensor t;  // t itself, or its copy
+  AttnStrides st;
+};
+
+// An input as the kernels read it: where it lies when its strides fit and its rows start
+// 16-byte aligned (the tensor-core kernels' vector loads), or when a copy could not align
+// them either (rows of a byte size not a multiple of 16: only the SIMT kernels, which
+// need no alignment, take those); else a contiguous copy with an aligned base.
+KernelInput kernel_input(const at::Tensor& t, const AttnShape& s, int64_t S, int64_t Dl) {
+  AttnStrides st;
+  const int64_t es = t.element_size();
+  if (kernel_strides(t, st) && (attn_rows_aligned16(t.data_ptr(), st, es) || (Dl * es) % 16 != 0)) return {t, st};
+  at::Tensor c = t.reshape({s.B, s.H, S, Dl}).contiguous();
+  if (!aligned16(c.data_ptr())) c = c.clone();
+  kernel_strides(c, st);
+  return {c, st};
+}
+
+// An output as the kernels write it: in place (every order of rank <= 4 fits), or into a
+// contiguous scratch that finish() copies into it (rank > 4 orders whose batch dims do
+// not collapse).
+struct KernelOutput {
+  at::Tensor dst, buf;
+  AttnStrides st;
+  KernelOutput(const at::Tensor& d, const AttnShape& s, int64_t S, int64_t Dl) : dst(d) {
+    if (kernel_strides(dst, st)) {
+      buf = dst;
+    } else {
+      buf = at::empty({s.B, s.H, S, Dl}, dst.options());
+      kernel_strides(buf, st);
+    }
+  }
+  void finish() {
+    if (!buf.is_same(dst)) dst.copy_(buf.view(dst.sizes()));
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   c10::optional<double> scale, bool causal) {
   const AttnShape s = check_qkv(q, k, v, "attention");
   const c10::cuda::CUDAGuard guard(q.device());
   const double sc = resolve_scale(scale, s.D);
-  at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D);
-  const at::Tensor kc = as_3d(k, s.BH, s.Sk, s.D), vc = as_3d(v, s.BH, s.Sk, s.Dv);
-  at::Tensor out = at::empty({s.BH, s.Sq, s.Dv}, q.options());
-  at::Tensor lse = at::empty({s.BH, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
-  if (s.BH * s.Sq == 0) return {out.view(s.out_shape), lse.view(s.lse_shape)};
+  at::Tensor out = empty_in_order_of(q, s.out_shape, q.options());
+  at::Tensor lse = at::empty(s.lse_shape, q.options().dtype(lse_dtype(q.scalar_type())));
+  if (s.BH * s.Sq == 0) return {out, lse};
   if (s.Sk == 0 || s.Dv == 0) {  // nothing to attend to, or nothing to write: no kernel
     out.zero_();
     if (s.Sk == 0) {
       lse.fill_(-std::numeric_limits<double>::infinity());
     } else {  // Dv == 0 still has a log-sum-exp; ATen computes it (a degenerate case)
-      at::Tensor scores = at::matmul(qc.to(lse.scalar_type()), kc.to(lse.scalar_type()).transpose(1, 2)) * sc;
+      const at::Tensor q3 = q.reshape({s.BH, s.Sq, s.D}).to(lse.scalar_type());
+      const at::Tensor k3 = k.reshape({s.BH, s.Sk, s.D}).to(lse.scalar_type());
+      at::Tensor scores = at::matmul(q3, k3.transpose(1, 2)) * sc;
       if (causal) scores.masked_fill_(at::ones({s.Sq, s.Sk}, q.options().dtype(at::kBool)).triu(1),
                                       -std::numeric_limits<double>::infinity());
-      lse.copy_(at::logsumexp(scores, {-1}));
+      lse.view({s.BH, s.Sq}).copy_(at::logsumexp(scores, {-1}));
     }
-  } else {
-    // The kernels take a float scale; float64 would lose ~1e-8 to it, so fold a
-    // scale that float cannot hold exactly into q and pass 1.
-    float kscale = static_cast<float>(sc);
-    if (q.scalar_type() == at::kDouble && static_cast<double>(kscale) != sc) {
-      qc = qc * sc;
-      kscale = 1.0f;
-    }
-    AttentionFwdArgs a{qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                       s.BH, s.Sq, s.Sk, s.D, s.Dv, kscale, causal, to_dtype(q.scalar_type())};
-    GP_CUDA_CHECK_STATUS(attention_forward_cuda(a, current_stream()));
+    return {out, lse};
   }
-  return {out.view(s.out_shape), lse.view(s.lse_shape)};
+  // The kernels take a float scale; float64 would lose ~1e-8 to it, so fold a
+  // scale that float cannot hold exactly into q and pass 1.
+  float kscale = static_cast<float>(sc);
+  at::Tensor qs = q;
+  if (q.scalar_type() == at::kDouble && static_cast<double>(kscale) != sc) {
+    qs = q * sc;
+    kscale = 1.0f;
+  }
+  const KernelInput Q = kernel_input(qs, s, s.Sq, s.D), K = kernel_input(k, s, s.Sk, s.D),
+                    V = kernel_input(v, s, s.Sk, s.Dv);
+  KernelOutput O(out, s, s.Sq, s.Dv);
+  AttentionFwdArgs a{Q.t.data_ptr(), K.t.data_ptr(), V.t.data_ptr(), O.buf.data_ptr(), lse.data_ptr(),
+                     Q.st, K.st, V.st, O.st, s.B, s.H, s.Sq, s.Sk, s.D, s.Dv, kscale, causal,
+                     to_dtype(q.scalar_type())};
+  GP_CUDA_CHECK_STATUS(attention_forward_cuda(a, current_stream()));
+  O.finish();
+  return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
@@ -242,33 +350,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
   const c10::cuda::CUDAGuard guard(q.device());
   const double sc = resolve_scale(scale, s.D);
   at::Tensor dq, dk, dv;
-  std::tie(dq, dk, dv) = empty_grads(q, s);
+  std::tie(dq, dk, dv) = empty_grads(q, k, v);
   if (s.BH * s.Sq == 0 || s.Sk == 0 || s.Dv == 0) {  // every gradient is zero (dP = 0 when Dv = 0)
     dq.zero_();
     dk.zero_();
     dv.zero_();
-  } else {
-    at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D);
-    const at::Tensor kc = as_3d(k, s.BH, s.Sk, s.D), vc = as_3d(v, s.BH, s.Sk, s.Dv);
-    const at::Tensor gc = as_3d(grad_out, s.BH, s.Sq, s.Dv), oc = as_3d(out, s.BH, s.Sq, s.Dv);
-    at::Tensor lc = lse.reshape({s.BH, s.Sq}).contiguous();
-    if (!aligned16(lc.data_ptr())) lc = lc.clone();
-    // Same folding as the forward: with q' = q * scale and scale 1, dq = scale * dq'.
-    float kscale = static_cast<float>(sc);
-    const bool folded = q.scalar_type() == at::kDouble && static_cast<double>(kscale) != sc;
-    if (folded) {
-      qc = qc * sc;
-      kscale = 1.0f;
-    }
-    AttentionBwdArgs a{qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), oc.data_ptr(), gc.data_ptr(), lc.data_ptr(),
-                       dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), s.BH, s.Sq, s.Sk, s.D, s.Dv, kscale, causal,
-                       to_dtype(q.scalar_type())};
-    const int64_t ws_bytes = attention_backward_workspace_bytes(a);
-    at::Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));
-    GP_CUDA_CHECK_STATUS(attention_backward_cuda(a, ws.data_ptr(), current_stream()));
-    if (folded) dq.mul_(sc);
+    return {dq, dk, dv};
   }
-  return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};
+  // Same folding as the forward: with q' = q * scale and scale 1, dq = scale * dq'.
+  float kscale = static_cast<float>(sc);
+  const bool folded = q.scalar_type() == at::kDouble && static_cast<double>(kscale) != sc;
+  const at::Tensor qs = folded ? q * sc : q;
+  if (folded) kscale = 1.0f;
+  const KernelInput Q = kernel_input(qs, s, s.Sq, s.D), K = kernel_input(k, s, s.Sk, s.D),
+                    V = kernel_input(v, s, s.Sk, s.Dv), O = kernel_input(out, s, s.Sq, s.Dv),
+                    G = kernel_input(grad_out, s, s.Sq, s.Dv);
+  at::Tensor lc = lse.reshape({s.BH, s.Sq}).contiguous();
+  if (!aligned16(lc.data_ptr())) lc = lc.clone();
+  KernelOutput DQ(dq, s, s.Sq, s.D), DK(dk, s, s.Sk, s.D), DV(dv, s, s.Sk, s.Dv);
+  AttentionBwdArgs a{Q.t.data_ptr(), K.t.data_ptr(), V.t.data_ptr(), O.t.data_ptr(), G.t.data_ptr(), lc.data_ptr(),
+                     DQ.buf.data_ptr(), DK.buf.data_ptr(), DV.buf.data_ptr(),
+                     Q.st, K.st, V.st, O.st, G.st, DQ.st, DK.st, DV.st,
+                     s.B, s.H, s.Sq, s.Sk, s.D, s.Dv, kscale, causal, to_dtype(q.scalar_type())};
+  const int64_t ws_bytes = attention_backward_workspace_bytes(a);
+  at::Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));
+  GP_CUDA_CHECK_STATUS(attention_backward_cuda(a, ws.data_ptr(), current_stream()));
+  DQ.finish();
+  DK.finish();
+  DV.finish();
+  if (folded) dq.mul_(sc);
+  return {dq, dk, dv};
 }
 
 at::Tensor transpose_last2_cuda_op(const at::Tensor& x) {

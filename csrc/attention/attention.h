@@ -3,9 +3,13 @@
 // picks and launches them; the families: attention_plan.h). The CUDA side is
 // torch-free: the CPU kernels take at::Tensor, declared here without ATen's headers.
 //
-// Layout: every tensor contiguous, leading dims flattened into BH:
-//   q (BH, Sq, D), k (BH, Sk, D), v (BH, Sk, Dv), o / dout (BH, Sq, Dv),
-//   lse (BH, Sq): natural-log log-sum-exp of the scaled, masked scores of each
+// Layout (CPU kernels): every tensor contiguous, leading dims flattened into BH:
+//   q (BH, Sq, D), k (BH, Sk, D), v (BH, Sk, Dv), o / dout (BH, Sq, Dv).
+// Layout (CUDA kernels): each of q, k, v, o, dout, dq, dk, dv is viewed as (B, H, S, Dlast)
+//   with its own element strides (AttnStrides) and Dlast contiguous, so the views models
+//   hand over (q/k/v transposed out of a fused projection) are read where they lie;
+//   BH = B * H, and the grid's row bh is head bh % H of batch bh / H.
+// lse (BH, Sq), contiguous on both: natural-log log-sum-exp of the scaled, masked scores of each
 //   query row, float32 for float32/float16/bfloat16 inputs and float64 for
 //   float64 inputs. The forward writes it; the backward reads it, so the S x S
 //   probabilities are never stored.
@@ -41,16 +45,31 @@ void matmul_cpu_kernel(const at::Tensor& a, const at::Tensor& b, at::Tensor& c, 
 
 // ---- CUDA kernels ----------------------------------------------------------------
 
+// Element strides of one operand viewed as (B, H, S, Dlast); Dlast has stride 1. The
+// stride of a dim of size 1 is 0 (it never moves the pointer).
+struct AttnStrides {
+  int64_t b, h, s;
+};
+
+// Rows start 16-byte aligned for every (b, h, s): what the 16-byte vector and cp.async
+// loads of the tensor-core kernels need.
+inline bool attn_rows_aligned16(const void* p, const AttnStrides& st, int64_t elem_bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0 && (st.b * elem_bytes) % 16 == 0 &&
+         (st.h * elem_bytes) % 16 == 0 && (st.s * elem_bytes) % 16 == 0;
+}
+
 struct AttentionFwdArgs {
   const void* q;
   const void* k;
   const void* v;
   void* o;
-  void* lse;
-  int64_t BH, Sq, Sk, D, Dv;
+  void* lse;  // contiguous (BH, Sq)
+  AttnStrides sq, sk, sv, so;
+  int64_t B, H, Sq, Sk, D, Dv;
   float scale;
   bool causal;
   DType dtype;
+  int64_t BH() const { return B * H; }
 };
 
 struct AttentionBwdArgs {
@@ -59,14 +78,16 @@ struct AttentionBwdArgs {
   const void* v;
   const void* o;
   const void* dout;
-  const void* lse;
-  void* dq;  // (BH, Sq, D)
-  void* dk;  // (BH, Sk, D)
-  void* dv;  // (BH, Sk, Dv)
-  int64_t BH, Sq, Sk, D, Dv;
+  const void* lse;  // contiguous (BH, Sq)
+  void* dq;         // (B, H, Sq, D)
+  void* dk;         // (B, H, Sk, D)
+  void* dv;         // (B, H, Sk, Dv)
+  AttnStrides sq, sk, sv, so, sdo, sdq, sdk, sdv;
+  int64_t B, H, Sq, Sk, D, Dv;
   float scale;
   bool causal;
   DType dtype;
+  int64_t BH() const { return B * H; }
 };
 
 // Largest head dim (D and Dv) the CUDA kernels accept.

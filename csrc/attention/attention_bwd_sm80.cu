@@ -40,10 +40,9 @@ template <int D> constexpr int tc_dkdv_smem_bytes() {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kTcThreads)
-attn_bwd_dkdv_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                 const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                 T* __restrict__ dk, T* __restrict__ dv, int64_t bh0, int64_t Sq, int64_t Sk, float scale,
-                 bool causal) {
+attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout,
+                 const float* __restrict__ lse, const float* __restrict__ delta, Rows<T> dk, Rows<T> dv, int64_t H,
+                 int64_t bh0, int64_t Sq, int64_t Sk, float scale, bool causal) {
   constexpr int LDS = D + 8;
   constexpr int NQT = kBwdKQ / 8;  // n-tiles over queries
   constexpr int NDT = D / 8;
@@ -58,11 +57,12 @@ attn_bwd_dkdv_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   float* Dl = Ls + 2 * kBwdKQ;                                    // [2][KQ]  delta
 
   const int64_t bh = bh0 + blockIdx.y;
+  const HeadIdx hd(bh, H);
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBwdKN;
-  const T* qb = q + bh * Sq * D;
-  const T* dob = dout + bh * Sq * D;
-  const T* kb = k + bh * Sk * D;
-  const T* vb = v + bh * Sk * D;
+  const T* qb = q.head(hd.b, hd.h);
+  const T* dob = dout.head(hd.b, hd.h);
+  const T* kb = k.head(hd.b, hd.hk);
+  const T* vb = v.head(hd.b, hd.hk);
   const float* lb = lse + bh * Sq;
   const float* db = delta + bh * Sq;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -75,8 +75,8 @@ attn_bwd_dkdv_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   auto issue_q_tile = [&](int it) {
     const int buf = it & 1;
     const int64_t q0 = q_begin + static_cast<int64_t>(it) * kBwdKQ;
-    load_tile_async<kBwdKQ, D, LDS, kTcThreads>(Qs + buf * kBwdKQ * LDS, qb, q0, Sq, tid);
-    load_tile_async<kBwdKQ, D, LDS, kTcThreads>(dOs + buf * kBwdKQ * LDS, dob, q0, Sq, tid);
+    load_tile_async<kBwdKQ, D, LDS, kTcThreads>(Qs + buf * kBwdKQ * LDS, qb, q.ss, q0, Sq, tid);
+    load_tile_async<kBwdKQ, D, LDS, kTcThreads>(dOs + buf * kBwdKQ * LDS, dob, dout.ss, q0, Sq, tid);
     if (tid < kBwdKQ) {
       const int64_t qi = q0 + tid;
       Ls[buf * kBwdKQ + tid] = qi < Sq ? lb[qi] * kLog2e : INFINITY;
@@ -84,8 +84,8 @@ attn_bwd_dkdv_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     }
   };
 
-  load_tile_async<kBwdKN, D, LDS, kTcThreads>(Ks, kb, n0, Sk, tid);
-  load_tile_async<kBwdKN, D, LDS, kTcThreads>(Vs, vb, n0, Sk, tid);
+  load_tile_async<kBwdKN, D, LDS, kTcThreads>(Ks, kb, k.ss, n0, Sk, tid);
+  load_tile_async<kBwdKN, D, LDS, kTcThreads>(Vs, vb, v.ss, n0, Sk, tid);
   if (n_qt > 0) issue_q_tile(0);
   cp_async_commit();
 
@@ -185,8 +185,8 @@ attn_bwd_dkdv_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   for (int h = 0; h < 2; ++h) {
     const int64_t key = key_g[h];
     if (key >= Sk) continue;
-    T* dkr = dk + (bh * Sk + key) * D;
-    T* dvr = dv + (bh * Sk + key) * D;
+    T* dkr = dk.row(hd.b, hd.hk, key);
+    T* dvr = dv.row(hd.b, hd.hk, key);
 #pragma unroll
     for (int dt = 0; dt < NDT; ++dt) {
       *reinterpret_cast<uint32_t*>(dkr + dt * 8 + 2 * t) =
@@ -202,11 +202,13 @@ constexpr int kBwdQN = 32;  // keys per tile
 
 template <int D> constexpr int tc_dq_smem_bytes() { return (2 * kBwdQM + 2 * 2 * kBwdQN) * (D + 8) * 2; }
 
+// D = 64: at most 128 registers, so 4 blocks (16 warps) share an SM; ptxas fits the kernel
+// in them without spilling, and left free it takes ~150 (3 blocks).
 template <typename T, int D>
-__global__ void __launch_bounds__(kTcThreads)
-attn_bwd_dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-               const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-               T* __restrict__ dq, int64_t bh0, int64_t Sq, int64_t Sk, float scale, bool causal) {
+__global__ void __launch_bounds__(kTcThreads, D == 64 ? 4 : 1)
+attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout, const float* __restrict__ lse,
+               const float* __restrict__ delta, Rows<T> dq, int64_t H, int64_t bh0, int64_t Sq, int64_t Sk,
+               float scale, bool causal) {
   constexpr int LDS = D + 8;
   constexpr int NKT = kBwdQN / 8;  // n-tiles over keys
   constexpr int NDT = D / 8;
@@ -221,10 +223,11 @@ attn_bwd_dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   const int64_t bh = bh0 + blockIdx.y;
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int64_t m0 = mblk * kBwdQM;
-  const T* qb = q + bh * Sq * D;
-  const T* dob = dout + bh * Sq * D;
-  const T* kb = k + bh * Sk * D;
-  const T* vb = v + bh * Sk * D;
+  const HeadIdx hd(bh, H);
+  const T* qb = q.head(hd.b, hd.h);
+  const T* dob = dout.head(hd.b, hd.h);
+  const T* kb = k.head(hd.b, hd.hk);
+  const T* vb = v.head(hd.b, hd.hk);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const float scale_log2 = scale * kLog2e;
@@ -241,11 +244,11 @@ attn_bwd_dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     dl[h] = row_g[h] < Sq ? delta[bh * Sq + row_g[h]] : 0.f;
   }
 
-  load_tile_async<kBwdQM, D, LDS, kTcThreads>(Qs, qb, m0, Sq, tid);
-  load_tile_async<kBwdQM, D, LDS, kTcThreads>(dOs, dob, m0, Sq, tid);
+  load_tile_async<kBwdQM, D, LDS, kTcThreads>(Qs, qb, q.ss, m0, Sq, tid);
+  load_tile_async<kBwdQM, D, LDS, kTcThreads>(dOs, dob, dout.ss, m0, Sq, tid);
   if (n_tiles > 0) {
-    load_tile_async<kBwdQN, D, LDS, kTcThreads>(Ks, kb, 0, Sk, tid);
-    load_tile_async<kBwdQN, D, LDS, kTcThreads>(Vs, vb, 0, Sk, tid);
+    load_tile_async<kBwdQN, D, LDS, kTcThreads>(Ks, kb, k.ss, 0, Sk, tid);
+    load_tile_async<kBwdQN, D, LDS, kTcThreads>(Vs, vb, v.ss, 0, Sk, tid);
   }
   cp_async_commit();
 
@@ -272,8 +275,8 @@ attn_bwd_dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     cp_async_wait<0>();
     __syncthreads();  // tile j visible; every warp done with tile j-1 (the other buffer)
     if (j + 1 < n_tiles) {
-      load_tile_async<kBwdQN, D, LDS, kTcThreads>(Ks + (buf ^ 1) * kBwdQN * LDS, kb, n0 + kBwdQN, Sk, tid);
-      load_tile_async<kBwdQN, D, LDS, kTcThreads>(Vs + (buf ^ 1) * kBwdQN * LDS, vb, n0 + kBwdQN, Sk, tid);
+      load_tile_async<kBwdQN, D, LDS, kTcThreads>(Ks + (buf ^ 1) * kBwdQN * LDS, kb, k.ss, n0 + kBwdQN, Sk, tid);
+      load_tile_async<kBwdQN, D, LDS, kTcThreads>(Vs + (buf ^ 1) * kBwdQN * LDS, vb, v.ss, n0 + kBwdQN, Sk, tid);
     }
     cp_async_commit();
     const T* Kb = Ks + buf * kBwdQN * LDS;
@@ -340,7 +343,7 @@ attn_bwd_dq_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   for (int h = 0; h < 2; ++h) {
     const int64_t row = row_g[h];
     if (row >= Sq) continue;
-    T* out = dq + (bh * Sq + row) * D;
+    T* out = dq.row(hd.b, hd.h, row);
 #pragma unroll
     for (int dt = 0; dt < NDT; ++dt)
       *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * t) = Mma::pack(acc[dt][2 * h] * scale, acc[dt][2 * h + 1] * scale);
@@ -359,22 +362,20 @@ cudaError_t launch_bwd_tc(const AttentionBwdArgs& a, const float* delta, int dev
   if (e != cudaSuccess) return e;
   e = set_smem<kq>(dev, smem_q);
   if (e != cudaSuccess) return e;
-  const T* q = static_cast<const T*>(a.q);
-  const T* k = static_cast<const T*>(a.k);
-  const T* v = static_cast<const T*>(a.v);
-  const T* dout = static_cast<const T*>(a.dout);
+  const Rows<const T> q = rows_of<const T>(a.q, a.sq), k = rows_of<const T>(a.k, a.sk),
+                      v = rows_of<const T>(a.v, a.sv), dout = rows_of<const T>(a.dout, a.sdo);
   const float* lse = static_cast<const float*>(a.lse);
   if (a.Sk > 0) {
-    e = for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
+    e = for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
       kkv<<<dim3(ceil_div_u(a.Sk, kBwdKN), nbh), kTcThreads, smem_kv, stream>>>(
-          q, k, v, dout, lse, delta, static_cast<T*>(a.dk), static_cast<T*>(a.dv), bh0, a.Sq, a.Sk, a.scale,
-          a.causal);
+          q, k, v, dout, lse, delta, rows_of<T>(a.dk, a.sdk), rows_of<T>(a.dv, a.sdv), a.H, bh0, a.Sq, a.Sk,
+          a.scale, a.causal);
     });
     if (e != cudaSuccess) return e;
   }
-  return for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
+  return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
     kq<<<dim3(ceil_div_u(a.Sq, kBwdQM), nbh), kTcThreads, smem_q, stream>>>(
-        q, k, v, dout, lse, delta, static_cast<T*>(a.dq), bh0, a.Sq, a.Sk, a.scale, a.causal);
+        q, k, v, dout, lse, delta, rows_of<T>(a.dq, a.sdq), a.H, bh0, a.Sq, a.Sk, a.scale, a.causal);
   });
 }
 

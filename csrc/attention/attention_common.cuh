@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attention/attention.h"
+
 namespace gpu_puzzles {
 namespace {  // one copy per .cu file: nothing here is shared across files at link time
 
@@ -25,6 +27,26 @@ constexpr int64_t kMaxGridY = 65535;
 template <typename T> constexpr bool is_half_type() {
   return std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value;
 }
+
+// One operand's rows in its (B, H, S, Dlast) layout (attention.h: AttnStrides): the one
+// place the kernels turn (batch, head, row) into an address.
+template <typename T> struct Rows {
+  T* p;
+  int64_t sb, sh, ss;  // element strides of batch, head, row; Dlast is contiguous
+  __device__ __forceinline__ T* head(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
+  __device__ __forceinline__ T* row(int64_t b, int64_t h, int64_t s) const { return head(b, h) + s * ss; }
+};
+
+template <typename T, typename P> Rows<T> rows_of(P* p, const AttnStrides& st) {
+  return Rows<T>{static_cast<T*>(p), st.b, st.h, st.s};
+}
+
+// The (batch, head) of grid row bh, and the head of k/v it reads: the query head itself
+// (with grouped k/v heads this becomes h / (H / Hkv)).
+struct HeadIdx {
+  int64_t b, h, hk;
+  __device__ __forceinline__ HeadIdx(int64_t bh, int64_t H) : b(bh / H), h(bh - b * H), hk(h) {}
+};
 
 // Call f(bh0, nbh) for chunks of at most 65535 (grid.y limit).
 template <typename F> cudaError_t for_bh_chunks(int64_t BH, F&& f) {

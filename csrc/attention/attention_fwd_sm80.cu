@@ -37,8 +37,8 @@ template <int D, int WARPS> constexpr int tc_fwd_smem_bytes() { return (16 * WAR
 
 template <typename T, int D, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
-attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-            float* __restrict__ lse, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
+attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
+            int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
   constexpr int BM = 16 * WARPS;  // query rows per block (16 per warp)
   constexpr int NT = WARPS * 32;
   constexpr int LDS = D + 8;
@@ -55,9 +55,10 @@ attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   // Causal: heaviest query tiles (largest m0) first, for a better tail.
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int64_t m0 = mblk * BM;
-  const T* qb = q + bh * Sq * D;
-  const T* kb = k + bh * Sk * D;
-  const T* vb = v + bh * Sk * D;
+  const HeadIdx hd(bh, H);
+  const T* qb = q.head(hd.b, hd.h);
+  const T* kb = k.head(hd.b, hd.hk);
+  const T* vb = v.head(hd.b, hd.hk);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
 
@@ -65,8 +66,8 @@ attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
   const int n_tiles = static_cast<int>((n_end + kFwdBN - 1) / kFwdBN);
 
-  load_tile_async<BM, D, LDS, NT>(Qs, qb, m0, Sq, tid);
-  if (n_tiles > 0) load_tile_async<kFwdBN, D, LDS, NT>(Ks, kb, 0, Sk, tid);
+  load_tile_async<BM, D, LDS, NT>(Qs, qb, q.ss, m0, Sq, tid);
+  if (n_tiles > 0) load_tile_async<kFwdBN, D, LDS, NT>(Ks, kb, k.ss, 0, Sk, tid);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -86,7 +87,7 @@ attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
   for (int j = 0; j < n_tiles; ++j) {
     const int64_t n0 = static_cast<int64_t>(j) * kFwdBN;
     // Invariant: K(j) resident and visible; every warp is done with V(j-1).
-    load_tile_async<kFwdBN, D, LDS, NT>(Vs, vb, n0, Sk, tid);
+    load_tile_async<kFwdBN, D, LDS, NT>(Vs, vb, v.ss, n0, Sk, tid);
     cp_async_commit();
 
     float s[NKT][4];
@@ -127,7 +128,7 @@ attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
                                                  h);
 
     __syncthreads();  // every warp is done reading K(j)
-    if (j + 1 < n_tiles) load_tile_async<kFwdBN, D, LDS, NT>(Ks, kb, n0 + kFwdBN, Sk, tid);
+    if (j + 1 < n_tiles) load_tile_async<kFwdBN, D, LDS, NT>(Ks, kb, k.ss, n0 + kFwdBN, Sk, tid);
     cp_async_commit();  // possibly empty group: keeps the wait counts uniform
     cp_async_wait<1>();  // V(j) has landed
     __syncthreads();
@@ -159,7 +160,7 @@ attn_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restric
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int64_t row = row_g[h];
     if (row < Sq) {
-      T* orow = o + (bh * Sq + row) * D;
+      T* orow = o.row(hd.b, hd.h, row);
 #pragma unroll
       for (int dt = 0; dt < NDT; ++dt) {
         const uint32_t pk = Mma::pack(acc[dt][2 * h] * inv, acc[dt][2 * h + 1] * inv);
@@ -192,8 +193,8 @@ template <int D, int RPW, int BN, int WARPS, int STAGES> constexpr int tc_fwd2_s
 
 template <typename T, int D, int RPW, int BN, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32)
-attn_fwd_tc2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-             float* __restrict__ lse, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
+attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
+             int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
   static_assert(RPW == 16 || RPW == 32, "RPW");
   static_assert(BN == 32 || BN == 64, "BN");
   static_assert(STAGES == 1 || STAGES == 2, "STAGES");
@@ -214,9 +215,10 @@ attn_fwd_tc2(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const int64_t bh = bh0 + blockIdx.y;
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heaviest first
   const int64_t m0 = mblk * BM;
-  const T* qb = q + bh * Sq * D;
-  const T* kb = k + bh * Sk * D;
-  const T* vb = v + bh * Sk * D;
+  const HeadIdx hd(bh, H);
+  const T* qb = q.head(hd.b, hd.h);
+  const T* kb = k.head(hd.b, hd.hk);
+  const T* vb = v.head(hd.b, hd.hk);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int64_t wrow0 = m0 + warp * RPW;  // this warp's first query row
@@ -225,10 +227,10 @@ attn_fwd_tc2(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
   const int n_tiles = static_cast<int>((n_end + BN - 1) / BN);
 
-  load_tile_async<BM, D, LDS, NT>(Qs, qb, m0, Sq, tid);
+  load_tile_async<BM, D, LDS, NT>(Qs, qb, q.ss, m0, Sq, tid);
   if (n_tiles > 0) {
-    load_tile_async<BN, D, LDS, NT>(Ks, kb, 0, Sk, tid);
-    if constexpr (STAGES == 2) load_tile_async<BN, D, LDS, NT>(Vs, vb, 0, Sk, tid);
+    load_tile_async<BN, D, LDS, NT>(Ks, kb, k.ss, 0, Sk, tid);
+    if constexpr (STAGES == 2) load_tile_async<BN, D, LDS, NT>(Vs, vb, v.ss, 0, Sk, tid);
   }
   cp_async_commit();
 
@@ -348,8 +350,8 @@ attn_fwd_tc2(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       cp_async_wait<0>();  // tile j (issued one iteration ago, or in the prologue) landed
       __syncthreads();     // ... and is visible; every warp is done with tile j-1 (stage st^1)
       if (j + 1 < n_tiles) {
-        load_tile_async<BN, D, LDS, NT>(Ks + (st ^ 1) * BN * LDS, kb, n0 + BN, Sk, tid);
-        load_tile_async<BN, D, LDS, NT>(Vs + (st ^ 1) * BN * LDS, vb, n0 + BN, Sk, tid);
+        load_tile_async<BN, D, LDS, NT>(Ks + (st ^ 1) * BN * LDS, kb, k.ss, n0 + BN, Sk, tid);
+        load_tile_async<BN, D, LDS, NT>(Vs + (st ^ 1) * BN * LDS, vb, v.ss, n0 + BN, Sk, tid);
       }
       cp_async_commit();
       if (active) {
@@ -359,12 +361,12 @@ attn_fwd_tc2(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       }
     } else {
       // Invariant: K(j) resident and visible; every warp is done with V(j-1).
-      load_tile_async<BN, D, LDS, NT>(Vs, vb, n0, Sk, tid);
+      load_tile_async<BN, D, LDS, NT>(Vs, vb, v.ss, n0, Sk, tid);
       cp_async_commit();
       float s[MT][NKT][4];
       if (active) scores(s, Ks, n0);
       __syncthreads();  // every warp is done reading K(j)
-      if (j + 1 < n_tiles) load_tile_async<BN, D, LDS, NT>(Ks, kb, n0 + BN, Sk, tid);
+      if (j + 1 < n_tiles) load_tile_async<BN, D, LDS, NT>(Ks, kb, k.ss, n0 + BN, Sk, tid);
       cp_async_commit();   // possibly empty group: keeps the wait counts uniform
       cp_async_wait<1>();  // V(j) has landed
       __syncthreads();
@@ -384,7 +386,7 @@ attn_fwd_tc2(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int64_t row = wrow0 + mi * 16 + g + 8 * h;
       if (row < Sq) {
-        T* orow = o + (bh * Sq + row) * D;
+        T* orow = o.row(hd.b, hd.h, row);
 #pragma unroll
         for (int dt = 0; dt < NDT; ++dt) {
           const uint32_t pk = Mma::pack(acc[mi][dt][2 * h] * inv, acc[mi][dt][2 * h + 1] * inv);
@@ -404,10 +406,10 @@ cudaError_t launch_fwd(const AttentionFwdArgs& a, int dev, cudaStream_t stream) 
   if (e != cudaSuccess) return e;
   const unsigned gx = ceil_div_u(a.Sq, ROWS);
   const float sl = a.scale * kLog2e;
-  return for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
+  return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
     Kern<<<dim3(gx, nbh), THREADS, SMEM, stream>>>(
-        static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v), static_cast<T*>(a.o),
-        static_cast<float*>(a.lse), bh0, a.Sq, a.Sk, sl, a.causal);
+        rows_of<const T>(a.q, a.sq), rows_of<const T>(a.k, a.sk), rows_of<const T>(a.v, a.sv), rows_of<T>(a.o, a.so),
+        static_cast<float*>(a.lse), a.H, bh0, a.Sq, a.Sk, sl, a.causal);
   });
 }
 

@@ -119,10 +119,10 @@ template <class Elem> __device__ __forceinline__ uint32_t pack2(float lo, float 
 }
 
 template <class Cfg, class Elem>
-__device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const Elem* __restrict__ k,
-                                              const Elem* __restrict__ v, Elem* __restrict__ o,
-                                              float* __restrict__ lse, int64_t bh0, int64_t Sq, int64_t Sk,
-                                              float scale_log2, bool causal) {
+__device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Rows<const Elem> k,
+                                              const Rows<const Elem> v, const Rows<Elem> o,
+                                              float* __restrict__ lse, int64_t H, int64_t bh0, int64_t Sq,
+                                              int64_t Sk, float scale_log2, bool causal) {
   constexpr int D = Cfg::D, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::kThreads;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Elem* q_s = reinterpret_cast<Elem*>(smem_raw);
@@ -137,9 +137,10 @@ __device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const 
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heaviest first
   const int64_t m0 = mblk * BM;
   const int64_t wrow0 = m0 + 64 * wg;  // this warpgroup's first query row
-  const Elem* qb = q + bh * Sq * D;
-  const Elem* kb = k + bh * Sk * D;
-  const Elem* vb = v + bh * Sk * D;
+  const HeadIdx hd(bh, H);
+  const Elem* qb = q.head(hd.b, hd.h);
+  const Elem* kb = k.head(hd.b, hd.hk);
+  const Elem* vb = v.head(hd.b, hd.hk);
 
   const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
   const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
@@ -148,12 +149,12 @@ __device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const 
   auto load_kv = [&](int stage, int64_t n0) {
     Tensor sK = make_tensor(make_smem_ptr(k_s + stage * Cfg::kTileElems), typename Cfg::LayoutK{});   // (BN, D)
     Tensor sVt = make_tensor(make_smem_ptr(v_s + stage * Cfg::kTileElems), typename Cfg::LayoutVt{});  // (D, BN)
-    load_rows_async<BN, D, NT>([&](int r, int c) { return &sK(r, c); }, kb, n0, Sk, tid);
+    load_rows_async<BN, D, NT>([&](int r, int c) { return &sK(r, c); }, kb, k.ss, n0, Sk, tid);
     // The swizzles permute 16-byte units only: 8 consecutive d of one key stay contiguous.
-    load_rows_async<BN, D, NT>([&](int r, int c) { return &sVt(c, r); }, vb, n0, Sk, tid);
+    load_rows_async<BN, D, NT>([&](int r, int c) { return &sVt(c, r); }, vb, v.ss, n0, Sk, tid);
   };
 
-  load_rows_async<BM, D, NT>([&](int r, int c) { return &sQ(r, c); }, qb, m0, Sq, tid);
+  load_rows_async<BM, D, NT>([&](int r, int c) { return &sQ(r, c); }, qb, q.ss, m0, Sq, tid);
   if (n_tiles > 0) load_kv(0, 0);
   cp_async_commit();
 
@@ -255,7 +256,7 @@ __device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const 
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int64_t row = wrow0 + get<0>(tOcO(2 * h));
     if (row < Sq) {
-      Elem* orow = o + (bh * Sq + row) * D;
+      Elem* orow = o.row(hd.b, hd.h, row);
 #pragma unroll
       for (int nb = 0; nb < D / 8; ++nb) {
         const int i = 4 * nb + 2 * h;
@@ -271,11 +272,11 @@ __device__ __forceinline__ void fwd_sm90_body(const Elem* __restrict__ q, const 
 
 template <class Cfg, class Elem>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-attn_fwd_sm90(const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem* __restrict__ v,
-              Elem* __restrict__ o, float* __restrict__ lse, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2,
+attn_fwd_sm90(const Rows<const Elem> q, const Rows<const Elem> k, const Rows<const Elem> v, const Rows<Elem> o,
+              float* __restrict__ lse, int64_t H, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2,
               bool causal) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  fwd_sm90_body<Cfg, Elem>(q, k, v, o, lse, bh0, Sq, Sk, scale_log2, causal);
+  fwd_sm90_body<Cfg, Elem>(q, k, v, o, lse, H, bh0, Sq, Sk, scale_log2, causal);
 #elif defined(__CUDA_ARCH__)
   __trap();  // not sm_90a: the host never launches this image (attention_forward_sm90_available)
 #endif
@@ -295,10 +296,10 @@ template <class Cfg, class Elem> cudaError_t launch_sm90(const AttentionFwdArgs&
   if (e != cudaSuccess) return e;
   const unsigned gx = static_cast<unsigned>((a.Sq + Cfg::BM - 1) / Cfg::BM);
   const float sl = a.scale * kLog2e;
-  return for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
+  return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
     kern<<<dim3(gx, nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        static_cast<const Elem*>(a.q), static_cast<const Elem*>(a.k), static_cast<const Elem*>(a.v),
-        static_cast<Elem*>(a.o), static_cast<float*>(a.lse), bh0, a.Sq, a.Sk, sl, a.causal);
+        rows_of<const Elem>(a.q, a.sq), rows_of<const Elem>(a.k, a.sk), rows_of<const Elem>(a.v, a.sv),
+        rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse), a.H, bh0, a.Sq, a.Sk, sl, a.causal);
   });
 }
 

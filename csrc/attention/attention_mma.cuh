@@ -106,12 +106,12 @@ template <typename T> struct MmaOp {
 
 #undef GP_ATTN_MMA_16816
 
-// Copy rows [row0, row0 + ROWS) of a row-major (S, D) matrix into smem with row
-// stride LDS elements; rows >= S are zero-filled. NT threads cooperate.
+// Copy rows [row0, row0 + ROWS) of an (S, D) matrix whose rows are ld elements apart into
+// smem with row stride LDS elements; rows >= S are zero-filled. NT threads cooperate.
 template <int ROWS, int D, int LDS, int NT, typename T>
-__device__ __forceinline__ void load_tile_async(T* __restrict__ dst, const T* __restrict__ src, int64_t row0,
-                                                int64_t S, int tid) {
-  load_rows_async<ROWS, D, NT>([dst](int r, int c) { return dst + r * LDS + c; }, src, row0, S, tid);
+__device__ __forceinline__ void load_tile_async(T* __restrict__ dst, const T* __restrict__ src, int64_t ld,
+                                                int64_t row0, int64_t S, int tid) {
+  load_rows_async<ROWS, D, NT>([dst](int r, int c) { return dst + r * LDS + c; }, src, ld, row0, S, tid);
 }
 
 }  // namespace

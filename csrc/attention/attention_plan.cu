@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <cstring>
 
-#include "common/align.h"
 #include "common/func_attr.h"
 #include "common/kernel_choice.h"
 #if defined(GPU_PUZZLES_WITH_SM90A)
@@ -39,6 +38,13 @@ bool device_has_sm80(int dev, cudaError_t& err) {
 }
 
 bool half_type(DType t) { return t == DType::Float16 || t == DType::BFloat16; }
+
+// Rows 16-byte aligned (fp16 / bf16: 2 bytes an element; only they reach the tensor-core
+// checks below), and rows close enough that a tile's offsets fit in 32 bits (the tile
+// loaders, load_rows_async: up to 192 rows of a tile times the row stride).
+bool rows16(const void* p, const AttnStrides& st) {
+  return attn_rows_aligned16(p, st, 2) && st.s < (int64_t{1} << 23);
+}
 
 // The tensor-core kernels' shapes: one head dim, 64 or 128, for q/k and v.
 bool tc_head_dims(int64_t D, int64_t Dv) { return D == Dv && (D == 64 || D == 128); }
@@ -68,8 +74,8 @@ double wave_fill(int64_t ctas, int sms) {
 AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& err) {
   err = cudaSuccess;
   const AttnFwdPlan simt{AttnFwdKernel::Simt, 0, 0};
-  const bool tc = half_type(a.dtype) && tc_head_dims(a.D, a.Dv) && aligned16(a.q) && aligned16(a.k) &&
-                  aligned16(a.v) && aligned16(a.o);
+  const bool tc = half_type(a.dtype) && tc_head_dims(a.D, a.Dv) && rows16(a.q, a.sq) && rows16(a.k, a.sk) &&
+                  rows16(a.v, a.sv) && rows16(a.o, a.so);
   if (!tc) return simt;
   const char* forced = knob_value(Knob::AttentionFwd);  // nullptr: the heuristic
   const auto is = [forced](const char* v) { return forced != nullptr && std::strcmp(forced, v) == 0; };
@@ -79,7 +85,7 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
     const int sms = device_sm_count(dev, err);
     if (err != cudaSuccess) return simt;
     if (sms > 0) {
-      const int64_t ctas3 = a.BH * ((a.Sq + 191) / 192), ctas2 = a.BH * ((a.Sq + 127) / 128);
+      const int64_t ctas3 = a.BH() * ((a.Sq + 191) / 192), ctas2 = a.BH() * ((a.Sq + 127) / 128);
       wg = 1.075 * wave_fill(ctas3, sms) >= wave_fill(ctas2, sms) ? 3 : 2;
     }
   }
@@ -95,18 +101,20 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
 
 AttnBwdKernel attention_bwd_plan(const AttentionBwdArgs& a, int dev, cudaError_t& err) {
   err = cudaSuccess;
-  const bool tc = half_type(a.dtype) && tc_head_dims(a.D, a.Dv) && aligned16(a.q) && aligned16(a.k) &&
-                  aligned16(a.v) && aligned16(a.dout) && aligned16(a.dq) && aligned16(a.dk) && aligned16(a.dv);
+  // o is read only by the delta kernel (scalar loads): no alignment needed.
+  const bool tc = half_type(a.dtype) && tc_head_dims(a.D, a.Dv) && rows16(a.q, a.sq) && rows16(a.k, a.sk) &&
+                  rows16(a.v, a.sv) && rows16(a.dout, a.sdo) && rows16(a.dq, a.sdq) && rows16(a.dk, a.sdk) &&
+                  rows16(a.dv, a.sdv);
   return tc && device_has_sm80(dev, err) ? AttnBwdKernel::Mma : AttnBwdKernel::Simt;
 }
 
 int64_t attention_backward_workspace_bytes(const AttentionBwdArgs& a) {
   const int64_t elem = a.dtype == DType::Float64 ? 8 : 4;
-  return ((a.BH * a.Sq * elem + 255) / 256) * 256;  // delta = rowsum(dout * o), one per query row
+  return ((a.BH() * a.Sq * elem + 255) / 256) * 256;  // delta = rowsum(dout * o), one per query row
 }
 
 LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stream) {
-  if (a.BH <= 0 || a.Sq <= 0) return static_cast<LaunchStatus>(cudaSuccess);
+  if (a.BH() <= 0 || a.Sq <= 0) return static_cast<LaunchStatus>(cudaSuccess);
   if (a.D <= 0 || a.Dv <= 0 || a.D > kAttentionMaxHeadDim || a.Dv > kAttentionMaxHeadDim)
     return static_cast<LaunchStatus>(cudaErrorInvalidValue);
   int dev = 0;
@@ -125,12 +133,13 @@ LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stre
 }
 
 LaunchStatus attention_backward_cuda(const AttentionBwdArgs& a, void* workspace, cudaStream_t stream) {
-  if (a.BH <= 0) return static_cast<LaunchStatus>(cudaSuccess);
+  if (a.BH() <= 0) return static_cast<LaunchStatus>(cudaSuccess);
   if (a.D <= 0 || a.Dv <= 0 || a.D > kAttentionMaxHeadDim || a.Dv > kAttentionMaxHeadDim)
     return static_cast<LaunchStatus>(cudaErrorInvalidValue);
   if (a.Sq <= 0) {
-    // No queries: no gradient reaches k or v.
-    const int64_t nk = a.BH * a.Sk;
+    // No queries: no gradient reaches k or v. dk and dv are dense here (the host allocates
+    // them so), whatever their order: numel elements from their base.
+    const int64_t nk = a.BH() * a.Sk;
     const size_t es = a.dtype == DType::Float64 ? 8 : a.dtype == DType::Float32 ? 4 : 2;
     if (nk > 0) {
       cudaError_t e = cudaMemsetAsync(a.dk, 0, nk * a.D * es, stream);

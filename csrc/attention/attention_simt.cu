@@ -31,8 +31,8 @@ constexpr int kSimtT = 32;
 
 template <typename T, typename A, int NC, int RPW>
 __global__ void __launch_bounds__(kSimtWarps * 32)
-attn_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-              A* __restrict__ lse, int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
+attn_fwd_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, A* __restrict__ lse, int64_t H,
+              int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
   constexpr int BM = kSimtWarps * RPW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* Qs = reinterpret_cast<A*>(smem_raw);  // [BM][D]
@@ -40,16 +40,17 @@ attn_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
   A* Vs = Ks + kSimtT * (D + 1);            // [KT][Dv]
 
   const int64_t bh = bh0 + blockIdx.y;
+  const HeadIdx hd(bh, H);
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
-  const T* qb = q + bh * Sq * D;
-  const T* kb = k + bh * Sk * D;
-  const T* vb = v + bh * Sk * Dv;
+  const T* __restrict__ qb = q.head(hd.b, hd.h);
+  const T* __restrict__ kb = k.head(hd.b, hd.hk);
+  const T* __restrict__ vb = v.head(hd.b, hd.hk);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   for (int idx = tid; idx < BM * D; idx += blockDim.x) {
     const int r = idx / D, c = idx - r * D;
     const int64_t row = m0 + r;
-    Qs[idx] = row < Sq ? to_acc<A>(qb[row * D + c]) : A(0);
+    Qs[idx] = row < Sq ? to_acc<A>(qb[row * q.ss + c]) : A(0);
   }
 
   A m[RPW], l[RPW], acc[RPW][NC];
@@ -68,12 +69,12 @@ attn_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     for (int idx = tid; idx < kSimtT * D; idx += blockDim.x) {
       const int j = idx / D, c = idx - j * D;
       const int64_t key = n0 + j;
-      Ks[j * (D + 1) + c] = key < Sk ? to_acc<A>(kb[key * D + c]) : A(0);
+      Ks[j * (D + 1) + c] = key < Sk ? to_acc<A>(kb[key * k.ss + c]) : A(0);
     }
     for (int idx = tid; idx < kSimtT * Dv; idx += blockDim.x) {
       const int j = idx / Dv;
       const int64_t key = n0 + j;
-      Vs[idx] = key < Sk ? to_acc<A>(vb[key * Dv + (idx - j * Dv)]) : A(0);
+      Vs[idx] = key < Sk ? to_acc<A>(vb[key * v.ss + (idx - j * Dv)]) : A(0);
     }
     __syncthreads();
 #pragma unroll
@@ -112,7 +113,7 @@ attn_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     const int64_t row = m0 + warp * RPW + rr;
     if (row >= Sq) continue;
     const A inv = l[rr] > A(0) ? A(1) / l[rr] : A(0);  // l == 0 only when Sk == 0
-    T* orow = o + (bh * Sq + row) * Dv;
+    T* orow = o.row(hd.b, hd.h, row);
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
       const int d = lane + 32 * c;
@@ -125,12 +126,15 @@ attn_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 // delta[i] = sum_d dout[i, d] * o[i, d]: one warp per row. Shared by both paths.
 template <typename T, typename A>
 __global__ void __launch_bounds__(128)
-attn_bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, A* __restrict__ delta, int64_t rows, int Dv) {
+attn_bwd_delta(Rows<const T> o, Rows<const T> dout, A* __restrict__ delta, int64_t H, int64_t Sq, int64_t rows,
+               int Dv) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;  // whole warp leaves together
-  const T* orow = o + row * Dv;
-  const T* drow = dout + row * Dv;
+  const int64_t bh = row / Sq, i = row - bh * Sq;
+  const HeadIdx hd(bh, H);
+  const T* __restrict__ orow = o.row(hd.b, hd.h, i);
+  const T* __restrict__ drow = dout.row(hd.b, hd.h, i);
   A s = A(0);
   for (int d = lane; d < Dv; d += 32) s += to_acc<A>(orow[d]) * to_acc<A>(drow[d]);
   s = warp_sum(s);
@@ -140,9 +144,9 @@ attn_bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, A* __restric
 // dQ = scale * sum_j dS_ij k_j, dS = P (dP - delta), one block per query tile.
 template <typename T, typename A, int NC, int RPW>
 __global__ void __launch_bounds__(kSimtWarps * 32)
-attn_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                 const T* __restrict__ dout, const A* __restrict__ lse, const A* __restrict__ delta,
-                 T* __restrict__ dq, int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
+attn_bwd_dq_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout, const A* __restrict__ lse,
+                 const A* __restrict__ delta, Rows<T> dq, int64_t H, int64_t bh0, int64_t Sq, int64_t Sk, int D,
+                 int Dv, A scale, bool causal) {
   constexpr int BM = kSimtWarps * RPW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* Qs = reinterpret_cast<A*>(smem_raw);  // [BM][D]
@@ -151,22 +155,23 @@ attn_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   A* Vs = Ks + kSimtT * (D + 1);            // [KT][Dv+1]
 
   const int64_t bh = bh0 + blockIdx.y;
+  const HeadIdx hd(bh, H);
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
-  const T* qb = q + bh * Sq * D;
-  const T* dob = dout + bh * Sq * Dv;
-  const T* kb = k + bh * Sk * D;
-  const T* vb = v + bh * Sk * Dv;
+  const T* __restrict__ qb = q.head(hd.b, hd.h);
+  const T* __restrict__ dob = dout.head(hd.b, hd.h);
+  const T* __restrict__ kb = k.head(hd.b, hd.hk);
+  const T* __restrict__ vb = v.head(hd.b, hd.hk);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   for (int idx = tid; idx < BM * D; idx += blockDim.x) {
     const int r = idx / D;
     const int64_t row = m0 + r;
-    Qs[idx] = row < Sq ? to_acc<A>(qb[row * D + (idx - r * D)]) : A(0);
+    Qs[idx] = row < Sq ? to_acc<A>(qb[row * q.ss + (idx - r * D)]) : A(0);
   }
   for (int idx = tid; idx < BM * Dv; idx += blockDim.x) {
     const int r = idx / Dv;
     const int64_t row = m0 + r;
-    dOs[idx] = row < Sq ? to_acc<A>(dob[row * Dv + (idx - r * Dv)]) : A(0);
+    dOs[idx] = row < Sq ? to_acc<A>(dob[row * dout.ss + (idx - r * Dv)]) : A(0);
   }
   A lse_r[RPW], dl_r[RPW], acc[RPW][NC];
 #pragma unroll
@@ -185,12 +190,12 @@ attn_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     for (int idx = tid; idx < kSimtT * D; idx += blockDim.x) {
       const int j = idx / D, c = idx - j * D;
       const int64_t key = n0 + j;
-      Ks[j * (D + 1) + c] = key < Sk ? to_acc<A>(kb[key * D + c]) : A(0);
+      Ks[j * (D + 1) + c] = key < Sk ? to_acc<A>(kb[key * k.ss + c]) : A(0);
     }
     for (int idx = tid; idx < kSimtT * Dv; idx += blockDim.x) {
       const int j = idx / Dv, c = idx - j * Dv;
       const int64_t key = n0 + j;
-      Vs[j * (Dv + 1) + c] = key < Sk ? to_acc<A>(vb[key * Dv + c]) : A(0);
+      Vs[j * (Dv + 1) + c] = key < Sk ? to_acc<A>(vb[key * v.ss + c]) : A(0);
     }
     __syncthreads();
 #pragma unroll
@@ -223,7 +228,7 @@ attn_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   for (int rr = 0; rr < RPW; ++rr) {
     const int64_t row = m0 + warp * RPW + rr;
     if (row >= Sq) continue;
-    T* out = dq + (bh * Sq + row) * D;
+    T* out = dq.row(hd.b, hd.h, row);
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
       const int d = lane + 32 * c;
@@ -235,10 +240,9 @@ attn_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 // dV = sum_i P_ij dout_i, dK = scale * sum_i dS_ij q_i, one block per key tile.
 template <typename T, typename A, int NC, int RPW>
 __global__ void __launch_bounds__(kSimtWarps * 32)
-attn_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                   const T* __restrict__ dout, const A* __restrict__ lse, const A* __restrict__ delta,
-                   T* __restrict__ dk, T* __restrict__ dv, int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv,
-                   A scale, bool causal) {
+attn_bwd_dkdv_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout,
+                   const A* __restrict__ lse, const A* __restrict__ delta, Rows<T> dk, Rows<T> dv, int64_t H,
+                   int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
   constexpr int BN = kSimtWarps * RPW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* Ks = reinterpret_cast<A*>(smem_raw);  // [BN][D]
@@ -249,11 +253,12 @@ attn_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __
   A* Dl = Ls + kSimtT;                      // [QT]
 
   const int64_t bh = bh0 + blockIdx.y;
+  const HeadIdx hd(bh, H);
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * BN;
-  const T* qb = q + bh * Sq * D;
-  const T* dob = dout + bh * Sq * Dv;
-  const T* kb = k + bh * Sk * D;
-  const T* vb = v + bh * Sk * Dv;
+  const T* __restrict__ qb = q.head(hd.b, hd.h);
+  const T* __restrict__ dob = dout.head(hd.b, hd.h);
+  const T* __restrict__ kb = k.head(hd.b, hd.hk);
+  const T* __restrict__ vb = v.head(hd.b, hd.hk);
   const A* lb = lse + bh * Sq;
   const A* db = delta + bh * Sq;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -261,12 +266,12 @@ attn_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __
   for (int idx = tid; idx < BN * D; idx += blockDim.x) {
     const int r = idx / D;
     const int64_t key = n0 + r;
-    Ks[idx] = key < Sk ? to_acc<A>(kb[key * D + (idx - r * D)]) : A(0);
+    Ks[idx] = key < Sk ? to_acc<A>(kb[key * k.ss + (idx - r * D)]) : A(0);
   }
   for (int idx = tid; idx < BN * Dv; idx += blockDim.x) {
     const int r = idx / Dv;
     const int64_t key = n0 + r;
-    Vs[idx] = key < Sk ? to_acc<A>(vb[key * Dv + (idx - r * Dv)]) : A(0);
+    Vs[idx] = key < Sk ? to_acc<A>(vb[key * v.ss + (idx - r * Dv)]) : A(0);
   }
   A dk_acc[RPW][NC], dv_acc[RPW][NC];
 #pragma unroll
@@ -281,12 +286,12 @@ attn_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __
     for (int idx = tid; idx < kSimtT * D; idx += blockDim.x) {
       const int i = idx / D, c = idx - i * D;
       const int64_t qi = q0 + i;
-      Qs[i * (D + 1) + c] = qi < Sq ? to_acc<A>(qb[qi * D + c]) : A(0);
+      Qs[i * (D + 1) + c] = qi < Sq ? to_acc<A>(qb[qi * q.ss + c]) : A(0);
     }
     for (int idx = tid; idx < kSimtT * Dv; idx += blockDim.x) {
       const int i = idx / Dv, c = idx - i * Dv;
       const int64_t qi = q0 + i;
-      dOs[i * (Dv + 1) + c] = qi < Sq ? to_acc<A>(dob[qi * Dv + c]) : A(0);
+      dOs[i * (Dv + 1) + c] = qi < Sq ? to_acc<A>(dob[qi * dout.ss + c]) : A(0);
     }
     if (tid < kSimtT) {
       const int64_t qi = q0 + tid;
@@ -326,8 +331,8 @@ attn_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __
   for (int rr = 0; rr < RPW; ++rr) {
     const int64_t key = n0 + warp * RPW + rr;
     if (key >= Sk) continue;
-    T* dkr = dk + (bh * Sk + key) * D;
-    T* dvr = dv + (bh * Sk + key) * Dv;
+    T* dkr = dk.row(hd.b, hd.hk, key);
+    T* dvr = dv.row(hd.b, hd.hk, key);
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
       const int d = lane + 32 * c;
@@ -360,10 +365,11 @@ template <typename T> cudaError_t launch_fwd_simt(const AttentionFwdArgs& a, int
     cudaError_t e = set_smem<kern>(dev, smem);
     if (e != cudaSuccess) return e;
     const unsigned gx = ceil_div_u(a.Sq, kSimtWarps * RPW);
-    return for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
+    return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
       kern<<<dim3(gx, nbh), kSimtWarps * 32, smem, stream>>>(
-          static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v), static_cast<T*>(a.o),
-          static_cast<A*>(a.lse), bh0, a.Sq, a.Sk, D, Dv, static_cast<A>(a.scale), a.causal);
+          rows_of<const T>(a.q, a.sq), rows_of<const T>(a.k, a.sk), rows_of<const T>(a.v, a.sv),
+          rows_of<T>(a.o, a.so), static_cast<A*>(a.lse), a.H, bh0, a.Sq, a.Sk, D, Dv, static_cast<A>(a.scale),
+          a.causal);
     });
   });
 }
@@ -375,10 +381,8 @@ cudaError_t launch_bwd_simt(const AttentionBwdArgs& a, const acc_t<T>* delta, in
   return dispatch_nc(std::max(a.D, a.Dv), [&](auto nc) -> cudaError_t {
     constexpr int NC = decltype(nc)::value;
     const int D = static_cast<int>(a.D), Dv = static_cast<int>(a.Dv);
-    const T* q = static_cast<const T*>(a.q);
-    const T* k = static_cast<const T*>(a.k);
-    const T* v = static_cast<const T*>(a.v);
-    const T* dout = static_cast<const T*>(a.dout);
+    const Rows<const T> q = rows_of<const T>(a.q, a.sq), k = rows_of<const T>(a.k, a.sk),
+                        v = rows_of<const T>(a.v, a.sv), dout = rows_of<const T>(a.dout, a.sdo);
     const A* lse = static_cast<const A*>(a.lse);
     const A scale = static_cast<A>(a.scale);
     constexpr int R = kSimtWarps * RPW;
@@ -388,10 +392,10 @@ cudaError_t launch_bwd_simt(const AttentionBwdArgs& a, const acc_t<T>* delta, in
       constexpr auto kkv = attn_bwd_dkdv_simt<T, A, NC, RPW>;
       cudaError_t e = set_smem<kkv>(dev, smem_kv);
       if (e != cudaSuccess) return e;
-      e = for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
+      e = for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
         kkv<<<dim3(ceil_div_u(a.Sk, R), nbh), kSimtWarps * 32, smem_kv, stream>>>(
-            q, k, v, dout, lse, delta, static_cast<T*>(a.dk), static_cast<T*>(a.dv), bh0, a.Sq, a.Sk, D, Dv,
-            scale, a.causal);
+            q, k, v, dout, lse, delta, rows_of<T>(a.dk, a.sdk), rows_of<T>(a.dv, a.sdv), a.H, bh0, a.Sq, a.Sk, D,
+            Dv, scale, a.causal);
       });
       if (e != cudaSuccess) return e;
     }
@@ -400,9 +404,9 @@ cudaError_t launch_bwd_simt(const AttentionBwdArgs& a, const acc_t<T>* delta, in
     constexpr auto kq = attn_bwd_dq_simt<T, A, NC, RPW>;
     cudaError_t e = set_smem<kq>(dev, smem_q);
     if (e != cudaSuccess) return e;
-    return for_bh_chunks(a.BH, [&](int64_t bh0, unsigned nbh) {
+    return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
       kq<<<dim3(ceil_div_u(a.Sq, R), nbh), kSimtWarps * 32, smem_q, stream>>>(
-          q, k, v, dout, lse, delta, static_cast<T*>(a.dq), bh0, a.Sq, a.Sk, D, Dv, scale, a.causal);
+          q, k, v, dout, lse, delta, rows_of<T>(a.dq, a.sdq), a.H, bh0, a.Sq, a.Sk, D, Dv, scale, a.causal);
     });
   });
 }
@@ -417,9 +421,9 @@ cudaError_t attention_bwd_delta(const AttentionBwdArgs& a, void* delta, cudaStre
   return dispatch_dtype(a.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
-    const int64_t rows = a.BH * a.Sq;
+    const int64_t rows = a.BH() * a.Sq;
     attn_bwd_delta<T, A><<<ceil_div_u(rows, 4), 128, 0, stream>>>(
-        static_cast<const T*>(a.o), static_cast<const T*>(a.dout), static_cast<A*>(delta), rows,
+        rows_of<const T>(a.o, a.so), rows_of<const T>(a.dout, a.sdo), static_cast<A*>(delta), a.H, a.Sq, rows,
         static_cast<int>(a.Dv));
     return cudaGetLastError();
   });

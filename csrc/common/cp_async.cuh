@@ -43,25 +43,36 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// Copy rows [row0, row0 + ROWS) of a row-major (S, D) matrix (D a multiple of 8) into the
-// shared tile whose element (r, c) is at(r, c) (c a multiple of 8), 16 bytes per cp.async;
-// rows >= S are zero-filled. NT threads cooperate.
+// Copy rows [row0, row0 + ROWS) of a row-major (S, D) matrix whose rows are ld elements
+// apart (D a multiple of 8; src and ld * sizeof(T) 16-byte aligned; ROWS * ld < 2^31) into
+// the shared tile whose element (r, c) is at(r, c) (c a multiple of 8), 16 bytes per
+// cp.async; rows >= S are zero-filled. NT threads cooperate. The offsets within the tile
+// are 32-bit: a thread's chunk offsets then stay loop-invariant 32-bit registers, as with
+// a compile-time row length, instead of 64-bit products.
 template <int ROWS, int D, int NT, class At, class T>
-__device__ __forceinline__ void load_rows_async(At&& at, const T* __restrict__ src, int64_t row0, int64_t S,
-                                                int tid) {
+__device__ __forceinline__ void load_rows_async(At&& at, const T* __restrict__ src, int64_t ld, int64_t row0,
+                                                int64_t S, int tid) {
   constexpr int CPR = D / 8;  // 16-byte chunks per row
   constexpr int TOTAL = ROWS * CPR;
+  const T* tile = src + row0 * ld;
+  const int ld32 = static_cast<int>(ld);
 #pragma unroll
   for (int it = 0; it < (TOTAL + NT - 1) / NT; ++it) {
     const int idx = tid + it * NT;
     if (TOTAL % NT == 0 || idx < TOTAL) {
       const int r = idx / CPR, ch = idx - r * CPR;
-      const int64_t row = row0 + r;
-      const bool valid = row < S;
-      const T* g = valid ? src + row * D + ch * 8 : src;
+      const bool valid = row0 + r < S;
+      const T* g = valid ? tile + (r * ld32 + ch * 8) : src;
       cp_async16_zfill(smem_addr(at(r, ch * 8)), g, valid);
     }
   }
+}
+
+// The same for a contiguous matrix (ld = D).
+template <int ROWS, int D, int NT, class At, class T>
+__device__ __forceinline__ void load_rows_async(At&& at, const T* __restrict__ src, int64_t row0, int64_t S,
+                                                int tid) {
+  load_rows_async<ROWS, D, NT>(at, src, static_cast<int64_t>(D), row0, S, tid);
 }
 
 }  // namespace gpu_puzzles

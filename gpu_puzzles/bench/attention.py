@@ -5,6 +5,11 @@ curriculum's chain), forward and forward+backward, in TFLOP/s; plus peak extra m
 Labels: "ours", "eager" (F.scaled_dot_product_attention), "compile" (torch.compile of it),
 "ours unfused" (skipped where its O(S^2) buffers would not fit in free memory).
 
+Layouts: "contiguous" (B, H, S, D) tensors, or "qkv views": q, k, v as a model hands them over,
+split out of one fused (B, S, 3 H D) projection and transposed to (B, H, S, D) (strides
+(S 3HD, D, 3HD, 1)), with grad_out in the layout the model's out.transpose(1, 2).reshape(...)
+gives back; every implementation gets the same views.
+
 FLOPs (as FlashAttention counts them): forward 4*B*H*Sq*Sk*D, half when causal; backward 2.5x the
 forward (the backward rows are derived as fwd+bwd minus fwd, see bench/__main__.py).
 """
@@ -92,28 +97,40 @@ def forward_kernels(fn):
     return [k for k in map(forward_kernel, names) if k is not None]
 
 
-def inputs(B, H, Sq, Sk, D, dtype, device, grad=False):
+def inputs(B, H, Sq, Sk, D, dtype, device, grad=False, layout="contiguous"):
+    if layout == "qkv views":
+        assert Sq == Sk, "one fused projection gives q, k and v the same length"
+        qkv = torch.randn(B, Sq, 3 * H * D, device=device, dtype=dtype, requires_grad=grad)
+        return tuple(t.view(B, Sq, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
     q = torch.randn(B, H, Sq, D, device=device, dtype=dtype, requires_grad=grad)
     k = torch.randn(B, H, Sk, D, device=device, dtype=dtype, requires_grad=grad)
     v = torch.randn(B, H, Sk, D, device=device, dtype=dtype, requires_grad=grad)
     return q, k, v
 
 
-def cases(device, shapes, dtype=torch.bfloat16, compile_=True, unfused=True):
-    """shapes: (B, H, Sq, Sk, D, causal)."""
+def grad_out(B, H, Sq, D, dtype, device, layout="contiguous"):
+    if layout == "qkv views":
+        return torch.randn(B, Sq, H, D, device=device, dtype=dtype).transpose(1, 2)
+    return torch.randn(B, H, Sq, D, device=device, dtype=dtype)
+
+
+def cases(device, shapes, dtype=torch.bfloat16, compile_=True, unfused=True, layout="contiguous", prefix=""):
+    """shapes: (B, H, Sq, Sk, D, causal); layout: "contiguous" or "qkv views" (module docstring)."""
     dname = str(dtype).replace("torch.", "")
     out = []
     for (B, H, Sq, Sk, D, causal) in shapes:
-        name = f"({B},{H},{Sq},{Sk},{D}){' causal' if causal else ''}"
+        name = f"{prefix}({B},{H},{Sq},{Sk},{D}){' causal' if causal else ''}"
         flops = fwd_flops(B, H, Sq, Sk, D, causal)
-        params = dict(B=B, H=H, Sq=Sq, Sk=Sk, D=D, causal=causal, dtype=dname, bwd_flops=int(2.5 * flops))
-        out.append(Case(OP, name, "fwd", lambda B=B, H=H, Sq=Sq, Sk=Sk, D=D: inputs(B, H, Sq, Sk, D, dtype, device),
+        params = dict(B=B, H=H, Sq=Sq, Sk=Sk, D=D, causal=causal, dtype=dname, bwd_flops=int(2.5 * flops),
+                      layout=layout)
+        out.append(Case(OP, name, "fwd",
+                        lambda B=B, H=H, Sq=Sq, Sk=Sk, D=D: inputs(B, H, Sq, Sk, D, dtype, device, layout=layout),
                         impls(device, causal, B, H, Sq, Sk, dtype, False, compile_, unfused), flops=flops,
                         params=params))
 
         def make(B=B, H=H, Sq=Sq, Sk=Sk, D=D):
-            return (*inputs(B, H, Sq, Sk, D, dtype, device, grad=True),
-                    torch.randn(B, H, Sq, D, device=device, dtype=dtype))
+            return (*inputs(B, H, Sq, Sk, D, dtype, device, grad=True, layout=layout),
+                    grad_out(B, H, Sq, D, dtype, device, layout))
 
         bwd = {k: backward_fn(f, 3)
                for k, f in impls(device, causal, B, H, Sq, Sk, dtype, True, compile_, unfused).items()}
@@ -123,6 +140,10 @@ def cases(device, shapes, dtype=torch.bfloat16, compile_=True, unfused=True):
 
 BENCH_SHAPES = [(4, 32, 4096, 4096, 128, False), (4, 32, 4096, 4096, 128, True), (8, 16, 2048, 2048, 64, False)]
 
+# GPT-2 124M's attention, batch 8 x 1024, causal: q/k/v as the model hands them over (views of its
+# fused projection) and the same shape contiguous beside it.
+GPT2_SHAPE = (8, 12, 1024, 1024, 64, True)
+
 
 # The CPU shapes: the tour's small case and a GPT-2 layer's causal attention at S=256.
 CPU_SHAPES = [(1, 4, 256, 256, 64, False), (2, 12, 256, 256, 64, True)]
@@ -131,7 +152,9 @@ CPU_SHAPES = [(1, 4, 256, 256, 64, False), (2, 12, 256, 256, 64, True)]
 def bench_cases(device):
     if device.type == "cpu":
         return cases(device, CPU_SHAPES, dtype=torch.float32, compile_=False, unfused=False)
-    return cases(device, BENCH_SHAPES)
+    return (cases(device, BENCH_SHAPES)
+            + cases(device, [GPT2_SHAPE], unfused=False, layout="qkv views", prefix="GPT-2 qkv views ")
+            + cases(device, [GPT2_SHAPE], unfused=False, prefix="GPT-2 contiguous "))
 
 
 def tour_cases(device):

@@ -28,16 +28,31 @@ def _lse_dtype(dtype):
 # The arguments that do not shape the output are taken as *_ (a caller may leave out
 # those at their schema defaults).
 
+def _empty_in_order_of(x, shape):
+    """An empty tensor of ``shape`` laid out densely in ``x``'s memory order: x's leading dims by
+    decreasing stride (ties keep their order), the last dim innermost. The rule of
+    empty_in_order_of in csrc/attention/attention.cpp, which out, dq, dk and dv follow: views
+    transposed out of a (B, S, H, D) projection get (B, S, H, D)-ordered results."""
+    n = x.dim()
+    perm = sorted(range(n - 1), key=x.stride, reverse=True) + [n - 1]  # sorted is stable, also reversed
+    strides = [0] * n
+    run = 1
+    for i in reversed(perm):
+        strides[i] = run
+        run = run * torch.sym_max(shape[i], 1)
+    return x.new_empty_strided(tuple(shape), tuple(strides))
+
+
 @torch.library.register_fake("gpu_puzzles::attention")
 def _attention_fake(q, k, v, *_):
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    out = _empty_in_order_of(q, (*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q.dtype))
     return out, lse
 
 
 @torch.library.register_fake("gpu_puzzles::attention_backward")
 def _attention_backward_fake(grad_out, q, k, v, *_):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _empty_in_order_of(q, q.shape), _empty_in_order_of(k, k.shape), _empty_in_order_of(v, v.shape)
 
 
 @torch.library.register_fake("gpu_puzzles::transpose_last2")
