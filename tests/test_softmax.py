@@ -6,8 +6,8 @@ import torch
 
 import gpu_puzzles as gp
 
-from conftest import (DEVICES, HAS_CUDA, RACECHECK, assert_close_ref, copy_kernels, device_dtypes, kinds_for, many,
-                      poison_allocator, racecheck_skips, requires_cuda, sanitize_timing)
+from conftest import (DEVICES, HAS_CUDA, RACECHECK, SANITIZE, assert_close_ref, copy_kernels, device_dtypes, kinds_for,
+                      many, poison_allocator, racecheck_skips, requires_cuda, sanitize_timing)
 from strategies import OFFSET, make_tensor
 
 ALGORITHMS = ["auto", "tree", "shuffle", "online"]
@@ -468,7 +468,8 @@ def _knobs(**kw):
 ROW_VARIANTS = [_knobs(rows="new", cluster=8, stages=2), _knobs(rows="new", cluster=16, stages=2),
                 _knobs(rows="new", cluster=8, stages=3), _knobs(rows="new", cluster=16, stages=3), _knobs(rows="old"),
                 _knobs(rows="smem", cluster=8), _knobs(rows="smem", cluster=16), _knobs(rows="bulk", cluster=4),
-                _knobs(rows="bulk", cluster=8)]
+                _knobs(rows="bulk", cluster=8), _knobs(rows="smem", smem_align="same"),
+                _knobs(rows="smem", smem_align="shifted")]
 COL_VARIANTS = [_knobs(cols="new", col_rows_fwd=8, col_rows_bwd=8, stages=2),
                 _knobs(cols="new", col_rows_fwd=8, col_rows_bwd=8, stages=1),
                 _knobs(cols="new", col_rows_fwd=16, col_rows_bwd=16, stages=1),
@@ -501,7 +502,8 @@ def test_variant_knobs_cpu():
     # An unknown value or knob names the knob; the algorithm string carries no tuning.
     for bad, word in ((_knobs(rows="bogus"), "softmax_rows"), (_knobs(cluster=3), "softmax_cluster"),
                       (_knobs(nope=1), "softmax_nope"), (_knobs(grid=2), "softmax_grid"),
-                      (_knobs(col_rows_fwd=2), "softmax_col_rows_fwd")):
+                      (_knobs(col_rows_fwd=2), "softmax_col_rows_fwd"),
+                      (_knobs(smem_align="odd"), "softmax_smem_align")):
         with pytest.raises(RuntimeError, match=word):
             with gp.tuning.override(**bad):
                 pass
@@ -524,6 +526,8 @@ def _variant_row_lengths(v):
 @pytest.mark.parametrize("variant", ROW_VARIANTS, ids=_variant_id, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_variants_rows(variant, dtype):
+    if RACECHECK and "smem_align" in variant:
+        pytest.skip("racecheck: test_cuda_smem_row_variants runs each shared-memory row kernel variant")
     torch.manual_seed(31)
     v = 16 // torch.empty((), dtype=dtype).element_size()
     for j, n in enumerate(_variant_row_lengths(v)):
@@ -961,3 +965,118 @@ def test_cuda_large_vocab(rows, kind):
         for dtype in (torch.bfloat16, torch.float32) if not RACECHECK else ():
             x = torch.randn(many(6, 2), 128256, device="cuda", dtype=dtype) * 3
             _check_rows(x, torch.randn_like(x), kind, dtype, f"{rows} {kind} ({x.shape[0]},128256) {dtype}")
+
+
+# ---- the shared-memory row kernels' three variants ------------------------------------------------
+# Long rows (N > 2048 V) go to one of: smem_own_rows_kernel<..., ALIGNED=true> (every row 16-byte
+# aligned, N % V == 0), smem_own_rows_kernel<..., false> (every input row at the output row's offset
+# within 16 bytes: odd N, contiguous or at strides that keep it; no shift, edge vectors element by
+# element), smem_rows_kernel (an input misaligned against the output: shifted). Each case checks the
+# forward and the backward against float64 references with poisoned outputs and, outside the
+# sanitizer, which variant each ran. 300 rows: more than the resident clusters, so a cluster takes
+# several rows and each thread's shared vectors are refilled row after row.
+
+def _smem_variant(fn, *args):
+    """fn(*args) once under the CUDA profiler; the shared-memory row kernel variant it launched."""
+    import json
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    names = {e["name"] for e in events if e.get("cat") == "kernel" and "smem_" in e["name"]}
+    assert len(names) == 1, f"expected one shared-memory row kernel, got {sorted(names)}"
+    name = names.pop()
+    if "smem_own_rows_kernel<" in name:
+        last = name.split("smem_own_rows_kernel<", 1)[1].split(">", 1)[0].split(",")[-1].strip()
+        assert last in ("true", "false"), name
+        return "aligned" if last == "true" else "same"
+    assert "smem_rows_kernel<" in name, name
+    return "shifted"
+
+
+def _smem_variant_cases(dtype):
+    """(label, x, g, forward variant, backward variant): y, the backward's input, is the forward's
+    contiguous output, so the backward's variant follows g's layout (and N). x is scaled by 3
+    before any view is taken (a scaled view would be a contiguous copy)."""
+    v = _vec(dtype)
+    al, odd = 2048 * v + 5 * v, 2048 * v + 3
+
+    def rnd(*shape, s=1.0):
+        return torch.randn(*shape, device="cuda", dtype=dtype) * s
+
+    def off(rows, n, o, s=1.0):  # rows of n from element o of a buffer
+        return rnd(rows * n + v, s=s)[o:o + rows * n].view(rows, n)
+    t, tg = rnd(2, 3 + v, odd, s=3), rnd(2, 3 + v, odd)
+    u, ug = rnd(2, 4, odd, s=3), rnd(2, 4, odd)
+    n300 = 50304 - 50304 % v
+    return [
+        ("aligned", rnd(3, al, s=3), rnd(3, al), "aligned", "aligned"),
+        ("aligned, row stride N + V", rnd(3, al + v, s=3)[:, :al], rnd(3, al + 2 * v)[:, :al], "aligned", "aligned"),
+        ("aligned, 300 rows", rnd(300, n300, s=3), rnd(300, n300), "aligned", "aligned"),
+        ("odd N", rnd(3, odd, s=3), rnd(3, odd), "same", "same"),
+        ("odd N, 300 rows", rnd(300, 50257, s=3), rnd(300, 50257), "same", "same"),
+        ("odd N, row stride N + V", rnd(3, odd + v, s=3)[:, :odd], rnd(3, odd + 2 * v)[:, :odd], "same", "same"),
+        ("odd N, t[:, :3, :] of (2, 3 + V, N)", t[:, :3, :], tg[:, :3, :], "same", "same"),
+        ("odd N, x and dy from element V", off(3, odd, v, s=3), off(3, odd, v), "same", "same"),
+        ("aligned N, x and dy from element 1", off(3, al, 1, s=3), off(3, al, 1), "shifted", "shifted"),
+        ("odd N, t[:, :-1, :] (batch 1 shifted)", u[:, :-1, :], ug[:, :-1, :], "shifted", "shifted"),
+        ("odd N, dy from element 1", rnd(3, odd, s=3), off(3, odd, 1), "same", "shifted"),
+        ("aligned N, dy from element V - 1", rnd(3, al, s=3), off(3, al, v - 1), "aligned", "shifted"),
+    ]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("rows", ["smem", "bulk"])
+def test_cuda_smem_row_variants(rows, kind, dtype):
+    if RACECHECK and (rows == "bulk" or (dtype, kind) not in ((torch.float32, "softmax"),
+                                                                (torch.bfloat16, "log_softmax"))):
+        pytest.skip("racecheck: the shared-memory kernels' launches cost seconds; smem fp32 softmax and bf16 "
+                    "log_softmax cover them")
+    torch.manual_seed(44)
+    with gp.tuning.override(softmax_rows=rows):
+        for label, x, g, fwd, bwd in _smem_variant_cases(dtype):
+            if RACECHECK and label not in _RACECHECK_SMEM_CASES:
+                continue
+            what = f"{rows} {kind} {label} {tuple(x.shape)} {dtype}"
+            _check_rows(x, g, kind, dtype, what)
+            if SANITIZE:  # no profiler under compute-sanitizer
+                continue
+            y = _FWD_OPS[kind](x, -1, "auto")
+            assert _smem_variant(_FWD_OPS[kind], x, -1, "auto") == fwd, what
+            assert _smem_variant(_BWD_OPS[kind], g, y, -1, "auto") == bwd, what + " backward"
+
+
+# Under racecheck: one case per variant, the 300-row ones refill each thread's vectors row after row.
+_RACECHECK_SMEM_CASES = ("aligned, 300 rows", "odd N, 300 rows", "odd N, row stride N + V",
+                         "aligned N, x and dy from element 1")
+
+
+@requires_cuda
+@pytest.mark.skipif(RACECHECK, reason="racecheck: test_cuda_smem_row_variants runs each variant")
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_cuda_smem_align_knob(kind):
+    # softmax_smem_align caps the variant: the more general kernels on layouts the specialised
+    # ones would take give the same values, never a more specialised kernel than the layout allows.
+    torch.manual_seed(45)
+    for dtype in (torch.float32, torch.bfloat16):
+        v = _vec(dtype)
+        for n, natural in ((2048 * v + 5 * v, "aligned"), (2048 * v + 3, "same")):
+            x, g = torch.randn(3, n, device="cuda", dtype=dtype) * 3, torch.randn(3, n, device="cuda", dtype=dtype)
+            for cap in ("aligned", "same", "shifted"):
+                with gp.tuning.override(softmax_smem_align=cap):
+                    what = f"{kind} smem_align={cap} ({3},{n}) {dtype}"
+                    _check_rows(x, g, kind, dtype, what)
+                    if SANITIZE:
+                        continue
+                    order = ["aligned", "same", "shifted"]
+                    want = order[max(order.index(natural), order.index(cap))]
+                    y = _FWD_OPS[kind](x, -1, "auto")
+                    assert _smem_variant(_FWD_OPS[kind], x, -1, "auto") == want, what
+                    assert _smem_variant(_BWD_OPS[kind], g, y, -1, "auto") == want, what + " backward"

@@ -33,6 +33,9 @@ struct SoftmaxTuning {
                      // time (smaller blocks, several per SM)
   int cols = 0;      // non-last dim: 1 old, 2 new (staged column tiles, forward and backward)
   int col_rows_fwd = 0, col_rows_bwd = 0;  // new column kernel: rows per thread, 4, 8 or 16
+  int smem_align = 0;  // smem/bulk rows: the most specialised kernel allowed, 1 aligned (rows 16-byte
+                       // aligned, N % V == 0), 2 same (inputs at the output's offset in 16 bytes),
+                       // 3 shifted (any); each is taken only where the layout allows it
   int grid = 0;      // one-stage staged kernels and smem/bulk rows: clusters launched per resident
                      // cluster, 1 (every cluster resident, looping) or 4 (blocks come and go)
 };

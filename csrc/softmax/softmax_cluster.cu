@@ -2,8 +2,10 @@
 // statistics exchanged through distributed shared memory: the row in registers
 // (cluster_rows_kernel, forward and backward; cluster_fwd_kernel, forward), staged
 // through shared memory by persistent clusters (staged_rows_fwd_kernel), or the
-// row's slices held in shared memory (smem_rows_kernel, forward and backward, any
-// row length and alignment). Input rows start at any row strides (RowLayout).
+// row's slices held in shared memory (forward and backward: smem_own_rows_kernel where
+// every input row starts at the output row's offset within 16 bytes, aligned or not;
+// smem_rows_kernel for any row length and alignment). Input rows start at any row
+// strides (RowLayout).
 #include "common/bulk_copy.cuh"
 #include "common/cp_async.cuh"
 #include "softmax/softmax_kernels.cuh"
@@ -345,7 +347,8 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
 // (softmax) or sum(dy) (log_softmax), one DSMEM exchange, then dx: y and dy read
 // once from memory. BULK: thread 0 copies each input with one bulk copy (TMA)
 // completing on an mbarrier; else the threads cp.async the vectors. A grid of up
-// to kMaxGrid blocks strides over rows.
+// to kMaxGrid blocks strides over rows. The plan sends rows whose inputs start at the
+// output's offset within 16 bytes (no shift) to smem_own_rows_kernel below.
 
 template <typename T, bool LOG, bool BWD, bool BULK>
 __global__ void __launch_bounds__(kSmThreads)
@@ -527,12 +530,272 @@ smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
 #endif
 }
 
+// ---- long rows whose inputs start where the output does (rows=smem|bulk) -------
+// Why: in the usual layouts (a contiguous x and a fresh out; y and dy of one shape)
+// every row of every tensor starts at the same offset within 16 bytes, even for an
+// odd N. Then input vector j of a row holds exactly the elements of output vector
+// j: no shift, and each thread copies its own vectors q = tid, tid + kSmThreads, ...
+// of the block's slice and reads back only those, so no block barrier follows the
+// copy (cp.async) or the last pass. The row's first and last vectors, where the row
+// starts or ends inside them, stay out of the hot loops: their owner threads do them
+// element by element. ALIGNED (every row 16-byte aligned, N % V == 0): no such
+// vectors; the forward is the aligned-only kernel this family started with.
+// Barriers per row: one block barrier (the warps' pairs or sums) and one cluster
+// barrier (BULK: one more block barrier, the next bulk copy overwrites what every
+// thread read). Slices, statistics and the grid as smem_rows_kernel.
+
+template <typename T, bool LOG, bool BWD, bool BULK, bool ALIGNED>
+__global__ void __launch_bounds__(kSmThreads)
+smem_own_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
+                     RowLayout la, RowLayout lb, int64_t SV) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  constexpr int V = 16 / sizeof(T);
+  extern __shared__ __align__(128) unsigned char sm_raw[];
+  uint4* abuf = reinterpret_cast<uint4*>(sm_raw);
+  uint4* bbuf = abuf + SV;  // BWD: dy's vectors
+  __shared__ A wred[kSmThreads / 32][2];
+  __shared__ A part[2][2];  // [row parity][shift, sum]
+  __shared__ uint64_t bar;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int CS = int(cluster.num_blocks());
+  const int tid = int(threadIdx.x), lane = tid & 31, w = tid >> 5;
+  const int64_t j0 = int64_t(cluster.block_rank()) * SV;  // this block's first vector of a row
+  const int64_t cnt_al = ALIGNED ? max(int64_t(0), min(SV, N / V - j0)) : 0;
+  const int64_t step = gridDim.x / CS, first = blockIdx.x / CS;
+  if (BULK && tid == 0) mbar_init(&bar);
+  __syncthreads();
+  unsigned phase = 0;
+  int parity = 0;
+  for (int64_t row = first; row < rows; row += step, parity ^= 1) {  // cluster-uniform
+    const T* arow = row_ptr(a, la, row);
+    const T* brow = BWD ? row_ptr(b, lb, row) : nullptr;
+    T* orow = out + row * N;
+    const int oo = ALIGNED ? 0 : misalign(orow);  // the inputs' too (the plan checked)
+    // Slice vector q holds row elements (j0 + q) V - oo + k, k < V. Vectors [0, cnt)
+    // of the slice are this row's; qh, qt: the row's first and last vector when the
+    // row starts or ends inside it, else -1; the hot loops take [qh + 1, qe).
+    int64_t cnt = cnt_al, qh = -1, qt = -1;
+    if constexpr (!ALIGNED) {
+      const int64_t nv = (oo + N + V - 1) / V;  // the row's vectors
+      cnt = max(int64_t(0), min(SV, nv - j0));
+      if (j0 == 0 && oo > 0) qh = 0;
+      if (cnt > 0 && j0 + cnt == nv && (oo + N) % V != 0) qt = cnt - 1;
+    }
+    const int64_t qe = qt >= 0 ? qt : cnt;
+    const int64_t q0 = tid <= qh ? tid + kSmThreads : tid;  // this thread's first vector of [qh + 1, qe)
+    const uint4* asrc = reinterpret_cast<const uint4*>(arow - oo) + j0;
+    const uint4* bsrc = BWD ? reinterpret_cast<const uint4*>(brow - oo) + j0 : nullptr;
+    uint4* dst = reinterpret_cast<uint4*>(orow - oo) + j0;
+    // fn(q) for the edge vectors qh, qt on their owner threads.
+    auto edges = [&](auto&& fn) {
+      if constexpr (!ALIGNED) {
+        if (qh >= 0 && tid == 0) fn(qh);
+        if (qt > qh && tid == int(qt % kSmThreads)) fn(qt);
+      }
+    };
+    // An edge vector's elements, `fill` outside the row.
+    auto edge_get = [&](const uint4* buf, int64_t q, A (&v)[V], A fill) {
+      const T* p = reinterpret_cast<const T*>(buf + q);
+      const int64_t e0 = (j0 + q) * V - oo;
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = e0 + k >= 0 && e0 + k < N ? to_acc<A>(p[k]) : fill;
+    };
+    auto edge_put = [&](int64_t q, const A (&v)[V]) {
+      const int64_t e0 = (j0 + q) * V - oo;
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        if (e0 + k >= 0 && e0 + k < N) orow[e0 + k] = from_acc<T>(v[k]);
+    };
+    // The last vector, where the row ends inside it, may run past the end of the
+    // allocation (the last row of a tensor whose size is not a multiple of 16
+    // bytes): its owner copies the row's elements of it one by one. The first
+    // vector is copied whole: its bytes before the row lie inside the allocation.
+    edges([&](int64_t q) {
+      if (q != qt) return;
+      T* pa = reinterpret_cast<T*>(abuf + q);
+      T* pb = reinterpret_cast<T*>(bbuf + q);
+      const int64_t e0 = (j0 + q) * V - oo;
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        if (e0 + k >= 0 && e0 + k < N) {
+          pa[k] = arow[e0 + k];
+          if (BWD) pb[k] = brow[e0 + k];
+        }
+    });
+    if constexpr (BULK) {
+      if (cnt > 0) {  // block-uniform
+        if (tid == 0) {
+          mbar_arrive_expect(&bar, unsigned(qe * (BWD ? 32 : 16)));
+          if (qe > 0) {
+            bulk_load(abuf, asrc, unsigned(qe * 16), &bar);
+            if (BWD) bulk_load(bbuf, bsrc, unsigned(qe * 16), &bar);
+          }
+        }
+        mbar_wait(&bar, phase);
+        phase ^= 1u;
+      }
+    } else {
+      for (int64_t q = tid; q < qe; q += kSmThreads) {
+        cp_async16(&abuf[q], asrc + q);
+        if (BWD) cp_async16(&bbuf[q], bsrc + q);
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    if constexpr (!BWD) {
+      A m = neg_inf<A>();
+#pragma unroll 4
+      for (int64_t q = q0; q < qe; q += kSmThreads) {
+        Vec<T, V> r;
+        r.q[0] = abuf[q];
+#pragma unroll
+        for (int k = 0; k < V; ++k) m = max_a(m, to_acc<A>(r.e[k]));
+      }
+      edges([&](int64_t q) {
+        A v[V];
+        edge_get(abuf, q, v, neg_inf<A>());
+#pragma unroll
+        for (int k = 0; k < V; ++k) m = max_a(m, v[k]);
+      });
+      m = warp_max(m);
+      const A shift = m == neg_inf<A>() ? A(0) : m;  // an empty warp: see cluster_fwd_kernel
+      const ExpShift<T> ex(shift);
+      A s = A(0);
+#pragma unroll 4
+      for (int64_t q = q0; q < qe; q += kSmThreads) {
+        Vec<T, V> r;
+        r.q[0] = abuf[q];
+#pragma unroll
+        for (int k = 0; k < V; ++k) s += ex(to_acc<A>(r.e[k]));
+      }
+      edges([&](int64_t q) {
+        A v[V];
+        edge_get(abuf, q, v, neg_inf<A>());
+#pragma unroll
+        for (int k = 0; k < V; ++k) s += ex(v[k]);  // outside the row: exp(-inf) = 0
+      });
+      s = warp_sum(s);
+      if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
+      __syncthreads();
+      publish_block_pair(wred, part[parity], lane, w, kSmThreads / 32);
+      cluster.sync();  // every block's pair visible; this row's wred reads done
+      A M, S;
+      cluster_pair(cluster, part[parity], CS, M, S);
+      const A nan = A(NAN);
+      const A mul = S == A(0) ? nan : (LOG ? log_a(S) : A(1) / S);  // an all -inf row: NaN, as torch
+      const ExpShift<T> exm(M);
+#pragma unroll 4
+      for (int64_t q = q0; q < qe; q += kSmThreads) {
+        Vec<T, V> r, y;
+        r.q[0] = abuf[q];
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const A x = to_acc<A>(r.e[k]);
+          y.e[k] = from_acc<T>(LOG ? (x - M) - mul : exm(x) * mul);
+        }
+        __stcs(dst + q, y.q[0]);
+      }
+      edges([&](int64_t q) {
+        A v[V];
+        edge_get(abuf, q, v, A(0));
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[k] = LOG ? (v[k] - M) - mul : exm(v[k]) * mul;
+        edge_put(q, v);
+      });
+    } else {
+      // softmax: dx = y (dy - sum(dy y));  log_softmax: dx = dy - exp(y) sum(dy)
+      A s = A(0);
+#pragma unroll 2
+      for (int64_t q = q0; q < qe; q += kSmThreads) {
+        Vec<T, V> ry, rg;
+        ry.q[0] = abuf[q];
+        rg.q[0] = bbuf[q];
+#pragma unroll
+        for (int k = 0; k < V; ++k) s += LOG ? to_acc<A>(rg.e[k]) : to_acc<A>(rg.e[k]) * to_acc<A>(ry.e[k]);
+      }
+      edges([&](int64_t q) {
+        A y[V], g[V];
+        edge_get(abuf, q, y, A(0));
+        edge_get(bbuf, q, g, A(0));
+#pragma unroll
+        for (int k = 0; k < V; ++k) s += LOG ? g[k] : g[k] * y[k];
+      });
+      s = warp_sum(s);
+      if (lane == 0) wred[w][1] = s;
+      __syncthreads();
+      if (w == 0) {
+        A t = lane < kSmThreads / 32 ? wred[lane][1] : A(0);
+        t = warp_sum(t);
+        if (lane == 0) { part[parity][0] = A(0); part[parity][1] = t; }
+      }
+      cluster.sync();  // every block's sum visible; this row's wred reads done
+      A M, S;
+      cluster_pair<true>(cluster, part[parity], CS, M, S);
+#pragma unroll 2
+      for (int64_t q = q0; q < qe; q += kSmThreads) {
+        Vec<T, V> ry, rg, d;
+        ry.q[0] = abuf[q];
+        rg.q[0] = bbuf[q];
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const A y = to_acc<A>(ry.e[k]), g = to_acc<A>(rg.e[k]);
+          d.e[k] = from_acc<T>(LOG ? g - exp_a(y) * S : y * (g - S));
+        }
+        __stcs(dst + q, d.q[0]);
+      }
+      edges([&](int64_t q) {
+        A y[V], g[V];
+        edge_get(abuf, q, y, A(0));
+        edge_get(bbuf, q, g, A(0));
+#pragma unroll
+        for (int k = 0; k < V; ++k) y[k] = LOG ? g[k] - exp_a(y[k]) * S : y[k] * (g[k] - S);
+        edge_put(q, y);
+      });
+    }
+    // BULK: the next row's copy overwrites every thread's vectors. cp.async: each
+    // thread overwrites only its own, after its own reads.
+    if (BULK) __syncthreads();
+  }
+  cluster.sync();  // no block exits while another may still read its `part`
+#endif
+}
+
 template <typename T, int K> auto staged_rows_kernel_for(bool log) {
   return log ? staged_rows_fwd_kernel<T, true, K> : staged_rows_fwd_kernel<T, false, K>;
 }
-template <typename T, bool BWD> auto smem_rows_kernel_for(bool log, bool bulk) {
-  return log ? (bulk ? smem_rows_kernel<T, true, BWD, true> : smem_rows_kernel<T, true, BWD, false>)
-             : (bulk ? smem_rows_kernel<T, false, BWD, true> : smem_rows_kernel<T, false, BWD, false>);
+template <typename T, bool BWD, bool LOG, bool BULK>
+const void* smem_rows_kernel_of(int align) {  // align: Plan::align
+  return align == 0   ? reinterpret_cast<const void*>(smem_own_rows_kernel<T, LOG, BWD, BULK, true>)
+         : align == 1 ? reinterpret_cast<const void*>(smem_own_rows_kernel<T, LOG, BWD, BULK, false>)
+                      : reinterpret_cast<const void*>(smem_rows_kernel<T, LOG, BWD, BULK>);
+}
+template <typename T, bool BWD> const void* smem_rows_kernel_for(bool log, bool bulk, int align) {
+  return log ? (bulk ? smem_rows_kernel_of<T, BWD, true, true>(align) : smem_rows_kernel_of<T, BWD, true, false>(align))
+             : (bulk ? smem_rows_kernel_of<T, BWD, false, true>(align)
+                     : smem_rows_kernel_of<T, BWD, false, false>(align));
+}
+
+// The shared-memory row kernel of plan p (p.align: which of the three).
+template <typename T, bool BWD, bool LOG, bool BULK>
+cudaError_t launch_smem_rows_of(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
+  const T* A_ = static_cast<const T*>(a.a);
+  const T* B_ = static_cast<const T*>(a.b);
+  T* O = static_cast<T*>(a.out);
+  const int64_t rows = a.outer, N = a.N;
+  if (p.align == 0)
+    return launch_staged(smem_own_rows_kernel<T, LOG, BWD, BULK, true>, p, rows, st, A_, B_, O, rows, N, a.la, a.lb,
+                         p.sv);
+  if (p.align == 1)
+    return launch_staged(smem_own_rows_kernel<T, LOG, BWD, BULK, false>, p, rows, st, A_, B_, O, rows, N, a.la, a.lb,
+                         p.sv);
+  return launch_staged(smem_rows_kernel<T, LOG, BWD, BULK>, p, rows, st, A_, B_, O, rows, N, a.la, a.lb, p.sv, p.sb);
+}
+template <typename T, bool BWD> cudaError_t launch_smem_rows(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
+  return a.log ? (p.bulk ? launch_smem_rows_of<T, BWD, true, true>(a, p, st)
+                         : launch_smem_rows_of<T, BWD, true, false>(a, p, st))
+               : (p.bulk ? launch_smem_rows_of<T, BWD, false, true>(a, p, st)
+                         : launch_smem_rows_of<T, BWD, false, false>(a, p, st));
 }
 
 template <typename T, bool BWD>
@@ -570,9 +833,7 @@ cudaError_t launch_cluster_typed(const SoftmaxArgs& a, const Plan& p, cudaStream
                    : launch_staged(staged_rows_kernel_for<T, 4>(a.log), p, rows, st, A_, O, rows, N, a.la, p.stages);
       return cudaErrorInvalidValue;  // forward, 2- and 4-byte types only
     case Kind::SmemRows:
-      if constexpr (sizeof(T) <= 4)
-        return launch_staged(smem_rows_kernel_for<T, BWD>(a.log, p.bulk), p, rows, st, A_, B_, O, rows, N, a.la,
-                             a.lb, p.sv, p.sb);
+      if constexpr (sizeof(T) <= 4) return launch_smem_rows<T, BWD>(a, p, st);
       return cudaErrorInvalidValue;  // 2- and 4-byte types only
     default:
       break;
@@ -610,14 +871,13 @@ const void* staged_rows_kernel_handle(DType dt, bool log, int K) {
   });
 }
 
-const void* smem_rows_kernel_handle(DType dt, bool log, bool bulk, bool bwd) {
+const void* smem_rows_kernel_handle(DType dt, bool log, bool bulk, bool bwd, int align) {
   return dispatch_dtype(dt, [&](auto tag) -> const void* {
     using T = decltype(tag);
     if constexpr (sizeof(T) > 4) {
       return nullptr;
     } else {
-      return bwd ? reinterpret_cast<const void*>(smem_rows_kernel_for<T, true>(log, bulk))
-                 : reinterpret_cast<const void*>(smem_rows_kernel_for<T, false>(log, bulk));
+      return bwd ? smem_rows_kernel_for<T, true>(log, bulk, align) : smem_rows_kernel_for<T, false>(log, bulk, align);
     }
   });
 }

@@ -237,9 +237,11 @@ __device__ __forceinline__ void cluster_pair(Cluster& cluster, A* part, int CS, 
 }
 
 // ---- rows at any strides and alignment ----------------------------------------
-// The start of row `row` of an input (softmax.h: RowLayout); 64-bit offsets.
+// The start of row `row` of an input (softmax.h: RowLayout); 64-bit offsets. One
+// level of rows (n1 == 1, the usual case) skips the 64-bit division.
 template <typename T>
 __device__ __forceinline__ const T* row_ptr(const T* __restrict__ p, const RowLayout& L, int64_t row) {
+  if (L.n1 == 1) return p + row * L.s0;
   return p + (row / L.n1) * L.s0 + (row % L.n1) * L.s1;
 }
 
@@ -300,6 +302,8 @@ struct Plan {
   int64_t sb = 0;    // SmemRows: 16-byte vectors of shared memory per input (sv, or sv + 1 where
                      // an input may be misaligned against the output)
   bool bulk = false; // SmemRows: the slice arrives by one bulk copy (TMA), not per-thread cp.async
+  int align = 2;     // SmemRows: 0 every row 16-byte aligned and N % V == 0, 1 every input row at the
+                     // output row's offset within 16 bytes (smem_own_rows_kernel), 2 any (smem_rows_kernel)
   int grid = 1;      // StagedCols with 1 stage, SmemRows: clusters launched per resident cluster
   // InnerCluster keeps threads / cache / smem of the Inner plan: its fallback
   // when the cluster launch is refused.
@@ -348,6 +352,18 @@ inline bool vec_ok(const SoftmaxArgs& a, bool bwd) {
   return a.N % V == 0 && al16(a.a) && al16(a.out) && whole(a.la) && (!bwd || (al16(a.b) && whole(a.lb)));
 }
 
+// Every row of every input starts at the same offset within 16 bytes as the same
+// row of the (contiguous) output: then no input needs shifting against it. Row r =
+// r0 n1 + r1 of an input starts at r0 s0 + r1 s1 elements, of the output at r N.
+inline bool same_misalign(const SoftmaxArgs& a, bool bwd) {
+  const int V = 16 / esize(a.dtype);
+  auto same = [&](const void* p, const RowLayout& L) {
+    return (reinterpret_cast<uintptr_t>(p) & 15) == (reinterpret_cast<uintptr_t>(a.out) & 15) &&
+           (L.n1 == 1 || (L.s1 - a.N) % V == 0) && (a.outer <= L.n1 || (L.s0 - L.n1 * a.N) % V == 0);
+  };
+  return same(a.a, a.la) && (!bwd || same(a.b, a.lb));
+}
+
 // ---- the kernel families' launchers (one per file) -----------------------------
 // The register / split paths return the launch's error. The cluster paths
 // (ClusterRows, ClusterFwd, StagedRows, SmemRows, InnerCluster, StagedCols)
@@ -364,7 +380,7 @@ cudaError_t launch_teaching(const SoftmaxArgs& a, SoftmaxAlgo algo, cudaStream_t
 const void* cluster_rows_kernel_handle(bool bwd);                            // float
 const void* cluster_fwd_kernel_handle();                                     // float, softmax
 const void* staged_rows_kernel_handle(DType dt, bool log, int K);
-const void* smem_rows_kernel_handle(DType dt, bool log, bool bulk, bool bwd);
+const void* smem_rows_kernel_handle(DType dt, bool log, bool bulk, bool bwd, int align);  // align: Plan::align
 const void* inner_cluster_kernel_handle();                                   // float, softmax
 const void* staged_cols_kernel_handle(DType dt, bool log, bool bwd);
 

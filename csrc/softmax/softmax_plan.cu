@@ -30,7 +30,11 @@
 //   rows, 2048 V < N (forward and backward, any N, alignment and row stride):
 //                                      clusters of 2-16 blocks, each holding its slice
 //                                      of the row (of y and dy) in shared memory
-//                                      (smem_rows_kernel; softmax_rows=new, forward,
+//                                      (smem_own_rows_kernel where every input row
+//                                      starts at the output row's offset within 16
+//                                      bytes, ALIGNED where that offset is 0 and
+//                                      N % V == 0; else smem_rows_kernel, which shifts;
+//                                      softmax_smem_align caps it; softmax_rows=new, forward,
 //                                      N % V == 0 and aligned: persistent clusters with
 //                                      the next rows' slices in flight,
 //                                      staged_rows_fwd_kernel; softmax_rows=old: the
@@ -196,19 +200,23 @@ bool plan_smem_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, bool bwd, Pla
   const int64_t cs = std::min<int64_t>(16, std::max<int64_t>(2, pow2ceil(cdiv(arrays * a.N * es, slice))));
   p.kind = Kind::SmemRows;
   p.S = cs;
-  // Rows of whole aligned vectors (vec_ok) need N / V vectors each; else the
-  // output of a row spans up to one vector more, and a block's input slice up to
-  // one more than its output.
+  // The most specialised kernel the layout allows (and the knob): rows of whole
+  // aligned vectors (vec_ok), inputs at the output's offset in 16 bytes (no shift),
+  // or any (smem_rows_kernel).
   const bool whole = vec_ok(a, bwd);
+  p.align = std::max(whole ? 0 : (same_misalign(a, bwd) ? 1 : 2), std::max(0, tu.smem_align - 1));
+  // Rows of whole aligned vectors need N / V vectors each; else the output of a
+  // row spans up to one vector more, and, shifted, a block's input slice up to one
+  // more than its output.
   p.sv = cdiv(whole ? a.N / V : cdiv(a.N + V - 1, V), cs);
-  p.sb = p.sv + (whole ? 0 : 1);
+  p.sb = p.sv + (whole || p.align < 2 ? 0 : 1);
   p.smem = arrays * p.sb * 16;
   p.threads = kSmThreads;
   p.stages = 1;
   p.bulk = tu.rows == 4;
   p.grid = tu.grid;
   if (p.smem > kStagedSmemMax) return false;
-  const void* k = smem_rows_kernel_handle(a.dtype, a.log, p.bulk, bwd);
+  const void* k = smem_rows_kernel_handle(a.dtype, a.log, p.bulk, bwd, p.align);
   return k != nullptr && resident_clusters(k, p.threads, int(cs), p.smem) > 0;
 }
 
@@ -410,6 +418,7 @@ SoftmaxTuning softmax_tuning() {
   t.col_rows_fwd = knob_int(Knob::SoftmaxColRowsFwd, 16);
   t.col_rows_bwd = knob_int(Knob::SoftmaxColRowsBwd, 8);
   t.grid = knob_int(Knob::SoftmaxGrid, 1);
+  t.smem_align = knob_or(Knob::SoftmaxSmemAlign, 1);  // aligned: the layout decides
   return t;
 }
 

@@ -54,12 +54,29 @@ def _label(shape, dim, log, view):
             + (" of t[:, :-1, :]" if view else ""))
 
 
-def fwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), name=None, log=False, view=None):
+def _under(knobs, fn):
+    """fn called under gpu_puzzles.tuning.override(**knobs)."""
+    def run(*args):
+        with gp.tuning.override(**knobs):
+            return fn(*args)
+    return run
+
+
+# The long rows' shared-memory kernels: "ours" takes the most specialised one the layout
+# allows (aligned, or inputs at the output's offset within 16 bytes); "ours-shifted" forces
+# the general one (smem_rows_kernel) on the same inputs, for comparison in one run.
+SHIFTED = {"shifted": {"softmax_smem_align": "shifted"}}
+
+
+def fwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), name=None, log=False, view=None,
+             variants=None):
     def make():
         return (_randn(shape, device, dtype, view),)
     ours, eager = (gp.log_softmax, torch.log_softmax) if log else (gp.softmax, torch.softmax)
     impls = {("ours" if a == "auto" else f"ours-{a}"): functools.partial(ours, dim=dim, algorithm=a)
              for a in algorithms}
+    for label, knobs in (variants or {}).items():
+        impls[f"ours-{label}"] = _under(knobs, impls["ours"])
     impls["eager"] = functools.partial(eager, dim=dim)
     if compile_:
         impls["compile"] = torch.compile(functools.partial(eager, dim=dim), dynamic=False)
@@ -73,7 +90,7 @@ def fwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), nam
                 params=params)
 
 
-def bwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), name=None, log=False):
+def bwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), name=None, log=False, variants=None):
     def make():
         x = torch.randn(shape, device=device, dtype=dtype)
         y = torch.log_softmax(x, dim) if log else torch.softmax(x, dim)
@@ -81,6 +98,8 @@ def bwd_case(device, shape, dim, dtype, compile_=True, algorithms=("auto",), nam
     op = torch.ops.gpu_puzzles.log_softmax_backward if log else torch.ops.gpu_puzzles.softmax_backward
     impls = {("ours" if a == "auto" else f"ours-{a}"):
              (lambda y, dy, a=a: op(dy, y, dim, a)) for a in algorithms}
+    for label, knobs in (variants or {}).items():
+        impls[f"ours-{label}"] = _under(knobs, impls["ours"])
     impls["eager"] = lambda y, dy: reference_backward(dy, y, dim, log)
     if compile_:
         math_fn = _log_softmax_bwd_math if log else _softmax_bwd_math
@@ -122,15 +141,15 @@ def bench_cases(device):
     return [
         fwd_case(device, (32768, 4096), -1, bf16),
         bwd_case(device, (32768, 4096), -1, bf16),
-        fwd_case(device, (4096, 131072), -1, f32),
-        bwd_case(device, (4096, 131072), -1, f32),
+        fwd_case(device, (4096, 131072), -1, f32, variants=SHIFTED),
+        bwd_case(device, (4096, 131072), -1, f32, variants=SHIFTED),
         fwd_case(device, (65536, 512), -1, bf16),
         bwd_case(device, (65536, 512), -1, bf16),
         fwd_case(device, (64, 4096, 256), 1, bf16),
         bwd_case(device, (64, 4096, 256), 1, bf16),
         # Language-model vocabularies: odd (GPT-2's 50257, rows not 16-byte aligned), padded
         # (50304) and Llama-3's 128256; the shifted logits t[:, :-1, :] as a strided view.
-        *[c(device, shape, -1, dt, log=True) for shape, dt in
+        *[c(device, shape, -1, dt, log=True, variants=SHIFTED) for shape, dt in
           (((8192, 50257), bf16), ((8184, 50257), f32), ((8192, 50304), f32), ((8192, 128256), bf16))
           for c in (fwd_case, bwd_case)],
         fwd_case(device, (8, 1024, 50257), -1, bf16, log=True, view="drop_last"),
