@@ -145,16 +145,13 @@ def test_fused_forward_statistics(device, dtype, shape):
 
 # ---- backward against float64 -----------------------------------------------------
 
-@pytest.mark.parametrize("device,dtype,shape", _cases())
-@pytest.mark.parametrize("impl", list(IMPLS))
-def test_backward_matches_reference(device, dtype, shape, impl):
-    lead, H, N = shape
-    torch.manual_seed(H * 7 + N)
-    x = (torch.randn(*lead, H, dtype=torch.float64) - 0.4).to(device, dtype).requires_grad_()
-    lw, lb, W, b = _params(H, N, device, dtype, grad=True)
-    y = IMPLS[impl](x, lw, lb, W, b)
+
+def _check_five_grads(y, inputs, dtype, what):
+    """All five gradients of y (under a random grad_out) vs the float64 reference; returns them."""
+    x, lw, lb, W, b = inputs
+    H, N = x.shape[-1], y.shape[-1]
     g = torch.randn_like(y)
-    grads = torch.autograd.grad(y, (x, lw, lb, W, b), g)
+    grads = torch.autograd.grad(y, inputs, g)
     y_ref, leaves = _ref(x, lw, lb, W, b)
     refs = torch.autograd.grad(y_ref, leaves, g.double())
     M = x.numel() // H
@@ -165,7 +162,17 @@ def test_backward_matches_reference(device, dtype, shape, impl):
         assert a.shape == r.shape and a.dtype == dtype, name
         # Parameter gradients sum over M rows (and dx over N outputs): scale by sqrt of that.
         k = (N ** 0.5 * max(1.0, rstd_max)) if name == "dx" else M ** 0.5
-        assert_close_ref(a / k, r / k, dtype, f"{impl} {name}")
+        assert_close_ref(a / k, r / k, dtype, f"{what} {name}")
+    return grads
+
+@pytest.mark.parametrize("device,dtype,shape", _cases())
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_backward_matches_reference(device, dtype, shape, impl):
+    lead, H, N = shape
+    torch.manual_seed(H * 7 + N)
+    x = (torch.randn(*lead, H, dtype=torch.float64) - 0.4).to(device, dtype).requires_grad_()
+    lw, lb, W, b = _params(H, N, device, dtype, grad=True)
+    _check_five_grads(IMPLS[impl](x, lw, lb, W, b), (x, lw, lb, W, b), dtype, impl)
 
 
 def _layer_norm_ref_grads(x, lw, lb, g):
@@ -387,16 +394,7 @@ def test_plans_and_layouts_backward(device, dtype, plan, layout):
     W = _w_view(W, layout)
     with gp.tuning.override(layernorm_linear_plan=None if plan == "auto" else plan):
         y = gp.fused_layernorm_linear(x, lw, lb, W, b)
-    g = torch.randn_like(y)
-    grads = torch.autograd.grad(y, (x, lw, lb, W, b), g)
-    y_ref, leaves = _ref(x, lw, lb, W, b)
-    refs = torch.autograd.grad(y_ref, leaves, g.double())
-    M = x.numel() // H
-    rstd_max = (x.detach().double().var(-1, unbiased=False) + EPS).rsqrt().max().item()
-    for name, a, r in zip(("dx", "dln_weight", "dln_bias", "dW", "db"), grads, refs):
-        assert a.shape == r.shape and a.dtype == dtype, name
-        k = (N ** 0.5 * max(1.0, rstd_max)) if name == "dx" else M ** 0.5
-        assert_close_ref(a / k, r / k, dtype, f"{plan} {layout} {name}")
+    grads = _check_five_grads(y, (x, lw, lb, W, b), dtype, f"{plan} {layout}")
     assert grads[3].stride() == W.stride(), f"dW strides {grads[3].stride()}, W's {W.stride()}"
 
 
