@@ -112,32 +112,16 @@ at::Tensor embedding_backward_cpu(const at::Tensor& grad_out, const at::Tensor& 
 }
 
 #ifdef WITH_CUDA
-// The first `dims` dims of t as at most two levels (n0, n1) of strides (s0, s1): size-1
-// dims dropped, neighbours merged where one steps over the other exactly.
-c10::optional<TokenStrides> two_levels(const at::Tensor& t, int64_t dims) {
-  std::vector<std::pair<int64_t, int64_t>> lv;  // (size, stride), outermost first
-  for (int64_t d = 0; d < dims; ++d) {
-    const int64_t n = t.size(d), st = t.stride(d);
-    if (n == 1) continue;
-    if (!lv.empty() && lv.back().second == st * n) lv.back() = {lv.back().first * n, st};
-    else lv.push_back({n, st});
-  }
-  if (lv.size() > 2) return c10::nullopt;
-  if (lv.empty()) return TokenStrides{1, 0, 0};
-  if (lv.size() == 1) return TokenStrides{lv[0].first, 0, lv[0].second};
-  return TokenStrides{lv[1].first, lv[0].second, lv[1].second};
-}
-
 // t read in place when its leading dims (all of them, or all but the contiguous last
 // with rows = true) collapse to two levels; else a contiguous copy.
-std::pair<at::Tensor, TokenStrides> tokens_of(const at::Tensor& t, bool rows) {
+std::pair<at::Tensor, RowStrides> tokens_of(const at::Tensor& t, bool rows) {
   const int64_t dims = rows ? t.dim() - 1 : t.dim();
   const bool inner_ok = !rows || t.size(-1) <= 1 || t.stride(-1) == 1;
-  if (inner_ok) {
-    if (const auto s = two_levels(t, dims)) return {t, *s};
-  }
+  RowStrides s;
+  if (inner_ok && collapse_rows(t.sizes().data(), t.strides().data(), dims, s) >= 0) return {t, s};
   const at::Tensor c = t.contiguous();
-  return {c, *two_levels(c, dims)};
+  collapse_rows(c.sizes().data(), c.strides().data(), dims, s);
+  return {c, s};
 }
 
 at::Tensor forward_cuda_op(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx,

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/row_strides.h"
 
 namespace at {
 class Tensor;
@@ -21,15 +22,9 @@ void embedding_forward_cpu_kernel(const at::Tensor& indices, const at::Tensor& w
 void embedding_backward_cpu_kernel(const at::Tensor& grad_out, const at::Tensor& indices,
                                    const at::Tensor& grad_weight, int64_t padding_idx);
 
-// Where token t of a layout collapsed to (n0, n1) sits, in elements:
-// (t / n1) * s0 + (t % n1) * s1. Index views such as input_ids[:, :-1] and grad rows of
-// any view whose leading dims collapse to two are read in place.
-struct TokenStrides {
-  int64_t n1, s0, s1;
-};
-
 // out[t, :] = weight[idx[t], :] for idx[t] in [0, V), else zeros.
-// idx: T int32 (idx64 = false) or int64 values at strides `is`; weight (V, E) with rows
+// idx: T int32 (idx64 = false) or int64 values, token t at row_offset(is, t) (index views
+// such as input_ids[:, :-1] are read in place); weight (V, E) with rows
 // every w_stride elements; out (T, E) contiguous.
 struct EmbeddingFwdArgs {
   const void* idx;
@@ -38,7 +33,7 @@ struct EmbeddingFwdArgs {
   void* out;
   int64_t T, V, E;
   DType dtype;
-  TokenStrides is;
+  RowStrides is;
   int64_t w_stride;
 };
 
@@ -56,7 +51,7 @@ LaunchStatus embedding_forward_2d_cuda(const EmbeddingFwdArgs& a, cudaStream_t s
 constexpr int64_t kEmbTile = 16;
 
 struct EmbeddingBwdArgs {
-  const void* grad_out;       // T rows of E at strides gs, weight dtype
+  const void* grad_out;       // T rows of E, row t at row_offset(gs, t); weight dtype
   const int64_t* sorted_key;  // (T,) ascending, stable
   const int64_t* sorted_pos;  // (T,) token position of each sorted key
   int64_t* seg;               // (V, 2) workspace: [start, end) of each valid key's run
@@ -65,7 +60,7 @@ struct EmbeddingBwdArgs {
   int64_t T, V, E;
   int64_t padding_idx;  // normalised to [0, V), or -1 for none
   DType dtype;
-  TokenStrides gs;
+  RowStrides gs;
 };
 
 // Elements of the accumulate type the partial workspace needs.

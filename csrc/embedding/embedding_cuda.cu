@@ -86,16 +86,11 @@ __device__ __forceinline__ bool valid_key(int64_t v, int64_t V, int64_t pad) {
   return v >= 0 && v < V && v != pad;
 }
 
-__device__ __forceinline__ int64_t token_at(int64_t t, TokenStrides s) {
-  const int64_t a = t / s.n1;
-  return a * s.s0 + (t - a * s.n1) * s.s1;
-}
-
 // ---- forward ---------------------------------------------------------------
 
 template <typename T, typename I, int N>
 __global__ void __launch_bounds__(kThreads)
-    emb_fwd(const I* __restrict__ idx, TokenStrides is, const T* __restrict__ w, int64_t ws,
+    emb_fwd(const I* __restrict__ idx, RowStrides is, const T* __restrict__ w, int64_t ws,
             T* __restrict__ out, int64_t ntok, int64_t V, int64_t nvec, int lg, int64_t chunks) {
   const int G = 1 << lg;
   const int lane = threadIdx.x & (G - 1);
@@ -105,7 +100,7 @@ __global__ void __launch_bounds__(kThreads)
        unit += static_cast<int64_t>(gridDim.x) * per_block) {
     const int64_t t = unit / chunks;
     const int64_t c = unit - t * chunks;
-    const int64_t v = static_cast<int64_t>(idx[token_at(t, is)]);
+    const int64_t v = static_cast<int64_t>(idx[row_offset(is, t)]);
     const bool ok = v >= 0 && v < V;  // the seed's rule: out of range -> zero row
     const T* src = w + (ok ? v : 0) * ws;
     T* dst = out + t * nvec * N;
@@ -135,11 +130,11 @@ __global__ void __launch_bounds__(kThreads)
 // over tokens (the fast-varying index inside a warp), threadIdx.y over columns.
 template <typename T, typename I>
 __global__ void __launch_bounds__(256)
-    emb_fwd_2d(const I* __restrict__ idx, TokenStrides is, const T* __restrict__ w, int64_t ws,
+    emb_fwd_2d(const I* __restrict__ idx, RowStrides is, const T* __restrict__ w, int64_t ws,
                T* __restrict__ out, int64_t ntok, int64_t V, int64_t E) {
   const int64_t tok = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (tok >= ntok) return;
-  const int64_t v = static_cast<int64_t>(idx[token_at(tok, is)]);
+  const int64_t v = static_cast<int64_t>(idx[row_offset(is, tok)]);
   const bool ok = v >= 0 && v < V;
   for (int64_t e = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; e < E;
        e += static_cast<int64_t>(gridDim.y) * blockDim.y)
@@ -208,7 +203,7 @@ __device__ __forceinline__ void flush_run(int64_t v, int64_t a, int64_t b, int64
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
-    emb_bwd_tiles(const T* __restrict__ g, TokenStrides gs, const int64_t* __restrict__ key,
+    emb_bwd_tiles(const T* __restrict__ g, RowStrides gs, const int64_t* __restrict__ key,
                   const int64_t* __restrict__ pos,
                   const int64_t* __restrict__ seg, acc_t<T>* __restrict__ part, T* __restrict__ gw,
                   int64_t ntok, int64_t V, int64_t pad, int64_t nvec, int lg, int64_t chunks, int64_t tiles) {
@@ -238,7 +233,7 @@ __global__ void __launch_bounds__(kThreads)
         run_a = i;
       }
       if (!valid_key(v, V, pad)) continue;
-      const T* grow = g + token_at(pos[i], gs);
+      const T* grow = g + row_offset(gs, pos[i]);
       T x[kU][N];
 #pragma unroll
       for (int u = 0; u < kU; ++u) {

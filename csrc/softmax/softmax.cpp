@@ -91,8 +91,8 @@ at::Tensor run_cpu(const at::Tensor& a, const at::Tensor* b, const Dims& d, bool
                          Log,
                          to_dtype(a.scalar_type()),
                          SoftmaxTuning{},
-                         RowLayout{1, d.N, 0},
-                         RowLayout{1, d.N, 0}};
+                         RowStrides{1, d.N, 0},
+                         RowStrides{1, d.N, 0}};
   if (backward) GP_CPU_CALL(softmax_backward_cpu)(args);
   else GP_CPU_CALL(softmax_forward_cpu)(args);
   return out;
@@ -118,45 +118,29 @@ bool needs_move(const Dims& d, SoftmaxAlgo algo) { return algo != SoftmaxAlgo::A
 // The row starts of `t` when the auto row kernels can take it as it is: the
 // reduced dim is the last with stride 1 (or of size 1), and the dims before it
 // collapse to at most two levels of row strides. False: it needs a copy.
-bool row_layout(const at::Tensor& t, const Dims& d, RowLayout& L) {
+bool row_layout(const at::Tensor& t, const Dims& d, RowStrides& L) {
   if (t.dim() == 0 || d.inner != 1 || d.dim != t.dim() - 1) return false;
   if (d.N > 1 && t.stride(d.dim) != 1) return false;
-  // Outer dims innermost first as (size, stride), size-1 dims dropped, a dim merged
-  // into the one inside it when its stride spans it exactly.
-  int64_t sz[2] = {1, 1}, st[2] = {0, 0};
-  int n = 0;
-  for (int64_t i = d.dim - 1; i >= 0; --i) {
-    const int64_t s = t.size(i), k = t.stride(i);
-    if (s == 1) continue;
-    if (n > 0 && k == st[n - 1] * sz[n - 1]) {
-      sz[n - 1] *= s;
-      continue;
-    }
-    if (n == 2) return false;
-    sz[n] = s;
-    st[n] = k;
-    ++n;
-  }
-  if (n <= 1) L = RowLayout{1, n == 1 ? st[0] : d.N, 0};  // one row stride
-  else L = RowLayout{sz[0], st[1], st[0]};                // row r: (r / sz0) st1 + (r % sz0) st0
-  return true;
+  const int levels = collapse_rows(t.sizes().data(), t.strides().data(), d.dim, L);
+  if (levels == 0) L = RowStrides{1, d.N, 0};  // one row: the contiguous layout's stride
+  return levels >= 0;
 }
 
 at::Tensor run_cuda(const at::Tensor& a, const at::Tensor* b, const Dims& d0, SoftmaxAlgo algo, bool log,
                     bool backward) {
   Dims d = d0;
   const bool move = needs_move(d, algo);
-  // The auto rows take strided inputs as they come (RowLayout); the rest is
+  // The auto rows take strided inputs as they come (RowStrides); the rest is
   // made contiguous (a no-op when it already is).
-  RowLayout la{1, d.N, 0}, lb{1, d.N, 0};
+  RowStrides la{1, d.N, 0}, lb{1, d.N, 0};
   const bool strided_ok = algo == SoftmaxAlgo::Auto;
   const bool keep_a = strided_ok && row_layout(a, d, la);
   const bool keep_b = strided_ok && b && row_layout(*b, d, lb);
   at::Tensor ac = move ? a.movedim(d.dim, -1).contiguous() : (keep_a ? a : a.contiguous());
   at::Tensor bc;
   if (b) bc = move ? b->movedim(d.dim, -1).contiguous() : (keep_b ? *b : b->contiguous());
-  if (!keep_a) la = RowLayout{1, d.N, 0};
-  if (!keep_b) lb = RowLayout{1, d.N, 0};
+  if (!keep_a) la = RowStrides{1, d.N, 0};
+  if (!keep_b) lb = RowStrides{1, d.N, 0};
   if (move) d = Dims{ac.dim() - 1, d.N > 0 ? ac.numel() / d.N : 0, d.N, 1};
   at::Tensor out = at::empty(ac.sizes(), ac.options());  // contiguous, whatever the layout of ac
   if (ac.numel() > 0) {

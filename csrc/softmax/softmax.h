@@ -1,7 +1,7 @@
 // Torch-free interface between softmax.cpp (ATen side), the CUDA files and the CPU
 // kernels (softmax_cpu.cpp). Every tensor is viewed as (outer, N, inner), N the
 // reduced dim; outputs are contiguous, inputs contiguous except the CUDA rows
-// (inner == 1) of the auto algorithm, whose rows may sit at any strides (RowLayout).
+// (inner == 1) of the auto algorithm, whose rows may sit at any strides (RowStrides).
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -9,6 +9,7 @@
 
 #include "common/cpu_isa.h"
 #include "common/dtype.h"
+#include "common/row_strides.h"
 
 namespace gpu_puzzles {
 
@@ -44,13 +45,6 @@ struct SoftmaxTuning {
 // Read once per op call, so the workspace size and the launch see the same plan.
 SoftmaxTuning softmax_tuning();
 
-// Where an input's rows start: row r at element offset (r / n1) * s0 + (r % n1) * s1
-// from its pointer (two outer levels, e.g. logits[:, :-1, :]); the elements of a
-// row are contiguous. A contiguous input is {1, N, 0}.
-struct RowLayout {
-  int64_t n1 = 1, s0 = 0, s1 = 0;
-};
-
 struct SoftmaxArgs {
   const void* a;  // forward: x;     backward: y (the forward's output)
   const void* b;  // forward: null;  backward: dy
@@ -59,9 +53,9 @@ struct SoftmaxArgs {
   bool log;       // log_softmax instead of softmax
   DType dtype;
   SoftmaxTuning tune;  // softmax_tuning(), filled by the caller
-  // Row starts of a and b (inner == 1 only; the CPU and the other CUDA paths take
-  // contiguous inputs, {1, N, 0}); `out` is always contiguous.
-  RowLayout la, lb;
+  // Row starts of a and b (common/row_strides.h; inner == 1 only: the CPU and the
+  // other CUDA paths take contiguous inputs, {1, N, 0}); `out` is always contiguous.
+  RowStrides la, lb;
 };
 
 // Bytes of scratch the launch needs (the split path for very long rows keeps

@@ -5,7 +5,7 @@
 // row's slices held in shared memory (forward and backward: smem_own_rows_kernel where
 // every input row starts at the output row's offset within 16 bytes, aligned or not;
 // smem_rows_kernel for any row length and alignment). Input rows start at any row
-// strides (RowLayout).
+// strides (RowStrides).
 #include "common/bulk_copy.cuh"
 #include "common/cp_async.cuh"
 #include "softmax/softmax_kernels.cuh"
@@ -95,7 +95,7 @@ __device__ __forceinline__ void finish_row(A (&v)[K][V], A M, A S, A s, A shift)
 template <typename T, bool BWD>
 __global__ void __launch_bounds__(1024)
 cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
-                    RowLayout la, RowLayout lb, bool log, bool vec) {
+                    RowStrides la, RowStrides lb, bool log, bool vec) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -186,7 +186,7 @@ cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restr
 
 template <typename T, bool LOG>
 __global__ void __launch_bounds__(kClusterFwdThreads, 2)
-cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowLayout la, bool vec) {
+cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowStrides la, bool vec) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -244,7 +244,7 @@ cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, i
 
 template <typename T, bool LOG, int K>
 __global__ void __launch_bounds__(kSrThreads, K <= 4 ? 2 : 1)
-staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowLayout la,
+staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowStrides la,
                        int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
@@ -353,7 +353,7 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
 template <typename T, bool LOG, bool BWD, bool BULK>
 __global__ void __launch_bounds__(kSmThreads)
 smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
-                 RowLayout la, RowLayout lb, int64_t SV, int64_t SB) {
+                 RowStrides la, RowStrides lb, int64_t SV, int64_t SB) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -547,7 +547,7 @@ smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
 template <typename T, bool LOG, bool BWD, bool BULK, bool ALIGNED>
 __global__ void __launch_bounds__(kSmThreads)
 smem_own_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
-                     RowLayout la, RowLayout lb, int64_t SV) {
+                     RowStrides la, RowStrides lb, int64_t SV) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);

@@ -237,12 +237,10 @@ __device__ __forceinline__ void cluster_pair(Cluster& cluster, A* part, int CS, 
 }
 
 // ---- rows at any strides and alignment ----------------------------------------
-// The start of row `row` of an input (softmax.h: RowLayout); 64-bit offsets. One
-// level of rows (n1 == 1, the usual case) skips the 64-bit division.
+// The start of row `row` of an input (common/row_strides.h).
 template <typename T>
-__device__ __forceinline__ const T* row_ptr(const T* __restrict__ p, const RowLayout& L, int64_t row) {
-  if (L.n1 == 1) return p + row * L.s0;
-  return p + (row / L.n1) * L.s0 + (row % L.n1) * L.s1;
+__device__ __forceinline__ const T* row_ptr(const T* __restrict__ p, const RowStrides& L, int64_t row) {
+  return p + row_offset(L, row);
 }
 
 // Elements of T from the 16-byte boundary at or below p (0..V-1).
@@ -348,7 +346,7 @@ cudaError_t launch_staged(Kern kernel, const Plan& p, int64_t items, cudaStream_
 // every row stride a whole number of vectors.
 inline bool vec_ok(const SoftmaxArgs& a, bool bwd) {
   const int V = 16 / esize(a.dtype);
-  auto whole = [V](const RowLayout& L) { return L.s0 % V == 0 && L.s1 % V == 0; };
+  auto whole = [V](const RowStrides& L) { return L.s0 % V == 0 && L.s1 % V == 0; };
   return a.N % V == 0 && al16(a.a) && al16(a.out) && whole(a.la) && (!bwd || (al16(a.b) && whole(a.lb)));
 }
 
@@ -357,7 +355,7 @@ inline bool vec_ok(const SoftmaxArgs& a, bool bwd) {
 // r0 n1 + r1 of an input starts at r0 s0 + r1 s1 elements, of the output at r N.
 inline bool same_misalign(const SoftmaxArgs& a, bool bwd) {
   const int V = 16 / esize(a.dtype);
-  auto same = [&](const void* p, const RowLayout& L) {
+  auto same = [&](const void* p, const RowStrides& L) {
     return (reinterpret_cast<uintptr_t>(p) & 15) == (reinterpret_cast<uintptr_t>(a.out) & 15) &&
            (L.n1 == 1 || (L.s1 - a.N) % V == 0) && (a.outer <= L.n1 || (L.s0 - L.n1 * a.N) % V == 0);
   };

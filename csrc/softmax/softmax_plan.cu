@@ -2,7 +2,7 @@
 // which shape), the launch with its fallbacks, and the entry points of softmax.h.
 //
 // Tensors are (outer, N, inner), reduced over N; outputs contiguous. Inputs of
-// rows (inner == 1) may sit at any row strides (RowLayout, two outer levels), the
+// rows (inner == 1) may sit at any row strides (RowStrides, two outer levels), the
 // rest are contiguous. The auto kernels:
 //   rows (inner == 1), N <= 128 * V : one warp per row, the row in registers
 //                                      (V = elements per 16-byte vector); rows of

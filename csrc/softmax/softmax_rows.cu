@@ -1,4 +1,4 @@
-// Softmax rows (inner == 1, input rows at any row strides: RowLayout) held in registers: a warp or a block per row
+// Softmax rows (inner == 1, input rows at any row strides: RowStrides) held in registers: a warp or a block per row
 // (rows_regs_kernel), the forward's packed warp-per-row kernel (row_warp_fwd_kernel),
 // and the split path for rows too long for one block (split_stats / split_apply),
 // which is also the fallback of the cluster kernels.
@@ -19,7 +19,7 @@ using namespace softmax_detail;
 template <typename T, int CH, bool BLOCK, bool BWD, int LANES = 32>
 __global__ void __launch_bounds__(BLOCK ? 1024 : kWarpRowsThreads)
 rows_regs_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
-                 RowLayout la, RowLayout lb, bool log, bool vec) {
+                 RowStrides la, RowStrides lb, bool log, bool vec) {
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
   static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: a power of two up to 32");
@@ -103,7 +103,7 @@ __device__ __forceinline__ SplitChunk split_chunk(int64_t blk, int64_t S, int64_
 template <typename T, bool BWD>
 __global__ void __launch_bounds__(kSplitThreads)
 split_stats_kernel(const T* __restrict__ a, const T* __restrict__ b, acc_t<T>* __restrict__ ws, int64_t rows,
-                   int64_t N, int64_t S, RowLayout la, RowLayout lb, bool log, bool vec) {
+                   int64_t N, int64_t S, RowStrides la, RowStrides lb, bool log, bool vec) {
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
   __shared__ A red[33];
@@ -140,7 +140,7 @@ split_stats_kernel(const T* __restrict__ a, const T* __restrict__ b, acc_t<T>* _
 template <typename T, bool BWD>
 __global__ void __launch_bounds__(kSplitThreads)
 split_apply_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out,
-                   const acc_t<T>* __restrict__ ws, int64_t rows, int64_t N, int64_t S, RowLayout la, RowLayout lb,
+                   const acc_t<T>* __restrict__ ws, int64_t rows, int64_t N, int64_t S, RowStrides la, RowStrides lb,
                    bool log, bool vec) {
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -214,7 +214,7 @@ template <typename T> __device__ __forceinline__ void set_word_elem(uint32_t (&w
 
 template <typename T, int CH, bool LOG>
 __global__ void __launch_bounds__(kRowWarpThreads, 3)
-row_warp_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowLayout la, bool vec) {
+row_warp_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowStrides la, bool vec) {
   static_assert(sizeof(T) == 2 || sizeof(T) == 4, "2- and 4-byte types");
   constexpr int V = 16 / sizeof(T);
   const int lane = threadIdx.x & 31;
