@@ -62,6 +62,17 @@ __device__ __forceinline__ void publish_block_pair(const A (*wred)[2], A* part, 
   }
 }
 
+// The same for sums alone (the backward's dot): part = (0, block sum), for
+// cluster_pair<true>.
+template <int NW, typename A>
+__device__ __forceinline__ void publish_block_sum(const A (&wred)[NW][2], A (&part)[2], int lane, int w) {
+  if (w == 0) {
+    A t = lane < NW ? wred[lane][1] : A(0);
+    t = warp_sum(t);
+    if (lane == 0) { part[0] = A(0); part[1] = t; }
+  }
+}
+
 // This thread's values from the row's (M, S): log_softmax keeps x and writes
 // (x - M) - log S; softmax keeps e = exp(x - shift) and scales it by
 // exp(shift - M) / S. S == 0 only for a row of all -inf: NaN there, as torch.
@@ -506,11 +517,7 @@ smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
       s = warp_sum(s);
       if (lane == 0) wred[w][1] = s;
       __syncthreads();
-      if (w == 0) {
-        A t = lane < kSmThreads / 32 ? wred[lane][1] : A(0);
-        t = warp_sum(t);
-        if (lane == 0) { part[parity][0] = A(0); part[parity][1] = t; }
-      }
+      publish_block_sum(wred, part[parity], lane, w);
       cluster.sync();  // every block's sum visible; this row's wred reads done
       cluster_pair<true>(cluster, part[parity], CS, M, S);
 #pragma unroll 2
@@ -724,11 +731,7 @@ smem_own_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __rest
       s = warp_sum(s);
       if (lane == 0) wred[w][1] = s;
       __syncthreads();
-      if (w == 0) {
-        A t = lane < kSmThreads / 32 ? wred[lane][1] : A(0);
-        t = warp_sum(t);
-        if (lane == 0) { part[parity][0] = A(0); part[parity][1] = t; }
-      }
+      publish_block_sum(wred, part[parity], lane, w);
       cluster.sync();  // every block's sum visible; this row's wred reads done
       A M, S;
       cluster_pair<true>(cluster, part[parity], CS, M, S);
