@@ -187,21 +187,12 @@ bool w_transposed(const Tensor& W) { return !W.is_contiguous() && W.t().is_conti
 
 // The normalise plan: our LayerNorm writes xn (and the statistics), then one cuBLAS GEMM
 // with the bias in its epilogue (addmm, as F.linear), reading W through its strides.
-Tensor normalize_forward(const Tensor& x, const Tensor& g, const Tensor& be, const Tensor& W,
-                         const c10::optional<Tensor>& b, Tensor& mean, Tensor& rstd, int64_t M, int64_t H,
-                         double eps, bool cuda) {
-  Tensor xn = at::empty({M, H}, x.options());
-  const DType dt = to_dtype(x.scalar_type());
-  if (cuda) {
-#ifdef WITH_CUDA
-    GP_CUDA_CHECK_STATUS(layer_norm_forward_cuda(x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(),
-                                                 mean.data_ptr(), rstd.data_ptr(), M, H, eps, dt, current_stream()));
-#endif
-  } else {
-    GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(), mean.data_ptr(),
-                                        rstd.data_ptr(), M, H, eps, dt, false);
-  }
-  return b ? at::addmm(*b, xn, W.t()) : at::mm(xn, W.t());
+// Returns (y (M, N), mean, rstd).
+Tensor3 normalize_forward(const Tensor& x, const Tensor& g, const Tensor& be, const Tensor& W,
+                          const c10::optional<Tensor>& b, int64_t M, int64_t H, double eps, bool cuda) {
+  auto [xn, mean, rstd] = layer_norm_impl(x, g, be, eps, cuda);
+  const Tensor xn2 = xn.view({M, H});
+  return {b ? at::addmm(*b, xn2, W.t()) : at::mm(xn2, W.t()), mean, rstd};
 }
 
 Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const Tensor& W_,
@@ -213,16 +204,18 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
   const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous();
   const c10::optional<Tensor> b = b_.has_value() ? c10::optional<Tensor>(b_->contiguous()) : c10::nullopt;
   const int64_t M = x.numel() / H;
-  const auto st = x.options().dtype(stat_type(x));
-  Tensor mean = at::empty(lead_shape(x), st), rstd = at::empty(lead_shape(x), st);
   bool evt_possible = false;
 #ifdef WITH_CUDA
   // wc (below) is a fresh allocation, aligned as the CUTLASS GEMM needs: only x's alignment matters here.
   if (cuda) evt_possible = layernorm_linear_evt_possible(x.data_ptr(), x.data_ptr(), M, N, H, to_dtype(x.scalar_type()));
 #endif
   const Plan fwd = layernorm_linear::fused_forward_plan(M, N, H, W_.is_contiguous(), evt_possible);
-  if (!fwd.fold)
-    return {normalize_forward(x, g, be, W_, b, mean, rstd, M, H, eps, cuda).view(out_shape(x, N)), mean, rstd};
+  if (!fwd.fold) {
+    auto [y, mean, rstd] = normalize_forward(x, g, be, W_, b, M, H, eps, cuda);
+    return {y.view(out_shape(x, N)), mean, rstd};
+  }
+  const auto st = x.options().dtype(stat_type(x));
+  Tensor mean = at::empty(lead_shape(x), st), rstd = at::empty(lead_shape(x), st);
   // The fold kernels read W as (N, H) rows: a forced fold of another layout copies it.
   const Tensor W = W_.contiguous();
   Tensor wc = at::empty({N, H}, x.options());
