@@ -71,11 +71,11 @@ Shape check_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::opt
 #ifdef WITH_CUDA
 // x (or grad_out) as (B, C, L) rows read in place when each row is contiguous; any other
 // layout is copied once.
-std::pair<at::Tensor, Conv1dRows> rows_of(const at::Tensor& x) {
+std::pair<at::Tensor, RowStrides> rows_of(const at::Tensor& x) {
   const at::Tensor t = x.size(-1) <= 1 || x.stride(-1) == 1 ? x : x.contiguous();
-  if (t.dim() == 3) return {t, Conv1dRows{t.stride(0), t.stride(1)}};
-  if (t.dim() == 2) return {t, Conv1dRows{0, t.stride(0)}};
-  return {t, Conv1dRows{0, 0}};
+  if (t.dim() == 3) return {t, RowStrides{t.size(1), t.stride(0), t.stride(1)}};
+  if (t.dim() == 2) return {t, RowStrides{t.size(0), 0, t.stride(0)}};
+  return {t, RowStrides{1, 0, 0}};
 }
 
 // weight (C, K) or (K,) with contiguous rows, and its row stride.

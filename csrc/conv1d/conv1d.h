@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/row_strides.h"
 
 namespace at {
 class Tensor;
@@ -28,15 +29,9 @@ constexpr int kConv1dFastMaxK = 9;
 // The tiled path keeps TILE + K - 1 inputs and K taps in shared memory.
 constexpr int kConv1dTiledMaxK = 2048;
 
-// Where row (b, c) of a (B, C, L) input starts, in elements: b * b_stride + c * c_stride;
-// the L elements of a row are contiguous. Models hand over views such as one half
-// of xz.chunk(2, dim=1), read in place.
-struct Conv1dRows {
-  int64_t b_stride, c_stride;
-};
-
-// Depthwise conv over (B, C, L) rows (x: strides `xs`; out contiguous) with weights
-// (C, K) whose rows start every w_stride elements.
+// Depthwise conv over (B, C, L) rows (x: row b * C + c at row_offset(xs, b * C + c), so
+// views such as one half of xz.chunk(2, dim=1) are read in place; out contiguous) with
+// weights (C, K) whose rows start every w_stride elements.
 // out[b,c,i] = bias[c] + sum_j x[b,c,i-shift+j] * w[c,j], zero outside [0, L);
 // shift = 0 is the seed's look-ahead form, shift = K-1 the causal form.
 struct Conv1dArgs {
@@ -48,7 +43,7 @@ struct Conv1dArgs {
   int K;
   bool causal;
   DType dtype;
-  Conv1dRows xs;
+  RowStrides xs;
   int64_t w_stride;
 };
 
@@ -61,13 +56,13 @@ int64_t conv1d_backward_fast_workspace(int64_t B, int64_t C, int64_t L, int K);
 // Fused fast backward: dx, dw and dbias in one pass over dy and x.
 // `workspace` holds conv1d_backward_fast_workspace(...) accumulate-type elements.
 // dy and x are read through their row strides, w through w_stride; dx is contiguous.
-LaunchStatus conv1d_backward_fast_cuda(const void* dy, Conv1dRows dys, const void* x, Conv1dRows xs,
+LaunchStatus conv1d_backward_fast_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs,
                                        const void* w, int64_t w_stride, void* dx, void* dw, void* dbias,
                                        void* workspace, int64_t B, int64_t C, int64_t L, int K, bool causal,
                                        DType dtype, cudaStream_t stream);
 
 // dw and dbias by one block per (channel, tap): the path for any K.
-LaunchStatus conv1d_weight_grad_generic_cuda(const void* dy, Conv1dRows dys, const void* x, Conv1dRows xs,
+LaunchStatus conv1d_weight_grad_generic_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs,
                                              void* dw, void* dbias, int64_t B, int64_t C, int64_t L, int K,
                                              bool causal, DType dtype, cudaStream_t stream);
 

@@ -20,12 +20,6 @@ constexpr unsigned kFull = 0xffffffffu;
 
 static_assert(kConv1dFastMaxK == kE + 1, "fast path halo is one neighbouring chunk");
 
-// Start of row `row` = b * C + c of a strided input.
-__device__ __forceinline__ int64_t row_start(int64_t row, int64_t C, Conv1dRows s) {
-  const int64_t b = row / C;
-  return b * s.b_stride + (row - b * C) * s.c_stride;
-}
-
 // ---- fast path -------------------------------------------------------------
 
 // Chunk [i0, i0 + kE) of one row, zero outside [0, L). In the vector form
@@ -115,7 +109,7 @@ __device__ __forceinline__ void load_taps(acc_t<T> (&wr)[KMAX], const T* __restr
 
 template <typename T, int KMAX, bool CAUSAL, bool VEC>
 __global__ void __launch_bounds__(kWarps * 32)
-    conv1d_fwd_fast(const T* __restrict__ x, Conv1dRows xs, const T* __restrict__ w, int64_t ws,
+    conv1d_fwd_fast(const T* __restrict__ x, RowStrides xs, const T* __restrict__ w, int64_t ws,
                     const T* __restrict__ bias, T* __restrict__ out, int64_t rows, int64_t C, int64_t L, int K,
                     int64_t segs) {
   using A = acc_t<T>;
@@ -132,7 +126,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const A b = bias ? to_acc<A>(bias[c]) : A(0);
 
   A own[kE], nb[kE], y[kE];
-  load_window<T, VEC, CAUSAL ? -1 : 1>(own, nb, x + row_start(row, C, xs), i0, L, lane);
+  load_window<T, VEC, CAUSAL ? -1 : 1>(own, nb, x + row_offset(xs, row), i0, L, lane);
   taps<KMAX, CAUSAL>(y, own, nb, wr, b);
   store_chunk<T, VEC>(out + row * L, y, i0, L);
 }
@@ -143,7 +137,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 // order, so the result is deterministic.
 template <typename T, int KMAX, bool CAUSAL, bool VEC>
 __global__ void __launch_bounds__(kWarps * 32)
-    conv1d_bwd_fast(const T* __restrict__ dy, Conv1dRows dys, const T* __restrict__ x, Conv1dRows xs,
+    conv1d_bwd_fast(const T* __restrict__ dy, RowStrides dys, const T* __restrict__ x, RowStrides xs,
                     const T* __restrict__ w, int64_t ws, T* __restrict__ dx, acc_t<T>* __restrict__ partial,
                     int64_t B, int64_t C, int64_t L, int K, int64_t segs, int64_t bper, int64_t nbg) {
   using A = acc_t<T>;
@@ -169,8 +163,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int64_t b = bg * bper; b < b_end; ++b) {
     const int64_t row = b * C + c;
     A gown[kE], gnb[kE], xown[kE], xnb[kE], g[kE];
-    load_window<T, VEC, CAUSAL ? 1 : -1>(gown, gnb, dy + row_start(row, C, dys), i0, L, lane);
-    load_window<T, VEC, CAUSAL ? -1 : 1>(xown, xnb, x + row_start(row, C, xs), i0, L, lane);
+    load_window<T, VEC, CAUSAL ? 1 : -1>(gown, gnb, dy + row_offset(dys, row), i0, L, lane);
+    load_window<T, VEC, CAUSAL ? -1 : 1>(xown, xnb, x + row_offset(xs, row), i0, L, lane);
     taps<KMAX, !CAUSAL>(g, gown, gnb, wr, A(0));
     store_chunk<T, VEC>(dx + row * L, g, i0, L);
 #pragma unroll
@@ -232,7 +226,7 @@ __global__ void conv1d_reduce_partials(const acc_t<T>* __restrict__ partial, T* 
 
 template <typename T>
 __global__ void __launch_bounds__(kTile)
-    conv1d_fwd_tiled(const T* __restrict__ x, Conv1dRows xs, const T* __restrict__ w, int64_t ws,
+    conv1d_fwd_tiled(const T* __restrict__ x, RowStrides xs, const T* __restrict__ w, int64_t ws,
                      const T* __restrict__ bias, T* __restrict__ out, int64_t C, int64_t L, int K, int shift,
                      int64_t tiles) {
   using A = acc_t<T>;
@@ -242,7 +236,7 @@ __global__ void __launch_bounds__(kTile)
   const int64_t row = blockIdx.x / tiles;
   const int64_t t0 = (blockIdx.x - row * tiles) * kTile;
   const int64_t c = row % C;
-  const T* xr = x + row_start(row, C, xs);
+  const T* xr = x + row_offset(xs, row);
   for (int s = threadIdx.x; s < kTile + K - 1; s += kTile) {
     const int64_t i = t0 - shift + s;
     sx[s] = (i >= 0 && i < L) ? to_acc<A>(xr[i]) : A(0);
@@ -260,14 +254,14 @@ __global__ void __launch_bounds__(kTile)
 // ---- naive path: one thread per output -------------------------------------
 
 template <typename T>
-__global__ void conv1d_fwd_naive(const T* __restrict__ x, Conv1dRows xs, const T* __restrict__ w, int64_t ws,
+__global__ void conv1d_fwd_naive(const T* __restrict__ x, RowStrides xs, const T* __restrict__ w, int64_t ws,
                                  const T* __restrict__ bias, T* __restrict__ out, int64_t n,
                                  int64_t C, int64_t L, int K, int shift) {
   using A = acc_t<T>;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = idx / L, i = idx - row * L, c = row % C;
-    const T* xr = x + row_start(row, C, xs);
+    const T* xr = x + row_offset(xs, row);
     A s = bias ? to_acc<A>(bias[c]) : A(0);
     for (int j = 0; j < K; ++j) {
       const int64_t p = i - shift + j;
@@ -279,8 +273,8 @@ __global__ void conv1d_fwd_naive(const T* __restrict__ x, Conv1dRows xs, const T
 
 // dw[c, j] (j < K) or dbias[c] (j == K): one block reduces over (b, i).
 template <typename T>
-__global__ void conv1d_dw_generic(const T* __restrict__ dy, Conv1dRows dys, const T* __restrict__ x,
-                                  Conv1dRows xs, T* __restrict__ dw, T* __restrict__ dbias, int64_t B,
+__global__ void conv1d_dw_generic(const T* __restrict__ dy, RowStrides dys, const T* __restrict__ x,
+                                  RowStrides xs, T* __restrict__ dw, T* __restrict__ dbias, int64_t B,
                                   int64_t C, int64_t L, int K, int shift) {
   using A = acc_t<T>;
   __shared__ A red[32];
@@ -289,12 +283,12 @@ __global__ void conv1d_dw_generic(const T* __restrict__ dy, Conv1dRows dys, cons
   A s = A(0);
   for (int64_t t = threadIdx.x; t < B * L; t += blockDim.x) {
     const int64_t b = t / L, i = t - b * L;
-    const A g = to_acc<A>(dy[b * dys.b_stride + c * dys.c_stride + i]);
+    const A g = to_acc<A>(dy[b * dys.s0 + c * dys.s1 + i]);
     if (j == K) {
       s += g;
     } else {
       const int64_t p = i - shift + j;
-      if (p >= 0 && p < L) s += g * to_acc<A>(x[b * xs.b_stride + c * xs.c_stride + p]);
+      if (p >= 0 && p < L) s += g * to_acc<A>(x[b * xs.s0 + c * xs.s1 + p]);
     }
   }
   s = warp_sum(s);
@@ -310,12 +304,12 @@ __global__ void conv1d_dw_generic(const T* __restrict__ dy, Conv1dRows dys, cons
 
 // 16-byte vectors need every row start aligned: the bases, and the row strides of the
 // strided inputs (`rows`) in whole vectors.
-bool vec_ok(const void* const* ptrs, int n, const Conv1dRows* rows, int nrows, int64_t L, int elem) {
+bool vec_ok(const void* const* ptrs, int n, const RowStrides* rows, int nrows, int64_t L, int elem) {
   if ((L * elem) % 16 != 0 || L % kE != 0) return false;
   for (int i = 0; i < n; ++i)
     if (ptrs[i] && (reinterpret_cast<uintptr_t>(ptrs[i]) & 15) != 0) return false;
   for (int i = 0; i < nrows; ++i)
-    if ((rows[i].b_stride * elem) % 16 != 0 || (rows[i].c_stride * elem) % 16 != 0) return false;
+    if ((rows[i].s0 * elem) % 16 != 0 || (rows[i].s1 * elem) % 16 != 0) return false;
   return true;
 }
 
@@ -396,7 +390,7 @@ int64_t conv1d_backward_fast_workspace(int64_t B, int64_t C, int64_t L, int K) {
   return nbg * C * segs * (K + 1);
 }
 
-LaunchStatus conv1d_backward_fast_cuda(const void* dy, Conv1dRows dys, const void* x, Conv1dRows xs,
+LaunchStatus conv1d_backward_fast_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs,
                                        const void* w, int64_t w_stride, void* dx, void* dw, void* dbias,
                                        void* workspace, int64_t B, int64_t C, int64_t L, int K, bool causal,
                                        DType dtype, cudaStream_t stream) {
@@ -411,7 +405,7 @@ LaunchStatus conv1d_backward_fast_cuda(const void* dy, Conv1dRows dys, const voi
     if (B > 0 && L > 0) {
       const void* ptrs[3] = {dy, x, dx};
       const unsigned blocks = ceil_div_u(nbg * C * segs, kWarps);
-      const Conv1dRows strided[2] = {dys, xs};
+      const RowStrides strided[2] = {dys, xs};
       dispatch_fast(K, causal, vec_ok(ptrs, 3, strided, 2, L, sizeof(T)), [&](auto kmax, auto causal_c, auto vec_c) {
         conv1d_bwd_fast<T, decltype(kmax)::value, decltype(causal_c)::value, decltype(vec_c)::value>
             <<<blocks, kWarps * 32, 0, stream>>>(static_cast<const T*>(dy), dys, static_cast<const T*>(x), xs,
@@ -427,7 +421,7 @@ LaunchStatus conv1d_backward_fast_cuda(const void* dy, Conv1dRows dys, const voi
   return static_cast<LaunchStatus>(cudaGetLastError());
 }
 
-LaunchStatus conv1d_weight_grad_generic_cuda(const void* dy, Conv1dRows dys, const void* x, Conv1dRows xs,
+LaunchStatus conv1d_weight_grad_generic_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs,
                                              void* dw, void* dbias, int64_t B, int64_t C, int64_t L, int K,
                                              bool causal, DType dtype, cudaStream_t stream) {
   if (C == 0) return 0;
