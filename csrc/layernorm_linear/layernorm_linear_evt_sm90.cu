@@ -136,15 +136,6 @@ LaunchStatus layernorm_linear_evt_gemm_cuda(const void* x, const void* wc, const
   });
 }
 
-#else  // no CUTLASS: the host never takes this path
-
-bool layernorm_linear_evt_possible(const void*, const void*, int64_t, int64_t, int64_t, DType) { return false; }
-size_t layernorm_linear_evt_workspace_bytes(int64_t, int64_t, int64_t, DType) { return 0; }
-LaunchStatus layernorm_linear_evt_gemm_cuda(const void*, const void*, const void*, const void*, const void*, const void*,
-                                    void*, void*, int64_t, int64_t, int64_t, DType, cudaStream_t, bool) {
-  return cudaErrorNotSupported;
-}
-
 #endif
 
 }  // namespace gpu_puzzles

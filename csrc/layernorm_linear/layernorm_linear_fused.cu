@@ -444,4 +444,15 @@ LaunchStatus layernorm_linear_naive_cuda(const void* x, const void* gamma, const
   return cudaGetLastError();
 }
 
+#ifndef GPU_PUZZLES_WITH_SM90A
+// Without CUTLASS setup.py leaves layernorm_linear_evt_sm90.cu out of the build; the host
+// still links these and, told the GEMM is impossible, never takes that path.
+bool layernorm_linear_evt_possible(const void*, const void*, int64_t, int64_t, int64_t, DType) { return false; }
+size_t layernorm_linear_evt_workspace_bytes(int64_t, int64_t, int64_t, DType) { return 0; }
+LaunchStatus layernorm_linear_evt_gemm_cuda(const void*, const void*, const void*, const void*, const void*, const void*,
+                                    void*, void*, int64_t, int64_t, int64_t, DType, cudaStream_t, bool) {
+  return cudaErrorNotSupported;
+}
+#endif
+
 }  // namespace gpu_puzzles
