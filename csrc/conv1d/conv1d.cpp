@@ -73,9 +73,10 @@ Shape check_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::opt
 // layout is copied once.
 std::pair<at::Tensor, RowStrides> rows_of(const at::Tensor& x) {
   const at::Tensor t = x.size(-1) <= 1 || x.stride(-1) == 1 ? x : x.contiguous();
-  if (t.dim() == 3) return {t, RowStrides{t.size(1), t.stride(0), t.stride(1)}};
-  if (t.dim() == 2) return {t, RowStrides{t.size(0), 0, t.stride(0)}};
-  return {t, RowStrides{1, 0, 0}};
+  // Collapsed: a contiguous (B, C) is one level, and the kernels skip row_offset's division.
+  RowStrides rows;
+  collapse_rows(t.sizes().data(), t.strides().data(), t.dim() - 1, rows);
+  return {t, rows};
 }
 
 // weight (C, K) or (K,) with contiguous rows, and its row stride.

@@ -283,12 +283,12 @@ __global__ void conv1d_dw_generic(const T* __restrict__ dy, RowStrides dys, cons
   A s = A(0);
   for (int64_t t = threadIdx.x; t < B * L; t += blockDim.x) {
     const int64_t b = t / L, i = t - b * L;
-    const A g = to_acc<A>(dy[b * dys.s0 + c * dys.s1 + i]);
+    const A g = to_acc<A>(dy[row_offset(dys, b * C + c) + i]);
     if (j == K) {
       s += g;
     } else {
       const int64_t p = i - shift + j;
-      if (p >= 0 && p < L) s += g * to_acc<A>(x[b * xs.s0 + c * xs.s1 + p]);
+      if (p >= 0 && p < L) s += g * to_acc<A>(x[row_offset(xs, b * C + c) + p]);
     }
   }
   s = warp_sum(s);
