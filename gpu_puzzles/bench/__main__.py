@@ -1,4 +1,6 @@
 """``python -m gpu_puzzles.bench [OP ...] [--json FILE]``: ours vs PyTorch eager vs torch.compile.
+``python -m gpu_puzzles.bench model [--models gpt2,llama] [--json FILE]``: training steps of
+Hugging Face models, stock vs patched (gpu_puzzles/bench/model.py).
 
 Every figure in one JSON comes from one process on one device: the copy
 bandwidth ceiling, then each case's implementations. Backward rows are derived
@@ -62,6 +64,10 @@ def print_rows(rows, title):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["model"]:  # whole training steps, not op rows: its own options
+        from .model import main as model_main
+        return model_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m gpu_puzzles.bench", description=__doc__)
     p.add_argument("ops", nargs="*", default=OPS, help=f"ops to benchmark (default: all of {OPS})")
     p.add_argument("--json", help="write every row and the run's metadata to this file")

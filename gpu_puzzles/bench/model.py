@@ -1,0 +1,211 @@
+"""``python -m gpu_puzzles.bench model``: Hugging Face models, stock vs ``gpu_puzzles.hf.patch``.
+
+A training step (forward with the LM loss, backward, fused AdamW step, zero_grad) of models
+built from ``transformers`` configs with random weights (never downloaded), bf16, timed as
+the median of CUDA-event-bracketed steps after warm-up, with the step's peak allocated
+memory. Variants: stock, patched with attention left to SDPA (``attention=False``), fully
+patched; each eager and under ``torch.compile``. ``--profile`` adds each variant's top CUDA
+kernels (one profiled step) as the per-op breakdown.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+MODELS = {
+    # GPT-2 124M, 8 x 1024 tokens.
+    "gpt2": dict(kind="gpt2", batch=8, seq=1024,
+                 config=dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)),
+    # Llama-style: hidden 2048, 16 layers, 32 heads / 8 kv heads, intermediate 8192, vocab 128256.
+    "llama": dict(kind="llama", batch=4, seq=2048,
+                  config=dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                              num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                              max_position_embeddings=4096)),
+}
+VARIANTS = {
+    "stock": None,
+    "ours, SDPA attention": dict(attention=False),
+    "ours": dict(),
+}
+
+
+def build(name: str, device, dtype=torch.bfloat16, seed: int = 0, small: bool = False):
+    """A random-init model from its config (no download); ``small`` shrinks it for CPU tests."""
+    import transformers
+    spec = MODELS[name]
+    cfg = dict(spec["config"])
+    if small:
+        cfg.update({"gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=64),
+                    "llama": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=128, vocab_size=211, max_position_embeddings=64)}[name])
+    torch.manual_seed(seed)
+    if spec["kind"] == "gpt2":
+        config = transformers.GPT2Config(**cfg, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(**cfg, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                                          pad_token_id=None)
+        model = transformers.LlamaForCausalLM(config)
+    # transformers' default loss, named, so the stock path does not warn (a graph break
+    # under torch.compile) about an unset loss_type.
+    model.loss_type = "ForCausalLM"
+    config._attn_implementation = "sdpa"
+    return model.to(device=device, dtype=dtype)
+
+
+def batch(name: str, device, small: bool = False, seed: int = 1):
+    spec = MODELS[name]
+    B, S = (2, 32) if small else (spec["batch"], spec["seq"])
+    V = 211 if small else spec["config"]["vocab_size"]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, V, (B, S), generator=g).to(device)
+    return ids
+
+
+def _step_fn(model, opt, ids, compiled):
+    fwd = torch.compile(model) if compiled else model
+
+    def step():
+        loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def run_variant(name, variant, compiled, device, steps=10, warmup=3, profile=False):
+    import gpu_puzzles.hf as hf
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    model = build(name, device)
+    report = None
+    if VARIANTS[variant] is not None:
+        report = hf.patch(model, **VARIANTS[variant])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = batch(name, device)
+    step = _step_fn(model, opt, ids, compiled)
+    t0 = time.time()
+    losses = [float(step()) for _ in range(warmup)]
+    warm_s = time.time() - t0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    peak = torch.cuda.max_memory_allocated()
+    row = dict(model=name, variant=variant, mode="compile" if compiled else "eager",
+               ms=statistics.median(times), ms_min=min(times), steps=steps,
+               tokens_per_s=ids.numel() / (statistics.median(times) * 1e-3),
+               peak_GiB=peak / 2**30, peak_above_state_GiB=(peak - base) / 2**30,
+               warmup_s=warm_s, first_losses=losses,
+               swapped=len(report.swapped) if report else 0)
+    if profile:
+        row["top_kernels"] = _top_kernels(step)
+    del step, opt, model
+    torch._dynamo.reset()
+    return row
+
+
+def _top_kernels(step, k=25):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by[e.name] = by.get(e.name, 0.0) + e.device_time_total / 1000.0
+    top = sorted(by.items(), key=lambda kv: -kv[1])[:k]
+    return [dict(kernel=n[:120], ms=ms) for n, ms in top]
+
+
+def run(models, device, variants=None, modes=("eager", "compile"), steps=10, profile=False, log=print):
+    rows = []
+    for name in models:
+        for mode in modes:
+            for variant in variants or VARIANTS:
+                try:
+                    r = run_variant(name, variant, mode == "compile", device, steps=steps, profile=profile)
+                except Exception as e:  # report, don't hide
+                    r = dict(model=name, variant=variant, mode=mode,
+                             error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+                rows.append(r)
+                log(_fmt(r))
+    stock = {(r["model"], r["mode"]): r.get("ms") for r in rows if r["variant"] == "stock"}
+    for r in rows:
+        s = stock.get((r["model"], r["mode"]))
+        if s and r.get("ms"):
+            r["speedup_vs_stock"] = s / r["ms"]
+    return rows
+
+
+def _fmt(r):
+    if "error" in r:
+        return f"{r['model']:6s} {r['mode']:7s} {r['variant']:22s} ERROR {r['error']}"
+    return (f"{r['model']:6s} {r['mode']:7s} {r['variant']:22s} {r['ms']:8.2f} ms/step  "
+            f"{r['tokens_per_s']:10.0f} tok/s  peak {r['peak_GiB']:.2f} GiB  (warm-up {r['warmup_s']:.0f} s)")
+
+
+def print_rows(rows):
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title="training step, bf16 (forward + loss + backward + AdamW)")
+    for col in ("model", "mode", "variant", "ms/step", "tokens/s", "vs stock", "peak GiB"):
+        t.add_column(col, justify="left" if col in ("model", "mode", "variant") else "right")
+    for r in rows:
+        if "error" in r:
+            t.add_row(r["model"], r["mode"], r["variant"], r["error"][:60], "", "", "")
+            continue
+        sp = r.get("speedup_vs_stock")
+        t.add_row(r["model"], r["mode"], r["variant"], f"{r['ms']:.2f}", f"{r['tokens_per_s']:.0f}",
+                  f"{sp:.3f}x" if sp else "", f"{r['peak_GiB']:.2f}")
+    Console(width=140).print(t)
+
+
+def main(argv=None):
+    import argparse
+    import datetime
+    import json
+
+    from .common import device_name, git_commit
+    p = argparse.ArgumentParser(prog="python -m gpu_puzzles.bench model", description=__doc__)
+    p.add_argument("--models", default="gpt2,llama", help=f"comma-separated, of {list(MODELS)}")
+    p.add_argument("--variants", default=None, help=f"comma-separated, of {list(VARIANTS)} (default all)")
+    p.add_argument("--modes", default="eager,compile")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile", action="store_true", help="add each variant's top CUDA kernels")
+    p.add_argument("--json", help="write the rows and the run's metadata here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("the model bench needs a CUDA device")
+    device = torch.device("cuda")
+    variants = args.variants.split(",") if args.variants else None
+    rows = run(args.models.split(","), device, variants, tuple(args.modes.split(",")), args.steps, args.profile)
+    print_rows(rows)
+    if args.json:
+        import transformers
+        meta = dict(device=device_name(device), torch=torch.__version__, cuda=torch.version.cuda,
+                    transformers=transformers.__version__, commit=git_commit(),
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    timing="median of --steps training steps after 3 warm-up steps, CUDA events around each "
+                           "step; peak = torch.cuda.max_memory_allocated over the timed steps",
+                    rows=rows)
+        with open(args.json, "w") as f:
+            json.dump(meta, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

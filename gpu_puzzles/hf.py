@@ -1,0 +1,307 @@
+"""Route a Hugging Face ``transformers`` model's compute through gpu_puzzles ops, in place.
+
+    import gpu_puzzles.hf
+    report = gpu_puzzles.hf.patch(model)          # everything it can take
+    report = gpu_puzzles.hf.patch(model, attention=False)   # attention left to SDPA
+    print(report)                                 # what was swapped, what was left and why
+
+Modules are patched by swapping their class for a subclass whose ``forward`` calls our op
+(``module.__class__ = ...``), so every Parameter stays the very same object: optimizer
+state, tied weights (GPT-2's ``lm_head.weight is wte.weight``) and ``state_dict`` keys are
+untouched, and a patched model loads a stock checkpoint and saves one stock can load.
+
+Families and what they get:
+- GPT-2 (``model_type`` "gpt2"): token and position embeddings (``embedding``); ln_1 + c_attn
+  and ln_2 + c_fc (``fused_layernorm_linear``, Conv1D's ``weight.t()`` taken as a view);
+  ln_f (``layer_norm``); attention; the LM loss.
+- Llama family ("llama", "mistral", "qwen2"): token embedding; input/post-attention/final
+  RMSNorm (``rms_norm``); attention (GQA); the LM loss.
+Attention goes through transformers' attention registry (implementation name
+``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
+mask, attention dropout while training, soft-capping, Sq != Sk) is handed to SDPA.
+The loss reads the logits in their dtype (no float32 copy) through ``cross_entropy``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTENTION_NAME = "gpu_puzzles"
+_GPT2 = ("gpt2",)
+_LLAMA = ("llama", "mistral", "qwen2")
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """``swapped``: module path -> the op it now runs; ``left``: what stays stock -> why."""
+    model_type: str
+    swapped: Dict[str, str] = dataclasses.field(default_factory=dict)
+    left: Dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __str__(self):
+        lines = [f"gpu_puzzles.hf.patch({self.model_type}): {len(self.swapped)} swapped, {len(self.left)} left stock"]
+        lines += [f"  {k}: {v}" for k, v in self.swapped.items()]
+        lines += [f"  (stock) {k}: {v}" for k, v in self.left.items()]
+        return "\n".join(lines)
+
+
+# ---- patched module classes ------------------------------------------------------------
+# Each subclasses the module it replaces, so isinstance checks and attributes keep working.
+
+_SUBCLASSES: Dict[tuple, type] = {}
+_CPU_DTYPES = (torch.float32, torch.float64)
+
+
+def _ours(t: torch.Tensor) -> bool:
+    """Our CPU kernels take fp32/fp64; other CPU dtypes (a bf16 model on the CPU) run stock."""
+    return t.device.type != "cpu" or t.dtype in _CPU_DTYPES
+
+
+def _swap(module: nn.Module, mixin: type) -> None:
+    base = type(module)
+    key = (base, mixin)
+    cls = _SUBCLASSES.get(key)
+    if cls is None:
+        name = f"GP{mixin.__name__.strip('_')}_{base.__module__.replace('.', '_')}_{base.__name__}"
+        # Module-level and named, so a pickled patched model finds its class again.
+        cls = type(name, (mixin, base), {"__module__": __name__, "_gp_base": base})
+        globals()[name] = cls
+        _SUBCLASSES[key] = cls
+    module.__class__ = cls
+
+
+class _Embedding:
+    def forward(self, input):
+        from . import embedding
+        if not _ours(self.weight):
+            return super().forward(input)
+        return embedding(input, self.weight, padding_idx=self.padding_idx)
+
+
+class _LayerNorm:
+    def forward(self, x):
+        from . import layer_norm
+        if not _ours(x):
+            return super().forward(x)
+        return layer_norm(x, self.weight, self.bias, eps=self.eps)
+
+
+class _RMSNorm:
+    def forward(self, x):
+        from . import rms_norm
+        if not _ours(x):
+            return super().forward(x)
+        return rms_norm(x, self.weight, eps=_rms_eps(self))
+
+
+class _Deferred:
+    """A norm whose work moved into the layer that consumes its output (``_gp_consumer``):
+    the block still calls it, and it hands its input on unchanged."""
+
+    def forward(self, x):
+        return x
+
+
+class _NormConv1D:
+    """GPT-2's Conv1D (weight (in, out)) with the LayerNorm before it fused in."""
+
+    def forward(self, x):
+        from . import fused_layernorm_linear
+        ln = self._gp_norm
+        if not _ours(x):
+            return super().forward(ln._gp_base.forward(ln, x))  # the stock norm, then the stock Conv1D
+        return fused_layernorm_linear(x, ln.weight, ln.bias, self.weight.t(), self.bias, eps=ln.eps)
+
+
+def _rms_eps(norm: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps"):
+        eps = getattr(norm, name, None)
+        if eps is not None:
+            return float(eps)
+    return 1e-6
+
+
+def _defer_into(norm: nn.Module, consumer: nn.Module, mixin: type) -> None:
+    # The consumer refers to the norm without registering it as a child: registered twice,
+    # its Parameters would appear twice in state_dict.
+    object.__setattr__(consumer, "_gp_norm", norm)
+    _swap(norm, _Deferred)
+    _swap(consumer, mixin)
+
+
+# ---- attention through the registry ----------------------------------------------------
+
+def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                       **kwargs):
+    """transformers' attention interface: q (B, H, Sq, D), k/v (B, Hkv, Sk, D) -> ((B, Sq, H, D), None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from . import attention
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    ours = (_ours(query) and attention_mask is None and dropout == 0.0 and kwargs.get("softcap") is None
+            and kwargs.get("position_bias") is None and query.shape[2] == key.shape[2]
+            and query.shape[-1] == value.shape[-1])
+    if not ours:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+    out = attention(query, key, value, scale=scaling, causal=bool(causal), **gqa)
+    # out has q's memory order: for q viewed out of a (B, S, H*D) projection this is a view.
+    return out.transpose(1, 2), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(ATTENTION_NAME, _attention_forward)
+    # Masks as for SDPA (None when causal without padding): without a registered mask
+    # function transformers would pass no mask at all, and a padding mask would be lost.
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _set_attention(model: nn.Module) -> None:
+    _register_attention()
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(ATTENTION_NAME)
+    else:  # older transformers
+        model.config._attn_implementation = ATTENTION_NAME
+
+
+# ---- the loss ------------------------------------------------------------------------
+
+def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                   shift_labels=None, **kwargs):
+    """transformers' ``ForCausalLMLoss`` on ``cross_entropy``: the logits are read in their
+    dtype (stock upcasts the whole (B, S, V) tensor to float32 first), fp32 math inside."""
+    if not _ours(logits):
+        from transformers.loss.loss_utils import ForCausalLMLoss
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+    from . import cross_entropy
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    logits = logits.reshape(-1, vocab_size)
+    shift_labels = shift_labels.reshape(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="mean")
+    loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+# ---- the families --------------------------------------------------------------------
+
+def _embedding_ok(emb: nn.Module) -> Optional[str]:
+    if not isinstance(emb, nn.Embedding):
+        return f"not an nn.Embedding ({type(emb).__name__})"
+    if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
+        return "max_norm / scale_grad_by_freq / sparse are not supported by gpu_puzzles.embedding"
+    return None
+
+
+def _patch_embedding(emb, name, report):
+    why = _embedding_ok(emb)
+    if why:
+        report.left[name] = why
+    else:
+        _swap(emb, _Embedding)
+        report.swapped[name] = "embedding"
+
+
+def _patch_gpt2(model, report, embeddings, norms, attention, loss):
+    from transformers.pytorch_utils import Conv1D
+    base = getattr(model, "transformer", model)
+    if embeddings:
+        _patch_embedding(base.wte, "transformer.wte", report)
+        _patch_embedding(base.wpe, "transformer.wpe", report)
+    if norms:
+        for i, block in enumerate(base.h):
+            for ln_name, lin_owner, lin_name in (("ln_1", block.attn, "c_attn"), ("ln_2", block.mlp, "c_fc")):
+                ln, lin = getattr(block, ln_name), getattr(lin_owner, lin_name)
+                where = f"transformer.h.{i}.{ln_name}+{'attn' if lin_name == 'c_attn' else 'mlp'}.{lin_name}"
+                if type(ln) is not nn.LayerNorm or ln.weight is None or ln.bias is None or type(lin) is not Conv1D:
+                    report.left[where] = "not an affine nn.LayerNorm followed by a Conv1D"
+                    continue
+                _defer_into(ln, lin, _NormConv1D)
+                report.swapped[where] = "fused_layernorm_linear"
+        if type(base.ln_f) is nn.LayerNorm and base.ln_f.weight is not None and base.ln_f.bias is not None:
+            _swap(base.ln_f, _LayerNorm)
+            report.swapped["transformer.ln_f"] = "layer_norm"
+        else:
+            report.left["transformer.ln_f"] = "not an affine nn.LayerNorm"
+    if attention:
+        p = getattr(model.config, "attn_pdrop", 0.0)
+        _set_attention(model)
+        report.swapped["attention"] = f"attention (registry '{ATTENTION_NAME}')"
+        if p:
+            report.left["attention while training"] = f"attn_pdrop={p}: dropout in attention is not supported (SDPA runs it)"
+    if loss:
+        _set_loss(model, report)
+
+
+def _patch_llama(model, report, embeddings, norms, attention, loss):
+    base = getattr(model, "model", model)
+    if embeddings:
+        _patch_embedding(base.embed_tokens, "model.embed_tokens", report)
+    if norms:
+        norms_found = [(f"model.layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(base.layers)
+                       for n in ("input_layernorm", "post_attention_layernorm")]
+        norms_found.append(("model.norm", base.norm))
+        for where, norm in norms_found:
+            w = getattr(norm, "weight", None)
+            if not isinstance(w, torch.Tensor) or w.dim() != 1:
+                report.left[where] = "no 1-D weight: not an RMSNorm gpu_puzzles knows"
+                continue
+            _swap(norm, _RMSNorm)
+            report.swapped[where] = "rms_norm"
+        report.left["RMSNorm + q/k/v, RMSNorm + gate/up"] = (
+            "transformers calls q/k/v (and gate/up) as separate Linear modules: fusing them means concatenating "
+            "their weights on every step; the norms run on rms_norm and the projections on cuBLAS")
+    if attention:
+        p = getattr(model.config, "attention_dropout", 0.0)
+        _set_attention(model)
+        report.swapped["attention"] = f"attention (registry '{ATTENTION_NAME}', GQA)"
+        if p:
+            report.left["attention while training"] = f"attention_dropout={p}: not supported (SDPA runs it)"
+    if loss:
+        _set_loss(model, report)
+
+
+def _set_loss(model, report):
+    if not hasattr(model, "lm_head"):
+        report.left["loss"] = "no LM head (not a *ForCausalLM model)"
+        return
+    model.loss_function = causal_lm_loss
+    report.swapped["loss"] = "cross_entropy (ForCausalLMLoss)"
+
+
+def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, attention: bool = True,
+          loss: bool = True) -> PatchReport:
+    """Route ``model``'s compute through gpu_puzzles ops in place; returns a :class:`PatchReport`.
+
+    ``embeddings``, ``norms`` (norms and the norm+linear fusions), ``attention`` and ``loss``
+    pick what is patched. An architecture it does not know is left untouched (the report
+    says so). Patching a model twice is a no-op for what is already patched.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None) or type(model).__name__
+    report = PatchReport(model_type)
+    if getattr(model, "_gp_patched", None) is not None:
+        report.left["model"] = "already patched by gpu_puzzles.hf.patch"
+        return report
+    if model_type in _GPT2:
+        _patch_gpt2(model, report, embeddings, norms, attention, loss)
+    elif model_type in _LLAMA:
+        _patch_llama(model, report, embeddings, norms, attention, loss)
+    else:
+        report.left["model"] = (f"architecture '{model_type}' is not one gpu_puzzles.hf knows "
+                                f"(known: {', '.join(_GPT2 + _LLAMA)})")
+        return report
+    object.__setattr__(model, "_gp_patched", report)
+    return report
+
+
+__all__ = ["patch", "PatchReport", "causal_lm_loss", "ATTENTION_NAME"]

@@ -1,0 +1,181 @@
+"""gpu_puzzles.hf.patch on random-init transformers models built from configs (never downloaded):
+logits, loss and every gradient against the stock model, the very Parameters kept, what the
+report says, our ops counted under the profiler, torch.compile(fullgraph=True)."""
+import collections
+import copy
+import io
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import gpu_puzzles.hf as hf  # noqa: E402
+from gpu_puzzles.bench import model as model_bench  # noqa: E402
+
+from conftest import HAS_CUDA  # noqa: E402
+
+FAMILIES = ["gpt2", "llama"]
+
+
+def _pair(name, device="cpu", dtype=torch.float32, **which):
+    stock = model_bench.build(name, device, dtype=dtype, small=True)
+    ours = copy.deepcopy(stock)
+    report = hf.patch(ours, **which)
+    return stock, ours, report
+
+
+def _op_counts(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return collections.Counter(e.name.split("::", 1)[1] for e in prof.events() if e.name.startswith("gpu_puzzles::"))
+
+
+def _step(model, ids, **kw):
+    out = model(input_ids=ids, labels=ids, **kw)
+    out.loss.backward()
+    return out
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_patched_matches_stock_fp32(name):
+    stock, ours, report = _pair(name)
+    ids = model_bench.batch(name, "cpu", small=True)
+    a, b = _step(stock, ids), _step(ours, ids)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
+    ga, gb = _grads(stock), _grads(ours)
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        assert gb[n] is not None, n
+        torch.testing.assert_close(gb[n], ga[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    assert "attention" in report.swapped and "loss" in report.swapped
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_patch_keeps_parameters_and_state_dict(name):
+    stock = model_bench.build(name, "cpu", dtype=torch.float32, small=True)
+    ids_before = {n: id(p) for n, p in stock.named_parameters()}
+    keys_before = list(stock.state_dict())
+    opt = torch.optim.AdamW(stock.parameters())
+    hf.patch(stock)
+    assert {n: id(p) for n, p in stock.named_parameters()} == ids_before
+    assert list(stock.state_dict()) == keys_before
+    assert all(p is q for p, q in zip(opt.param_groups[0]["params"], stock.parameters()))
+    if name == "gpt2":
+        assert stock.lm_head.weight is stock.transformer.wte.weight  # tied weights stay tied
+    # A stock checkpoint loads into the patched model and back.
+    fresh = model_bench.build(name, "cpu", dtype=torch.float32, small=True, seed=5)
+    stock.load_state_dict(fresh.state_dict())
+    buf = io.BytesIO()
+    torch.save(stock.state_dict(), buf)
+    buf.seek(0)
+    fresh.load_state_dict(torch.load(buf))
+    ids = model_bench.batch(name, "cpu", small=True)
+    torch.testing.assert_close(stock(input_ids=ids).logits, fresh(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_our_ops_run(name):
+    _, ours, _ = _pair(name)
+    ids = model_bench.batch(name, "cpu", small=True)
+    counts = _op_counts(lambda: _step(ours, ids))
+    layers = 2
+    assert counts["attention"] == layers and counts["attention_backward"] == layers
+    assert counts["cross_entropy"] == 1 and counts["cross_entropy_backward"] == 1
+    if name == "gpt2":
+        assert counts["fused_layernorm_linear"] == 2 * layers and counts["layer_norm"] == 1
+        assert counts["embedding"] == 2
+    else:
+        assert counts["rms_norm"] == 2 * layers + 1 and counts["embedding"] == 1
+
+
+def test_attention_false_leaves_sdpa():
+    _, ours, report = _pair("gpt2", attention=False)
+    assert "attention" not in report.swapped
+    ids = model_bench.batch("gpt2", "cpu", small=True)
+    counts = _op_counts(lambda: _step(ours, ids))
+    assert counts["attention"] == 0 and counts["fused_layernorm_linear"] > 0
+
+
+def test_padding_mask_goes_to_sdpa():
+    stock, ours, _ = _pair("gpt2")
+    ids = model_bench.batch("gpt2", "cpu", small=True)
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0  # right padding on one row
+    a = stock(input_ids=ids, attention_mask=mask).logits
+    counts = _op_counts(lambda: ours(input_ids=ids, attention_mask=mask))
+    b = ours(input_ids=ids, attention_mask=mask).logits
+    assert counts["attention"] == 0  # the mask is not one our kernel takes: SDPA ran
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_architecture_left_alone():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.LayerNorm(4))
+    before = [type(m) for m in model.modules()]
+    report = hf.patch(model)
+    assert not report.swapped and "model" in report.left and "not one gpu_puzzles.hf knows" in report.left["model"]
+    assert [type(m) for m in model.modules()] == before
+
+
+def test_patch_twice_is_a_no_op():
+    _, ours, first = _pair("gpt2")
+    again = hf.patch(ours)
+    assert first.swapped and not again.swapped and "already patched" in again.left["model"]
+
+
+def test_attention_dropout_reported():
+    stock = model_bench.build("gpt2", "cpu", dtype=torch.float32, small=True)
+    stock.config.attn_pdrop = 0.1
+    report = hf.patch(stock)
+    assert "attn_pdrop=0.1" in report.left["attention while training"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compile_fullgraph(name):
+    _, ours, _ = _pair(name)
+    ids = model_bench.batch(name, "cpu", small=True)
+    eager = copy.deepcopy(ours)
+    a = _step(eager, ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    b = _step(compiled, ids)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
+    for (n, p), (_, q) in zip(eager.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cuda_bf16_as_close_as_stock(name):
+    """bf16 on the GPU: ours is as close to the fp32 model as stock bf16 is (within 2x + a floor)."""
+    ref = model_bench.build(name, "cuda", dtype=torch.float32, small=True)
+    stock = copy.deepcopy(ref).to(torch.bfloat16)
+    ours = copy.deepcopy(stock)
+    hf.patch(ours)
+    ids = model_bench.batch(name, "cuda", small=True)
+    outs = [_step(m, ids) for m in (ref, stock, ours)]
+    err = lambda x, y: (x.float() - y.float()).abs().max().item()  # noqa: E731
+    assert err(outs[2].logits, outs[0].logits) <= 2 * err(outs[1].logits, outs[0].logits) + 1e-2
+    assert abs(outs[2].loss.item() - outs[0].loss.item()) <= 2 * abs(outs[1].loss.item() - outs[0].loss.item()) + 1e-2
+    for (n, g0), g1, g2 in zip(_grads(ref).items(), _grads(stock).values(), _grads(ours).values()):
+        scale = g0.abs().max().item() + 1e-6
+        assert err(g2, g0) <= 2 * err(g1, g0) + 2e-2 * scale, n
+    counts = _op_counts(lambda: _step(ours, ids))
+    assert counts["attention"] == 2 and counts["cross_entropy"] == 1
+
+
+def test_cpu_bf16_runs_stock():
+    """Our CPU kernels are fp32/fp64: a bf16 model on the CPU runs transformers' own paths."""
+    stock, ours, _ = _pair("gpt2", dtype=torch.bfloat16)
+    ids = model_bench.batch("gpt2", "cpu", small=True)
+    counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
+    assert sum(counts.values()) == 0
+    torch.testing.assert_close(ours(input_ids=ids, labels=ids).logits, stock(input_ids=ids, labels=ids).logits,
+                               rtol=0, atol=0)
