@@ -65,6 +65,13 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   m.def("fused_layernorm_linear_backward(Tensor grad_out, Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // The curriculum's kernel (one thread per row computes everything), forward only, for the notebook.
   m.def("fused_layernorm_linear_naive(Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor? linear_bias=None, float eps=1e-05) -> Tensor");
+  // RMSNorm: y = x * rsqrt(mean(x^2) + eps) * weight; returns (y, rstd), rstd as layer_norm's.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-06) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)");
+  // y = linear_weight @ rms_norm(x, norm_weight) + linear_bias; returns (y, rstd).
+  m.def("fused_rmsnorm_linear(Tensor x, Tensor norm_weight, Tensor linear_weight, Tensor? linear_bias=None, float eps=1e-06) -> (Tensor, Tensor)");
+  // -> (dx, d norm_weight, d linear_weight, d linear_bias): the last is (0,) unless has_bias.
+  m.def("fused_rmsnorm_linear_backward(Tensor grad_out, Tensor x, Tensor norm_weight, Tensor linear_weight, Tensor rstd, bool has_bias) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- attention -----------------------------------------------------------
   // softmax(q k^T * scale) v; scale=None means 1/sqrt(D); causal is SDPA's

@@ -6,6 +6,7 @@ from torch import nn
 
 from . import ops
 from .ops.layernorm_linear import ALGORITHMS as _LN_ALGORITHMS, _EPS as _LN_EPS
+from .ops.rmsnorm_linear import _EPS as _RMS_EPS
 
 
 class Conv1d(nn.Module):
@@ -165,6 +166,98 @@ class LayerNormLinear(nn.Module):
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, eps={self.eps}, "
                 f"algorithm={self.algorithm!r}")
+
+
+def _norm_eps(norm):
+    """eps of an RMSNorm-like module: transformers' ``variance_epsilon`` or torch's ``eps``
+    (``None`` there means ``torch.finfo(dtype).eps``, as ``F.rms_norm``)."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", _RMS_EPS))
+    if eps is None:
+        eps = torch.finfo(norm.weight.dtype).eps
+    return float(eps)
+
+
+def _norm_weight(norm, who):
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+        raise TypeError(f"{who}: the norm module needs a 1-D .weight (an RMSNorm with elementwise_affine), "
+                        f"got {type(norm).__name__}")
+    return w
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension through :func:`gpu_puzzles.rms_norm`; ``weight``
+    initialised to ones, as ``torch.nn.RMSNorm(hidden)`` and transformers' ``LlamaRMSNorm``."""
+
+    def __init__(self, hidden: int, eps: float = _RMS_EPS, device=None, dtype=None):
+        super().__init__()
+        if hidden < 1:
+            raise ValueError(f"RMSNorm: hidden must be >= 1, got {hidden}")
+        self.hidden, self.eps = hidden, eps
+        self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+
+    @classmethod
+    def from_module(cls, norm: nn.Module) -> "RMSNorm":
+        """Wrap an existing RMSNorm-like module (``.weight`` and ``.variance_epsilon`` or ``.eps``),
+        sharing its very weight Parameter (no copy)."""
+        w = _norm_weight(norm, "RMSNorm.from_module")
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.hidden, m.eps = w.shape[0], _norm_eps(norm)
+        m.weight = w
+        return m
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self):
+        return f"{self.hidden}, eps={self.eps}"
+
+
+class RMSNormLinear(nn.Module):
+    """``Linear(RMSNorm(x))`` through :func:`gpu_puzzles.fused_rmsnorm_linear` (the normalised
+    activation is not kept for the backward). Parameters: ``norm_weight`` (ones), ``weight``
+    and ``bias`` as ``nn.Linear(in_features, out_features, bias)``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = _RMS_EPS,
+                 device=None, dtype=None):
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"RMSNormLinear: in_features and out_features must be >= 1, got "
+                             f"{in_features}, {out_features}")
+        factory = {"device": device, "dtype": dtype}
+        self.in_features, self.out_features, self.eps = in_features, out_features, eps
+        self.norm_weight = nn.Parameter(torch.ones(in_features, **factory))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as nn.Linear
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_modules(cls, norm: nn.Module, linear: nn.Linear) -> "RMSNormLinear":
+        """Fuse an RMSNorm-like module (``.weight`` and ``.variance_epsilon`` or ``.eps``: transformers'
+        ``LlamaRMSNorm``, ``torch.nn.RMSNorm``) and the ``nn.Linear`` after it, keeping their very
+        Parameters (no copies: training the fused module trains the originals)."""
+        who = "RMSNormLinear.from_modules"
+        w = _norm_weight(norm, who)
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{who}: expects an nn.Linear after the norm, got {type(linear).__name__}")
+        if w.shape[0] != linear.in_features:
+            raise ValueError(f"{who}: the norm's weight has shape {tuple(w.shape)} but linear has "
+                             f"in_features={linear.in_features}")
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.in_features, m.out_features, m.eps = linear.in_features, linear.out_features, _norm_eps(norm)
+        m.norm_weight, m.weight, m.bias = w, linear.weight, linear.bias
+        return m
+
+    def forward(self, x):
+        return ops.fused_rmsnorm_linear(x, self.norm_weight, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, eps={self.eps}"
 
 
 class Attention(nn.Module):

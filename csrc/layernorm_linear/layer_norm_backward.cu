@@ -22,10 +22,12 @@ namespace {
 // benchmarks/results/layer_norm_variants_h100.txt, lnlinear_prep_variants_h100.txt.
 // XN: also write xn = gamma * xhat + beta (the fused backward's dW operand), saving
 // that backward a separate pass over x.
+// RMS: the mean forced to zero and no beta (rms_norm): dx = rstd * (g - xhat * mean(g * xhat)),
+// no dbeta partials (mean, beta may be null).
 // dx may be dy (in place: the fused backward's dxn buffer): each element is read by the
 // thread that writes it, before it writes it (a prefetch reads rows of later steps
 // only); so neither pointer is __restrict__.
-template <typename T, int VEC, int C, int R, bool XN>
+template <typename T, int VEC, int C, int R, bool XN, bool RMS>
 __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads)
     ln_bwd_cached(const T* dy, const T* __restrict__ x, const T* __restrict__ gamma,
                   const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* dx,
@@ -52,7 +54,10 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       const bool live = r + j < M;  // block-uniform
-      w.mu[j] = live ? mean[r + j] : A(0);
+      if constexpr (RMS)
+        w.mu[j] = A(0);
+      else
+        w.mu[j] = live ? mean[r + j] : A(0);
       w.rs[j] = live ? rstd[r + j] : A(0);
 #pragma unroll
       for (int k = 0; k < C; ++k) {
@@ -89,10 +94,10 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const A xh = (to_acc<A>(xv[j][k][i]) - mu[j]) * rs[j], d = to_acc<A>(dv[j][k][i]), g = to_acc<A>(gt[k][i]);
-          s[2 * j] += d * g;
+          if constexpr (!RMS) s[2 * j] += d * g;
           s[2 * j + 1] += d * g * xh;
           pg[k][i] += d * xh;
-          pb[k][i] += d;
+          if constexpr (!RMS) pb[k][i] += d;
         }
       });
     }
@@ -112,7 +117,7 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
         }
         store_pack<T, VEC>(dx + (r0 + j) * H + c * VEC, o);
         if constexpr (XN) {  // the LayerNorm output, as the forward's normalise computes it
-          normalise<T, VEC>(xv[j][k], mu[j], rs[j], gamma, beta, c, o);
+          normalise<T, VEC, RMS>(xv[j][k], mu[j], rs[j], gamma, beta, c, o);
           store_pack<T, VEC>(xn + (r0 + j) * H + c * VEC, o);
         }
       });
@@ -125,14 +130,14 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       pgr[c * VEC + i] = pg[k][i];
-      pbr[c * VEC + i] = pb[k][i];
+      if constexpr (!RMS) pbr[c * VEC + i] = pb[k][i];
     }
   });
 }
 
 // Any H: the block's partial rows live in `part` (each column owned by one thread).
 // dx may be dy, as in ln_bwd_cached.
-template <typename T>
+template <typename T, bool RMS>
 __global__ void ln_bwd_loop(const T* dy, const T* __restrict__ x, const T* __restrict__ gamma,
                             const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
                             T* dx, acc_t<T>* __restrict__ part, const T* __restrict__ beta,
@@ -143,19 +148,19 @@ __global__ void ln_bwd_loop(const T* dy, const T* __restrict__ x, const T* __res
   A* pbr = part + ((int64_t)gridDim.x + blockIdx.x) * H;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
     pgr[c] = A(0);
-    pbr[c] = A(0);
+    if constexpr (!RMS) pbr[c] = A(0);
   }
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
-    const A mu = mean[row], rs = rstd[row];
+    const A mu = RMS ? A(0) : mean[row], rs = rstd[row];
     const T* xr = x + row * H;
     const T* dr = dy + row * H;
     A s1 = 0, s2 = 0;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
       const A xh = (to_acc<A>(xr[c]) - mu) * rs, d = to_acc<A>(dr[c]), gd = d * to_acc<A>(gamma[c]);
-      s1 += gd;
+      if constexpr (!RMS) s1 += gd;
       s2 += gd * xh;
       pgr[c] += d * xh;
-      pbr[c] += d;
+      if constexpr (!RMS) pbr[c] += d;
     }
     block_sum2(s1, s2, sh);
     const A m1 = s1 / A(H), m2 = s2 / A(H);
@@ -164,7 +169,7 @@ __global__ void ln_bwd_loop(const T* dy, const T* __restrict__ x, const T* __res
       dx[row * H + c] = from_acc<T>(rs * (to_acc<A>(dr[c]) * to_acc<A>(gamma[c]) - m1 - xh * m2));
       if (xn != nullptr) {
         T o[1];
-        normalise<T, 1>({xr[c]}, mu, rs, gamma, beta, c, o);
+        normalise<T, 1, RMS>({xr[c]}, mu, rs, gamma, beta, c, o);
         xn[row * H + c] = o[0];
       }
     }
@@ -255,15 +260,15 @@ template <auto K> struct KernelTag {
   static constexpr auto kernel = K;
 };
 
-template <typename T, class F>
+template <typename T, bool RMS, class F>
 auto with_bwd_kernel(const Plan& p, bool xn, F&& f) {
-  if (p.rows == Rows::kLoop) return f(KernelTag<&ln_bwd_loop<T>>{});
+  if (p.rows == Rows::kLoop) return f(KernelTag<&ln_bwd_loop<T, RMS>>{});
   const bool narrow = p.rows == Rows::kBlockNarrow;
   auto pick = [&](auto vec_c, auto xn_c) {
     constexpr int VEC = decltype(vec_c)::value ? vec_of<T>() : 1;
     constexpr bool XN = decltype(xn_c)::value;
-    return narrow ? f(KernelTag<&ln_bwd_cached<T, VEC, 1, kBwdRowsNarrow, XN>>{})
-                  : f(KernelTag<&ln_bwd_cached<T, VEC, kCache, kBwdRowsWide, XN>>{});
+    return narrow ? f(KernelTag<&ln_bwd_cached<T, VEC, 1, kBwdRowsNarrow, XN, RMS>>{})
+                  : f(KernelTag<&ln_bwd_cached<T, VEC, kCache, kBwdRowsWide, XN, RMS>>{});
   };
   using Y = std::true_type;
   using N = std::false_type;
@@ -273,7 +278,7 @@ auto with_bwd_kernel(const Plan& p, bool xn, F&& f) {
 
 // The plan's kernel and a persistent grid of as many blocks as fit on the GPU at once
 // (one wave), at most M; blocks = 0 and the error when a device query fails.
-template <typename T>
+template <typename T, bool RMS>
 Plan bwd_plan(int64_t M, int64_t H, bool aligned, bool xn, int64_t& blocks, cudaError_t& err) {
   const Plan p = layernorm_linear_plan(Stage::kBackward, H, vec_of<T>(), aligned);
   blocks = 0;
@@ -283,7 +288,7 @@ Plan bwd_plan(int64_t M, int64_t H, bool aligned, bool xn, int64_t& blocks, cuda
   err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return p;
   // Cached per device and kernel: every backward call sizes its grid with it.
-  int per_sm = with_bwd_kernel<T>(p, xn, [&](auto k) { return blocks_per_sm<decltype(k)::kernel>(dev, p.threads, err); });
+  int per_sm = with_bwd_kernel<T, RMS>(p, xn, [&](auto k) { return blocks_per_sm<decltype(k)::kernel>(dev, p.threads, err); });
   if (err != cudaSuccess) return p;
   per_sm = per_sm > 1 ? per_sm : 1;
   int64_t g = (int64_t)per_sm * sms;
@@ -299,16 +304,20 @@ Plan bwd_plan(int64_t M, int64_t H, bool aligned, bool xn, int64_t& blocks, cuda
 
 }  // namespace
 
-LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, bool xn, int64_t& blocks) {
+LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, bool xn, int64_t& blocks, Norm norm) {
   // The workspace is sized for the vector plan; the scalar plan never needs more blocks
   // than it (fewer registers), but take the larger of the two to be safe.
   cudaError_t err = cudaSuccess;
-  blocks = dispatch_dtype(dtype, [&](auto tag) -> int64_t {
+  auto run = [&](auto tag, auto rms_c) -> int64_t {
     using T = decltype(tag);
+    constexpr bool R = decltype(rms_c)::value;
     int64_t a = 0, b = 0;
-    bwd_plan<T>(M, H, true, xn, a, err);
-    if (err == cudaSuccess) bwd_plan<T>(M, H, false, xn, b, err);
+    bwd_plan<T, R>(M, H, true, xn, a, err);
+    if (err == cudaSuccess) bwd_plan<T, R>(M, H, false, xn, b, err);
     return a > b ? a : b;
+  };
+  blocks = dispatch_dtype(dtype, [&](auto tag) -> int64_t {
+    return norm == Norm::kRms ? run(tag, std::true_type{}) : run(tag, std::false_type{});
   });
   return err;
 }
@@ -316,11 +325,12 @@ LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, bool 
 LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void* gamma, const void* mean,
                                       const void* rstd, void* dx, void* dgamma, void* dbeta, void* workspace,
                                       int64_t M, int64_t H, DType dtype, cudaStream_t stream, const void* beta,
-                                      void* xn) {
+                                      void* xn, Norm norm) {
   if (M == 0 || H == 0) return cudaSuccess;  // the host zero-fills dgamma/dbeta for M == 0
   cudaError_t err = cudaSuccess;
-  dispatch_dtype(dtype, [&](auto tag) {
+  auto run = [&](auto tag, auto rms_c) {
     using T = decltype(tag);
+    constexpr bool R = decltype(rms_c)::value;
     using A = acc_t<T>;
     const T *dyp = static_cast<const T*>(dy), *xp = static_cast<const T*>(x), *gp = static_cast<const T*>(gamma);
     const A *mp = static_cast<const A*>(mean), *rp = static_cast<const A*>(rstd);
@@ -330,17 +340,21 @@ LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void*
     T* xnp = static_cast<T*>(xn);
     const bool aligned = xn ? all_aligned({dy, x, gamma, dx, beta, xn}) : all_aligned({dy, x, gamma, dx});
     int64_t blocks = 0;
-    const Plan p = bwd_plan<T>(M, H, aligned, xn != nullptr, blocks, err);
+    const Plan p = bwd_plan<T, R>(M, H, aligned, xn != nullptr, blocks, err);
     if (err != cudaSuccess) return 0;
     const unsigned grid = static_cast<unsigned>(blocks);
-    with_bwd_kernel<T>(p, xn != nullptr, [&](auto k) {
+    with_bwd_kernel<T, R>(p, xn != nullptr, [&](auto k) {
       constexpr auto kernel = decltype(k)::kernel;
       kernel<<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, bp, xnp, M, H);
       return 0;
     });
-    ln_bwd_reduce<T><<<dim3(ceil_div_u(H, 32), 2), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(dgamma),
-                                                                            static_cast<T*>(dbeta), blocks, H);
+    // RMS: dgamma only (no dbeta partials).
+    ln_bwd_reduce<T><<<dim3(ceil_div_u(H, 32), R ? 1 : 2), dim3(32, 8), 0, stream>>>(
+        part, static_cast<T*>(dgamma), static_cast<T*>(dbeta), blocks, H);
     return 0;
+  };
+  dispatch_dtype(dtype, [&](auto tag) {
+    return norm == Norm::kRms ? run(tag, std::true_type{}) : run(tag, std::false_type{});
   });
   return err != cudaSuccess ? err : cudaGetLastError();
 }

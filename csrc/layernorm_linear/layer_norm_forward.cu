@@ -2,19 +2,22 @@
 // before any sum), so mean and variance are an exact two-pass in fp32 (fp64 for
 // float64) at one read of x: a warp per row for short rows, a block per row for longer
 // ones; rows too long for registers, or unaligned, use a looping kernel that re-reads x.
-// The kernel choice: layernorm_linear_plan (layernorm_linear_plan.h).
+// The kernel choice: layernorm_linear_plan (layernorm_linear_plan.h). RMS (template flag):
+// the same kernels with the mean forced to zero and no beta (rms_norm).
+#include <type_traits>
+
 #include "layernorm_linear/layernorm_linear_device.cuh"
 
 namespace gpu_puzzles {
 namespace {
 
-template <typename T, int VEC>
+template <typename T, int VEC, bool RMS>
 __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restrict__ x, const T* __restrict__ gamma,
                               const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
                               acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
   __shared__ acc_t<T> sh[64];
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x)
-    ln_row_cached<T, VEC>(row, x, gamma, beta, y, mean, rstd, H, eps, sh);
+    ln_row_cached<T, VEC, RMS>(row, x, gamma, beta, y, mean, rstd, H, eps, sh);
 }
 
 // Short rows (at most 32 * kCache vectors: H <= 1024 in bf16): one warp per row,
@@ -23,7 +26,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
 // the SM's 32-block limit would cap it at half occupancy, halving the loads in
 // flight. Same arithmetic as ln_row_cached (pivot shift, exact two-pass).
 
-template <typename T, int VEC>
+template <typename T, int VEC, bool RMS>
 __global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma,
                               const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
                               acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
@@ -35,9 +38,9 @@ __global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __rest
        row += (int64_t)gridDim.x * (blockDim.x >> 5)) {
     T v[kCache][VEC];
     A mu, rs;
-    warp_row_stats<false>(x + row * H, v, lane, nvec, H, eps, mu, rs);
+    warp_row_stats<false, T, VEC, kCache, RMS>(x + row * H, v, lane, nvec, H, eps, mu, rs);
     if (lane == 0) {
-      mean[row] = mu;
+      if constexpr (!RMS) mean[row] = mu;
       rstd[row] = rs;
     }
     if (y != nullptr) {
@@ -46,7 +49,7 @@ __global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __rest
         const int64_t c = lane + (int64_t)k * 32;
         if (c < nvec) {
           T o[VEC];
-          normalise<T, VEC>(v[k], mu, rs, gamma, beta, c, o);
+          normalise<T, VEC, RMS>(v[k], mu, rs, gamma, beta, c, o);
           store_pack<T, VEC>(y + row * H + c * VEC, o);
         }
       }
@@ -55,7 +58,7 @@ __global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __rest
 }
 
 // Any H: three passes over the row (the later ones mostly hit L1/L2).
-template <typename T, int VEC>
+template <typename T, int VEC, bool RMS>
 __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma,
                             const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
                             acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
@@ -64,28 +67,31 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
   const int64_t nvec = H / VEC;
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
     const T* xr = x + row * H;
-    const A pivot = to_acc<A>(xr[0]);  // see ln_row_cached
-    A s = 0, unused = 0;
-    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-      T v[VEC];
-      load_pack<T, VEC>(v, xr + c * VEC);
-      sum_shifted<T, VEC>(v, pivot, s);
+    A mu1 = A(0);
+    if constexpr (!RMS) {
+      const A pivot = to_acc<A>(xr[0]);  // see ln_row_cached
+      A s = 0, unused = 0;
+      for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+        T v[VEC];
+        load_pack<T, VEC>(v, xr + c * VEC);
+        sum_shifted<T, VEC>(v, pivot, s);
+      }
+      block_sum2(s, unused, sh);
+      mu1 = pivot + s / A(H);
     }
-    block_sum2(s, unused, sh);
-    const A mu1 = pivot + s / A(H);
     A q = 0, e = 0;  // second pass about mu1 (finish_stats)
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
       T v[VEC];
       load_pack<T, VEC>(v, xr + c * VEC);
-      sum_centred<T, VEC>(v, mu1, e, q);
+      sum_centred<T, VEC, RMS>(v, mu1, e, q);
     }
     A mu, rs;
-    finish_block_row(mu1, e, q, H, eps, row, mean, rstd, sh, mu, rs);
+    finish_block_row<A, RMS>(mu1, e, q, H, eps, row, mean, rstd, sh, mu, rs);
     if (y != nullptr) {
       for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
         T v[VEC], o[VEC];
         load_pack<T, VEC>(v, xr + c * VEC);
-        normalise<T, VEC>(v, mu, rs, gamma, beta, c, o);
+        normalise<T, VEC, RMS>(v, mu, rs, gamma, beta, c, o);
         store_pack<T, VEC>(y + row * H + c * VEC, o);
       }
     }
@@ -96,9 +102,10 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
 
 LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y, void* mean,
                                      void* rstd, int64_t M, int64_t H, double eps, DType dtype,
-                                     cudaStream_t stream) {
+                                     cudaStream_t stream, Norm norm) {
   if (M == 0) return cudaSuccess;
-  dispatch_dtype(dtype, [&](auto tag) {
+  auto run = [&](auto tag, auto rms_c) {
+    constexpr bool R = decltype(rms_c)::value;
     using T = decltype(tag);
     using A = acc_t<T>;
     constexpr int V = vec_of<T>();
@@ -112,16 +119,19 @@ LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const voi
     switch (p.rows) {
       case Rows::kWarp: {
         const unsigned grid = row_grid((M + kWarpRows - 1) / kWarpRows);
-        p.vec ? launch(ln_fwd_warp<T, V>, grid) : launch(ln_fwd_warp<T, 1>, grid);
+        p.vec ? launch(ln_fwd_warp<T, V, R>, grid) : launch(ln_fwd_warp<T, 1, R>, grid);
         break;
       }
       case Rows::kBlock:
-        p.vec ? launch(ln_fwd_cached<T, V>, row_grid(M)) : launch(ln_fwd_cached<T, 1>, row_grid(M));
+        p.vec ? launch(ln_fwd_cached<T, V, R>, row_grid(M)) : launch(ln_fwd_cached<T, 1, R>, row_grid(M));
         break;
       default:
-        p.vec ? launch(ln_fwd_loop<T, V>, row_grid(M)) : launch(ln_fwd_loop<T, 1>, row_grid(M));
+        p.vec ? launch(ln_fwd_loop<T, V, R>, row_grid(M)) : launch(ln_fwd_loop<T, 1, R>, row_grid(M));
     }
     return 0;
+  };
+  dispatch_dtype(dtype, [&](auto tag) {
+    return norm == Norm::kRms ? run(tag, std::true_type{}) : run(tag, std::false_type{});
   });
   return cudaGetLastError();
 }

@@ -1,6 +1,12 @@
-// LayerNorm and fused LayerNorm+Linear host side: argument checks, the CPU and CUDA
-// calls and their registrations (the CPU kernels are in layernorm_linear_cpu.cpp).
-// x is viewed as (M, H) rows.
+// LayerNorm / RMSNorm and the fused Norm+Linear host side: argument checks, the CPU and
+// CUDA calls and their registrations (the CPU kernels are in layernorm_linear_cpu.cpp).
+// x is viewed as (M, H) rows. RMSNorm is LayerNorm with the mean forced to zero and no
+// beta: every body below takes beta as a pointer, null meaning RMSNorm (Norm::kRms), and
+// then returns no mean (undefined) and no dbeta.
+//
+// RMSNorm+Linear fold: y = W (gamma * x * rstd) + b = rstd * (x @ (W*gamma)^T) + b: no
+// centring and no large-mean rows, so the LayerNorm epilogues serve it with mean = r = 0
+// and bp = b; the plan rule is the LayerNorm one.
 //
 // Fused forward: two plans, chosen by their measured cost (fused_forward_plan in
 // layernorm_linear_plan.h; knob layernorm_linear_plan = fold | normalize). Both write
@@ -52,6 +58,7 @@ namespace gpu_puzzles {
 namespace {
 
 using Tensor = at::Tensor;
+using Tensor2 = std::tuple<Tensor, Tensor>;
 using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
 using layernorm_linear::layernorm_linear_plan;
 using layernorm_linear::Plan;
@@ -64,14 +71,22 @@ std::vector<int64_t> lead_shape(const Tensor& x) {
   return std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - 1);
 }
 
-int64_t check_ln(const Tensor& x, const Tensor& weight, const Tensor& bias, const char* op) {
+Norm norm_of(const Tensor* bias) { return bias ? Norm::kLayer : Norm::kRms; }
+
+// bias null: RMSNorm (weight only; the fused op calls it norm_weight).
+int64_t check_ln(const Tensor& x, const Tensor& weight, const Tensor* bias, const char* op) {
   const std::string o(op);
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension, got a scalar");
   check_float(x, (o + ": x").c_str());
   const int64_t H = x.size(-1);
   TORCH_CHECK(H >= 1, op, ": x's last dimension (hidden size) must be >= 1, got shape ", x.sizes());
-  for (auto [t, name] : {std::pair<const Tensor&, const char*>{weight, "weight"}, {bias, "bias"}}) {
-    const std::string n = o + ": " + (std::string(op).find("linear") != std::string::npos ? "ln_" : "") + name;
+  const bool fused = o.find("linear") != std::string::npos;
+  const char* prefix = !fused ? "" : bias ? "ln_" : "norm_";
+  std::vector<std::pair<const Tensor*, const char*>> params{{&weight, "weight"}};
+  if (bias) params.push_back({bias, "bias"});
+  for (auto [tp, name] : params) {
+    const Tensor& t = *tp;
+    const std::string n = o + ": " + prefix + name;
     check_same_dtype(t, x, n.c_str(), "x");
     check_same_device(t, x, n.c_str(), "x");
     TORCH_CHECK(t.dim() == 1 && t.size(0) == H, n, " must have shape (", H, ",) to match x's last dimension, got ",
@@ -80,9 +95,13 @@ int64_t check_ln(const Tensor& x, const Tensor& weight, const Tensor& bias, cons
   return H;
 }
 
-void check_stats(const Tensor& mean, const Tensor& rstd, const Tensor& x, const char* op) {
+// mean null: RMSNorm (rstd only).
+void check_stats(const Tensor* mean, const Tensor& rstd, const Tensor& x, const char* op) {
   const auto want = lead_shape(x);
-  for (auto [t, name] : {std::pair<const Tensor&, const char*>{mean, "mean"}, {rstd, "rstd"}}) {
+  std::vector<std::pair<const Tensor*, const char*>> stats{{&rstd, "rstd"}};
+  if (mean) stats.push_back({mean, "mean"});
+  for (auto [tp, name] : stats) {
+    const Tensor& t = *tp;
     TORCH_CHECK(t.scalar_type() == stat_type(x), op, ": ", name, " must be ", stat_type(x), ", got ", t.scalar_type());
     TORCH_CHECK(t.sizes() == at::IntArrayRef(want), op, ": ", name, " must have shape ", at::IntArrayRef(want),
                 ", got ", t.sizes());
@@ -122,23 +141,28 @@ const void* opt_ptr(const c10::optional<Tensor>& t) { return t.has_value() ? t->
 
 // ---- ops (one body per backend: `cuda` picks the launchers) ----------------------
 
-Tensor3 layer_norm_impl(const Tensor& x_, const Tensor& weight_, const Tensor& bias_, double eps, bool cuda) {
-  const int64_t H = check_ln(x_, weight_, bias_, "layer_norm");
-  TORCH_CHECK(eps >= 0, "layer_norm: eps must be >= 0, got ", eps);
-  const Tensor x = x_.contiguous(), g = weight_.contiguous(), b = bias_.contiguous();
+// bias_ null: RMSNorm, the mean undefined. y null: statistics only (the fused fold plan).
+Tensor3 layer_norm_impl(const Tensor& x_, const Tensor& weight_, const Tensor* bias_, double eps, bool cuda,
+                        bool want_y = true) {
+  const char* op = bias_ ? "layer_norm" : "rms_norm";
+  const int64_t H = check_ln(x_, weight_, bias_, op);
+  TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
+  const Tensor x = x_.contiguous(), g = weight_.contiguous(), b = bias_ ? bias_->contiguous() : Tensor();
   const int64_t M = x.numel() / H;
-  Tensor y = at::empty(x.sizes(), x.options());
-  Tensor mean = at::empty(lead_shape(x), x.options().dtype(stat_type(x)));
+  const Norm norm = norm_of(bias_);
+  Tensor y = want_y ? at::empty(x.sizes(), x.options()) : Tensor();
+  Tensor mean = bias_ ? at::empty(lead_shape(x), x.options().dtype(stat_type(x))) : Tensor();
   Tensor rstd = at::empty(lead_shape(x), x.options().dtype(stat_type(x)));
+  auto ptr = [](const Tensor& t) -> void* { return t.defined() ? t.data_ptr() : nullptr; };
   if (cuda) {
 #ifdef WITH_CUDA
-    GP_CUDA_CHECK_STATUS(layer_norm_forward_cuda(x.data_ptr(), g.data_ptr(), b.data_ptr(), y.data_ptr(),
-                                                 mean.data_ptr(), rstd.data_ptr(), M, H, eps,
-                                                 to_dtype(x.scalar_type()), current_stream()));
+    GP_CUDA_CHECK_STATUS(layer_norm_forward_cuda(x.data_ptr(), g.data_ptr(), ptr(b), ptr(y), ptr(mean),
+                                                 rstd.data_ptr(), M, H, eps, to_dtype(x.scalar_type()),
+                                                 current_stream(), norm));
 #endif
   } else {
-    GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), b.data_ptr(), y.data_ptr(), mean.data_ptr(),
-                                        rstd.data_ptr(), M, H, eps, to_dtype(x.scalar_type()), false);
+    GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), ptr(b), ptr(y), ptr(mean), rstd.data_ptr(), M, H,
+                                        eps, to_dtype(x.scalar_type()), false, norm);
   }
   return {y, mean, rstd};
 }
@@ -146,38 +170,41 @@ Tensor3 layer_norm_impl(const Tensor& x_, const Tensor& weight_, const Tensor& b
 // beta/xn (CUDA, fused backward only): also write the LayerNorm output into xn, and
 // write dx over grad_ (the fused backward's own dxn buffer), so that xn costs no more
 // peak memory than the separate pass it replaces.
+// norm kRms: mean_ is not read (may be undefined), beta is not read, and dbeta is undefined.
 Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Tensor& weight_, const Tensor& mean_,
                                  const Tensor& rstd_, bool cuda, const Tensor* beta = nullptr,
-                                 Tensor* xn = nullptr) {
-  const char* op = "layer_norm_backward";
-  const int64_t H = check_ln(x_, weight_, weight_, op);
+                                 Tensor* xn = nullptr, Norm norm = Norm::kLayer) {
+  const bool rms = norm == Norm::kRms;
+  const char* op = rms ? "rms_norm_backward" : "layer_norm_backward";
+  const int64_t H = check_ln(x_, weight_, rms ? nullptr : &weight_, op);
   check_grad(grad_, x_.sizes(), x_, op);
-  check_stats(mean_, rstd_, x_, op);
+  check_stats(rms ? nullptr : &mean_, rstd_, x_, op);
   const Tensor x = x_.contiguous(), g = weight_.contiguous(), dy = grad_.contiguous();
-  const Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
+  const Tensor mean = rms ? Tensor() : mean_.contiguous(), rstd = rstd_.contiguous();
   const int64_t M = x.numel() / H;
   const bool in_place = xn != nullptr && cuda && dy.is_same(grad_);
   Tensor dx = in_place ? dy.view(x.sizes()) : at::empty(x.sizes(), x.options());
-  Tensor dg = at::empty({H}, x.options()), db = at::empty({H}, x.options());
+  Tensor dg = at::empty({H}, x.options()), db = rms ? Tensor() : at::empty({H}, x.options());
+  auto ptr = [](const Tensor& t) -> void* { return t.defined() ? t.data_ptr() : nullptr; };
   if (M == 0) {
     dg.zero_();
-    db.zero_();
+    if (!rms) db.zero_();
     return {dx, dg, db};
   }
   if (cuda) {
 #ifdef WITH_CUDA
     const bool want_xn = xn != nullptr;
     int64_t G = 0;
-    GP_CUDA_CHECK_STATUS(layer_norm_backward_blocks(M, H, to_dtype(x.scalar_type()), want_xn, G));
-    Tensor ws = at::empty({2 * G * H}, x.options().dtype(stat_type(x)));
+    GP_CUDA_CHECK_STATUS(layer_norm_backward_blocks(M, H, to_dtype(x.scalar_type()), want_xn, G, norm));
+    Tensor ws = at::empty({(rms ? 1 : 2) * G * H}, x.options().dtype(stat_type(x)));
     GP_CUDA_CHECK_STATUS(layer_norm_backward_cuda(
-        dy.data_ptr(), x.data_ptr(), g.data_ptr(), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dg.data_ptr(),
-        db.data_ptr(), ws.data_ptr(), M, H, to_dtype(x.scalar_type()), current_stream(),
-        want_xn ? beta->data_ptr() : nullptr, want_xn ? xn->data_ptr() : nullptr));
+        dy.data_ptr(), x.data_ptr(), g.data_ptr(), ptr(mean), rstd.data_ptr(), dx.data_ptr(), dg.data_ptr(),
+        ptr(db), ws.data_ptr(), M, H, to_dtype(x.scalar_type()), current_stream(),
+        want_xn && beta ? beta->data_ptr() : nullptr, want_xn ? xn->data_ptr() : nullptr, norm));
 #endif
   } else {
-    GP_CPU_CALL(layer_norm_backward_cpu)(dy.data_ptr(), x.data_ptr(), g.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
-                                         dx.data_ptr(), dg.data_ptr(), db.data_ptr(), M, H, to_dtype(x.scalar_type()));
+    GP_CPU_CALL(layer_norm_backward_cpu)(dy.data_ptr(), x.data_ptr(), g.data_ptr(), ptr(mean), rstd.data_ptr(),
+                                         dx.data_ptr(), dg.data_ptr(), ptr(db), M, H, to_dtype(x.scalar_type()), norm);
   }
   return {dx, dg, db};
 }
@@ -188,20 +215,24 @@ bool w_transposed(const Tensor& W) { return !W.is_contiguous() && W.t().is_conti
 // The normalise plan: our LayerNorm writes xn (and the statistics), then one cuBLAS GEMM
 // with the bias in its epilogue (addmm, as F.linear), reading W through its strides.
 // Returns (y (M, N), mean, rstd).
-Tensor3 normalize_forward(const Tensor& x, const Tensor& g, const Tensor& be, const Tensor& W,
+Tensor3 normalize_forward(const Tensor& x, const Tensor& g, const Tensor* be, const Tensor& W,
                           const c10::optional<Tensor>& b, int64_t M, int64_t H, double eps, bool cuda) {
   auto [xn, mean, rstd] = layer_norm_impl(x, g, be, eps, cuda);
   const Tensor xn2 = xn.view({M, H});
   return {b ? at::addmm(*b, xn2, W.t()) : at::mm(xn2, W.t()), mean, rstd};
 }
 
-Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const Tensor& W_,
+Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, const c10::optional<Tensor>& b,
+                         int64_t M, int64_t N, int64_t H, double eps, bool cuda);
+
+// lb_ null: RMSNorm+Linear (the mean undefined in the result).
+Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb_, const Tensor& W_,
                            const c10::optional<Tensor>& b_, double eps, bool cuda) {
-  const char* op = "fused_layernorm_linear";
+  const char* op = lb_ ? "fused_layernorm_linear" : "fused_rmsnorm_linear";
   const int64_t H = check_ln(x_, lw_, lb_, op);
   const int64_t N = check_linear(x_, W_, b_, H, op);
   TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
-  const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous();
+  const Tensor x = x_.contiguous(), g = lw_.contiguous();
   const c10::optional<Tensor> b = b_.has_value() ? c10::optional<Tensor>(b_->contiguous()) : c10::nullopt;
   const int64_t M = x.numel() / H;
   bool evt_possible = false;
@@ -211,9 +242,14 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
 #endif
   const Plan fwd = layernorm_linear::fused_forward_plan(M, N, H, W_.is_contiguous(), evt_possible);
   if (!fwd.fold) {
-    auto [y, mean, rstd] = normalize_forward(x, g, be, W_, b, M, H, eps, cuda);
+    auto [y, mean, rstd] = normalize_forward(x, g, lb_, W_, b, M, H, eps, cuda);
     return {y.view(out_shape(x, N)), mean, rstd};
   }
+  if (!lb_) {
+    auto [y, mean, rstd] = rms_fold_forward(x, g, W_, b, M, N, H, eps, cuda);
+    return {y.view(out_shape(x, N)), mean, rstd};
+  }
+  const Tensor be = lb_->contiguous();
   const auto st = x.options().dtype(stat_type(x));
   Tensor mean = at::empty(lead_shape(x), st), rstd = at::empty(lead_shape(x), st);
   // The fold kernels read W as (N, H) rows: a forced fold of another layout copies it.
@@ -261,7 +297,7 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
   } else {
     const DType dt = to_dtype(x.scalar_type());
     GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), nullptr, nullptr, nullptr, mean.data_ptr(), rstd.data_ptr(), M,
-                                        H, eps, dt, false);
+                                        H, eps, dt, false, Norm::kLayer);
     GP_CPU_CALL(layernorm_linear_fold_weight_cpu)(W.data_ptr(), g.data_ptr(), be.data_ptr(), opt_ptr(b),
                                                   wc.data_ptr(), r.data_ptr(), bp.data_ptr(), N, H, dt);
     z = at::mm(x.view({M, H}), wc.t()).contiguous();
@@ -272,18 +308,72 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb
   return {z.view(out_shape(x, N)), mean, rstd};
 }
 
+// The RMSNorm fold plan (see the top of this file): the statistics, wc = W*gamma (rounded
+// to x's dtype once, as the LayerNorm fold stores wc), the GEMM, and the LayerNorm
+// epilogue with mean = r = 0 and bp = b (its large-mean recompute never triggers).
+// Returns (y (M, N), undefined mean, rstd).
+Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, const c10::optional<Tensor>& b,
+                         int64_t M, int64_t N, int64_t H, double eps, bool cuda) {
+  Tensor rstd = std::get<2>(layer_norm_impl(x, g, nullptr, eps, cuda, /*want_y=*/false));
+  const Tensor W = W_.contiguous();  // the epilogue's (never taken) recompute reads (N, H) rows
+  const Tensor wc = (W * g).contiguous();
+  const auto st = x.options().dtype(stat_type(x));
+  Tensor zeros = at::zeros({std::max(M, N)}, st);  // mean (M) and r (N)
+  Tensor bp = b ? b->to(stat_type(x)) : at::zeros({N}, st);
+  const DType dt = to_dtype(x.scalar_type());
+  Tensor z;
+  if (cuda) {
+#ifdef WITH_CUDA
+    const cudaStream_t s = current_stream();
+    const Plan plan = layernorm_linear_plan(
+        Stage::kGemm, H, 8, true, layernorm_linear_evt_possible(x.data_ptr(), wc.data_ptr(), M, N, H, dt));
+    if (plan.evt) {
+      z = at::empty({M, N}, x.options());
+      const size_t ws_bytes = layernorm_linear_evt_workspace_bytes(M, N, H, dt);
+      Tensor ws;
+      if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+      const LaunchStatus st2 = layernorm_linear_evt_gemm_cuda(
+          x.data_ptr(), wc.data_ptr(), zeros.data_ptr(), rstd.data_ptr(), zeros.data_ptr(), bp.data_ptr(),
+          z.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H, dt, s, false);
+      if (st2 == cudaErrorNotSupported)
+        z.reset();  // CUTLASS refused this problem (nothing was launched): cuBLAS below
+      else
+        GP_CUDA_CHECK_STATUS(st2);
+    }
+    if (!z.defined()) {
+      z = at::mm(x.view({M, H}), wc.t()).contiguous();
+      GP_CUDA_CHECK_STATUS(layernorm_linear_epilogue_cuda(z.data_ptr(), x.data_ptr(), g.data_ptr(), g.data_ptr(),
+                                                          W.data_ptr(), b ? b->data_ptr() : nullptr,
+                                                          zeros.data_ptr(), rstd.data_ptr(), zeros.data_ptr(),
+                                                          bp.data_ptr(), M, N, H, dt, s));
+    }
+#endif
+  } else {
+    z = at::mm(x.view({M, H}), wc.t()).contiguous();
+    GP_CPU_CALL(layernorm_linear_epilogue_cpu)(z.data_ptr(), x.data_ptr(), g.data_ptr(), g.data_ptr(), W.data_ptr(),
+                                               opt_ptr(b), zeros.data_ptr(), rstd.data_ptr(), zeros.data_ptr(),
+                                               bp.data_ptr(), M, N, H, dt);
+  }
+  return {z, Tensor(), rstd};
+}
+
+// lb_ null: RMSNorm+Linear (mean_ not read, dbeta undefined). want_db false: db undefined
+// (the RMSNorm+Linear op without a linear bias skips dy's column sums).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Tensor& grad_, const Tensor& x_,
-                                                                       const Tensor& lw_, const Tensor& lb_,
+                                                                       const Tensor& lw_, const Tensor* lb_,
                                                                        const Tensor& W_, const Tensor& mean_,
-                                                                       const Tensor& rstd_, bool cuda) {
-  const char* op = "fused_layernorm_linear_backward";
+                                                                       const Tensor& rstd_, bool cuda,
+                                                                       bool want_db = true) {
+  const char* op = lb_ ? "fused_layernorm_linear_backward" : "fused_rmsnorm_linear_backward";
+  const Norm norm = norm_of(lb_);
   const int64_t H = check_ln(x_, lw_, lb_, op);
   const int64_t N = check_linear(x_, W_, c10::nullopt, H, op);
   check_grad(grad_, at::IntArrayRef(out_shape(x_, N)), x_, op);
-  check_stats(mean_, rstd_, x_, op);
+  check_stats(lb_ ? &mean_ : nullptr, rstd_, x_, op);
   // W as it comes: cuBLAS reads any view with a unit stride through its transpose flags.
-  const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous(), &W = W_;
-  const Tensor mean = mean_.contiguous(), rstd = rstd_.contiguous();
+  const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_ ? lb_->contiguous() : Tensor(), &W = W_;
+  const Tensor mean = lb_ ? mean_.contiguous() : Tensor(), rstd = rstd_.contiguous();
+  auto ptr = [](const Tensor& t) -> void* { return t.defined() ? t.data_ptr() : nullptr; };
   const int64_t M = x.numel() / H;
   const Tensor dy = grad_.contiguous().view({M, N});
   // dW in W's own layout, so that autograd's accumulation into a transposed parameter
@@ -302,26 +392,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
     // The LayerNorm backward reads x anyway: it writes xn too, instead of a separate
     // pass over x (benchmarks/lnlinear_prep_variants.cu), and dx over dxn.
     Tensor dxn = at::mm(dy, W).view(x.sizes());  // (.., H)
-    auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda, &be, &xn);
+    auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda, lb_ ? &be : nullptr, &xn, norm);
     dxn.reset();
     Tensor dW = dw_gemm(xn);  // (N, H)
     xn.reset();
     // db: dy's column sums, in a fixed order; last, so that it starts on the rows of dy
     // the dW GEMM left in L2 (see layernorm_linear_colsum).
-    Tensor db = at::empty({N}, x.options());
-    Tensor ws = at::empty({layernorm_linear_bias_grad_workspace(M, N)}, x.options().dtype(stat_type(x)));
-    GP_CUDA_CHECK_STATUS(layernorm_linear_bias_grad_cuda(dy.data_ptr(), db.data_ptr(), ws.data_ptr(), M, N,
-                                                 to_dtype(x.scalar_type()), current_stream()));
+    Tensor db;
+    if (want_db) {
+      db = at::empty({N}, x.options());
+      Tensor ws = at::empty({layernorm_linear_bias_grad_workspace(M, N)}, x.options().dtype(stat_type(x)));
+      GP_CUDA_CHECK_STATUS(layernorm_linear_bias_grad_cuda(dy.data_ptr(), db.data_ptr(), ws.data_ptr(), M, N,
+                                                           to_dtype(x.scalar_type()), current_stream()));
+    }
     return {dx, dg, dbeta, dW, db};
 #endif
   }
-  GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(), mean.data_ptr(),
-                                      rstd.data_ptr(), M, H, 0.0, to_dtype(x.scalar_type()), true);
-  Tensor db = dy.sum(0);
+  GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), ptr(be), xn.data_ptr(), ptr(mean), rstd.data_ptr(),
+                                      M, H, 0.0, to_dtype(x.scalar_type()), true, norm);
+  Tensor db = want_db ? dy.sum(0) : Tensor();
   Tensor dW = dw_gemm(xn);                     // (N, H)
   Tensor dxn = at::mm(dy, W).view(x.sizes());  // (.., H)
   xn.reset();
-  auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda);
+  auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda, nullptr, nullptr, norm);
   return {dx, dg, dbeta, dW, db};
 }
 
@@ -329,7 +422,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
 Tensor naive_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const Tensor& W_,
                   const c10::optional<Tensor>& b_, double eps, bool cuda) {
   const char* op = "fused_layernorm_linear_naive";
-  const int64_t H = check_ln(x_, lw_, lb_, op);
+  const int64_t H = check_ln(x_, lw_, &lb_, op);
   const int64_t N = check_linear(x_, W_, b_, H, op);
   const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous(), W = W_.contiguous();
   const c10::optional<Tensor> b = b_.has_value() ? c10::optional<Tensor>(b_->contiguous()) : c10::nullopt;
@@ -346,7 +439,7 @@ Tensor naive_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const 
     const auto st = x.options().dtype(stat_type(x));
     Tensor mean = at::empty({M}, st), rstd = at::empty({M}, st), xn = at::empty({M, H}, x.options());
     GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(), mean.data_ptr(),
-                                        rstd.data_ptr(), M, H, eps, to_dtype(x.scalar_type()), false);
+                                        rstd.data_ptr(), M, H, eps, to_dtype(x.scalar_type()), false, Norm::kLayer);
     Tensor y2 = y.view({M, N});
     if (b) at::addmm_out(y2, *b, xn, W.t());
     else at::mm_out(y2, xn, W.t());
@@ -373,7 +466,7 @@ Tensor naive_op(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tenso
 }
 template <bool CUDA> Tensor3 layer_norm_op(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
   const OnXDevice<CUDA> on(x);
-  return layer_norm_impl(x, w, b, eps, CUDA);
+  return layer_norm_impl(x, w, &b, eps, CUDA);
 }
 template <bool CUDA>
 Tensor3 layer_norm_backward_op(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& m, const Tensor& r) {
@@ -384,7 +477,7 @@ template <bool CUDA>
 Tensor3 fused_op(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W, const c10::optional<Tensor>& b,
                  double eps) {
   const OnXDevice<CUDA> on(x);
-  return fused_forward_impl(x, lw, lb, W, b, eps, CUDA);
+  return fused_forward_impl(x, lw, &lb, W, b, eps, CUDA);
 }
 template <bool CUDA>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_op(const Tensor& g, const Tensor& x,
@@ -392,7 +485,33 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_op(const Tenso
                                                                      const Tensor& W, const Tensor& m,
                                                                      const Tensor& r) {
   const OnXDevice<CUDA> on(x);
-  return fused_backward_impl(g, x, lw, lb, W, m, r, CUDA);
+  return fused_backward_impl(g, x, lw, &lb, W, m, r, CUDA);
+}
+
+// RMSNorm: (y, rstd); backward (dx, dweight).
+template <bool CUDA> Tensor2 rms_norm_op(const Tensor& x, const Tensor& w, double eps) {
+  const OnXDevice<CUDA> on(x);
+  auto [y, mean, rstd] = layer_norm_impl(x, w, nullptr, eps, CUDA);
+  return {y, rstd};
+}
+template <bool CUDA> Tensor2 rms_norm_backward_op(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& r) {
+  const OnXDevice<CUDA> on(x);
+  auto [dx, dw, unused] = layer_norm_backward_impl(g, x, w, Tensor(), r, CUDA, nullptr, nullptr, Norm::kRms);
+  return {dx, dw};
+}
+template <bool CUDA>
+Tensor2 fused_rms_op(const Tensor& x, const Tensor& nw, const Tensor& W, const c10::optional<Tensor>& b, double eps) {
+  const OnXDevice<CUDA> on(x);
+  auto [y, mean, rstd] = fused_forward_impl(x, nw, nullptr, W, b, eps, CUDA);
+  return {y, rstd};
+}
+// -> (dx, d norm_weight, dW, db): db is (N,) with has_bias, else (0,) (not computed).
+template <bool CUDA>
+std::tuple<Tensor, Tensor, Tensor, Tensor> fused_rms_backward_op(const Tensor& g, const Tensor& x, const Tensor& nw,
+                                                                 const Tensor& W, const Tensor& r, bool has_bias) {
+  const OnXDevice<CUDA> on(x);
+  auto [dx, dnw, unused, dW, db] = fused_backward_impl(g, x, nw, nullptr, W, Tensor(), r, CUDA, has_bias);
+  return {dx, dnw, dW, has_bias ? db : at::empty({0}, x.options())};
 }
 
 }  // namespace
@@ -403,6 +522,10 @@ TORCH_LIBRARY_FRAGMENT(gpu_puzzles, m) {
   GP_IMPL(m, "fused_layernorm_linear", fused_op<false>, fused_op<true>);
   GP_IMPL(m, "fused_layernorm_linear_backward", fused_backward_op<false>, fused_backward_op<true>);
   GP_IMPL(m, "fused_layernorm_linear_naive", naive_op<false>, naive_op<true>);
+  GP_IMPL(m, "rms_norm", rms_norm_op<false>, rms_norm_op<true>);
+  GP_IMPL(m, "rms_norm_backward", rms_norm_backward_op<false>, rms_norm_backward_op<true>);
+  GP_IMPL(m, "fused_rmsnorm_linear", fused_rms_op<false>, fused_rms_op<true>);
+  GP_IMPL(m, "fused_rmsnorm_linear_backward", fused_rms_backward_op<false>, fused_rms_backward_op<true>);
 }
 
 }  // namespace gpu_puzzles

@@ -18,25 +18,32 @@ namespace gpu_puzzles {
 // fused forward (the folded rewrite loses ~ratio * eps_acc * sqrt(H) there).
 constexpr double kLayerNormLinearMaxMeanRatio = 16.0;
 
-// mean/rstd of every row; y = (x - mean) * rstd * gamma + beta when y != null.
+// The norm a kernel computes. kRms: y = x * rstd * gamma, rstd = rsqrt(mean(x^2) + eps):
+// LayerNorm with the mean forced to zero and no beta, so the same kernels serve both
+// (one instantiation each); for kRms, mean/beta/dbeta are unused and may be null.
+enum class Norm : int { kLayer = 0, kRms = 1 };
+
+// mean/rstd of every row; y = (x - mean) * rstd * gamma + beta when y != null
+// (kRms: rstd only, y = x * rstd * gamma).
 LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y,
                                      void* mean, void* rstd, int64_t M, int64_t H, double eps,
-                                     DType dtype, cudaStream_t stream);
+                                     DType dtype, cudaStream_t stream, Norm norm = Norm::kLayer);
 
 // Blocks of the backward (each owns one row of partial dgamma/dbeta sums);
 // the workspace holds 2 * blocks * H accumulate-type elements. An error when a device
 // query fails.
-LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, bool xn, int64_t& blocks);
+LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, bool xn, int64_t& blocks,
+                                        Norm norm = Norm::kLayer);
 
 // dx, dgamma, dbeta from dy (grad of the LayerNorm output). Deterministic:
 // per-block partials reduced in a fixed order. With xn (and beta) non-null it also
 // writes the LayerNorm output xn = gamma * xhat + beta (the fused backward's dW operand).
-// dx may be dy (in place).
+// dx may be dy (in place). kRms: dbeta, mean and beta unused (xn = gamma * x * rstd).
 LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void* gamma,
                                       const void* mean, const void* rstd, void* dx, void* dgamma,
                                       void* dbeta, void* workspace, int64_t M, int64_t H,
                                       DType dtype, cudaStream_t stream, const void* beta = nullptr,
-                                      void* xn = nullptr);
+                                      void* xn = nullptr, Norm norm = Norm::kLayer);
 
 // Fold the LayerNorm affine into the linear layer, per output row n:
 //   wc[n,:] = W[n,:]*gamma - mean_h(W[n,:]*gamma)   (stored in T: the GEMM operand)
@@ -97,9 +104,9 @@ LaunchStatus layernorm_linear_evt_gemm_cuda(const void* x, const void* wc, const
 // layer_norm_forward_cpu: y may be null (statistics only); stats_given: mean/rstd are
 // inputs and only y is written (the fused backward's normalised activation).
 GP_CPU_DECLARE(void, layer_norm_forward_cpu, const void* x, const void* gamma, const void* beta, void* y,
-               void* mean, void* rstd, int64_t M, int64_t H, double eps, DType dtype, bool stats_given)
+               void* mean, void* rstd, int64_t M, int64_t H, double eps, DType dtype, bool stats_given, Norm norm)
 GP_CPU_DECLARE(void, layer_norm_backward_cpu, const void* dy, const void* x, const void* gamma, const void* mean,
-               const void* rstd, void* dx, void* dgamma, void* dbeta, int64_t M, int64_t H, DType dtype)
+               const void* rstd, void* dx, void* dgamma, void* dbeta, int64_t M, int64_t H, DType dtype, Norm norm)
 GP_CPU_DECLARE(void, layernorm_linear_fold_weight_cpu, const void* W, const void* gamma, const void* beta,
                const void* b, void* wc, void* r, void* bp, int64_t N, int64_t H, DType dtype)
 GP_CPU_DECLARE(void, layernorm_linear_epilogue_cpu, void* z, const void* x, const void* gamma, const void* beta,

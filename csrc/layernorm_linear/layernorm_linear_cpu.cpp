@@ -2,7 +2,8 @@
 // compiled once per SIMD level (common/cpu_isa.h). Rows are contiguous (M, H);
 // every pass is a Vectorized loop over one row, which stays in L1 between passes.
 // Compute type S: float (float32 and, through row scratch, float16 / bfloat16) or
-// double (float64); the statistics and folded vectors are S arrays.
+// double (float64); the statistics and folded vectors are S arrays. RMS (template flag):
+// the LayerNorm kernels with the mean forced to zero and no beta (rms_norm).
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -19,9 +20,16 @@ using namespace vec_loops;
 // Mean and rstd of one row, as the CUDA kernels compute them: sum x - x[0] (the
 // shift keeps the partial sums small for large-mean rows), then a corrected second
 // pass e = sum(x - mu1), which fixes mu1's rounding when x[0] is far out.
-template <typename S>
-void row_stats(const S* x, int64_t H, double eps, S& mean, S& rstd) {
+// RMS: rstd = 1 / sqrt(mean(x^2) + eps), mean untouched.
+template <typename S, bool RMS>
+void row_stats(const S* x, int64_t H, double eps, S* mean, S& rstd) {
   using V = Vectorized<S>;
+  if constexpr (RMS) {
+    const double q = vsum<S>(H, [&](int64_t i) { const V v = V::loadu(x + i); return v * v; },
+                             [&](int64_t i) { return x[i] * x[i]; });
+    rstd = static_cast<S>(1.0 / std::sqrt(q / H + eps));
+    return;
+  }
   const S pivot = x[0];
   const V vp(pivot);
   const double s = vsum<S>(H, [&](int64_t i) { return V::loadu(x + i) - vp; }, [&](int64_t i) { return x[i] - pivot; });
@@ -41,15 +49,20 @@ void row_stats(const S* x, int64_t H, double eps, S& mean, S& rstd) {
         b += d * d;
       });
   const double de = e / H;
-  mean = static_cast<S>(mu1 + de);
+  *mean = static_cast<S>(mu1 + de);
   rstd = static_cast<S>(1.0 / std::sqrt(std::max(q / H - de * de, 0.0) + eps));
 }
 
-// y = (x - mean) * rstd * g + b
-template <typename S>
+// y = (x - mean) * rstd * g + b (RMS: x * rstd * g)
+template <typename S, bool RMS = false>
 void row_apply(const S* x, const S* g, const S* b, S mean, S rstd, S* y, int64_t H) {
   using V = Vectorized<S>;
   const V vm(mean), vr(rstd);
+  if constexpr (RMS) {
+    vfor<S>(H, [&](int64_t i) { (V::loadu(x + i) * vr * V::loadu(g + i)).store(y + i); },
+            [&](int64_t i) { y[i] = x[i] * rstd * g[i]; });
+    return;
+  }
   vfor<S>(
       H, [&](int64_t i) { at::vec::fmadd((V::loadu(x + i) - vm) * vr, V::loadu(g + i), V::loadu(b + i)).store(y + i); },
       [&](int64_t i) { y[i] = (x[i] - mean) * rstd * g[i] + b[i]; });
@@ -66,7 +79,7 @@ struct Params {
   }
 };
 
-template <typename T>
+template <typename T, bool RMS>
 void ln_forward(const void* x_, const void* gamma, const void* beta, void* y_, void* mean_, void* rstd_, int64_t M,
                 int64_t H, double eps, bool stats_given) {
   using S = compute_t<T>;
@@ -79,9 +92,9 @@ void ln_forward(const void* x_, const void* gamma, const void* beta, void* y_, v
     RowOut<T, S> yout(H);
     for (int64_t m = lo; m < hi; ++m) {
       const S* xr = xin.get(x + m * H);
-      if (!stats_given) row_stats<S>(xr, H, eps, mean[m], rstd[m]);
+      if (!stats_given) row_stats<S, RMS>(xr, H, eps, RMS ? nullptr : mean + m, rstd[m]);
       if (y) {
-        row_apply<S>(xr, prm.gp, prm.bp, mean[m], rstd[m], yout.get(y + m * H), H);
+        row_apply<S, RMS>(xr, prm.gp, prm.bp, RMS ? S(0) : mean[m], rstd[m], yout.get(y + m * H), H);
         yout.put();
       }
     }
@@ -90,7 +103,8 @@ void ln_forward(const void* x_, const void* gamma, const void* beta, void* y_, v
 
 // dx per row; dgamma / dbeta as per-block partial sums over fixed blocks of rows
 // (the blocks do not depend on the thread count), added in block order: deterministic.
-template <typename T>
+// RMS: mean = 0, no dbeta (mean_, db_ unused).
+template <typename T, bool RMS>
 void ln_backward(const void* dy_, const void* x_, const void* gamma, const void* mean_, const void* rstd_, void* dx_,
                  void* dg_, void* db_, int64_t M, int64_t H) {
   using S = compute_t<T>;
@@ -112,7 +126,7 @@ void ln_backward(const void* dy_, const void* x_, const void* gamma, const void*
       for (int64_t m = blk * rows; m < std::min(M, (blk + 1) * rows); ++m) {
         const S* xr = xin.get(x + m * H);
         const S* d = dyin.get(dy + m * H);
-        const S mu = mean[m], rs = rstd[m];
+        const S mu = RMS ? S(0) : mean[m], rs = rstd[m];
         const V vmu(mu), vrs(rs);
         // s1 = sum(dy g), s2 = sum(dy g xhat); the dgamma / dbeta partials in the same pass.
         double s1, s2;
@@ -120,17 +134,17 @@ void ln_backward(const void* dy_, const void* x_, const void* gamma, const void*
             H, s1, s2,
             [&](int64_t i, V& a, V& b) {
               const V dv = V::loadu(d + i), xh = (V::loadu(xr + i) - vmu) * vrs, gd = dv * V::loadu(g + i);
-              a += gd;
+              if constexpr (!RMS) a += gd;
               b = at::vec::fmadd(gd, xh, b);
               at::vec::fmadd(dv, xh, V::loadu(pg + i)).store(pg + i);
-              (V::loadu(pb + i) + dv).store(pb + i);
+              if constexpr (!RMS) (V::loadu(pb + i) + dv).store(pb + i);
             },
             [&](int64_t i, double& a, double& b) {
               const S xh = (xr[i] - mu) * rs, gd = d[i] * g[i];
-              a += gd;
+              if constexpr (!RMS) a += gd;
               b += gd * xh;
               pg[i] += d[i] * xh;
-              pb[i] += d[i];
+              if constexpr (!RMS) pb[i] += d[i];
             });
         const S m1 = static_cast<S>(s1 / H), m2 = static_cast<S>(s2 / H);
         const V vm1(m1), vm2(m2);
@@ -148,17 +162,18 @@ void ln_backward(const void* dy_, const void* x_, const void* gamma, const void*
   });
   // Sum the block partials (in block order) into dgamma / dbeta.
   RowOut<T, S> dgo(H), dbo(H);
-  S *dg = dgo.get(static_cast<T*>(dg_)), *db = dbo.get(static_cast<T*>(db_));
+  S *dg = dgo.get(static_cast<T*>(dg_)), *db = RMS ? nullptr : dbo.get(static_cast<T*>(db_));
   std::copy(part.begin(), part.begin() + H, dg);  // block 0: dgamma then dbeta
-  std::copy(part.begin() + H, part.begin() + 2 * H, db);
+  if (!RMS) std::copy(part.begin() + H, part.begin() + 2 * H, db);
   for (int64_t blk = 1; blk < blocks; ++blk) {
     const S* pg = part.data() + 2 * blk * H;
     vfor<S>(H, [&](int64_t i) { (V::loadu(dg + i) + V::loadu(pg + i)).store(dg + i); }, [&](int64_t i) { dg[i] += pg[i]; });
-    vfor<S>(H, [&](int64_t i) { (V::loadu(db + i) + V::loadu(pg + H + i)).store(db + i); },
-            [&](int64_t i) { db[i] += pg[H + i]; });
+    if constexpr (!RMS)
+      vfor<S>(H, [&](int64_t i) { (V::loadu(db + i) + V::loadu(pg + H + i)).store(db + i); },
+              [&](int64_t i) { db[i] += pg[H + i]; });
   }
   dgo.put();
-  dbo.put();
+  if (!RMS) dbo.put();
 }
 
 // Per output row n: wc = W*g - mean(W*g) (stored in T), r = sum(wc as stored),
@@ -245,13 +260,23 @@ void epilogue(void* z_, const void* x_, const void* gamma, const void* beta, con
 }  // namespace
 
 void layer_norm_forward_cpu(const void* x, const void* gamma, const void* beta, void* y, void* mean, void* rstd,
-                            int64_t M, int64_t H, double eps, DType dtype, bool stats_given) {
-  dispatch_dtype(dtype, [&](auto t) { ln_forward<decltype(t)>(x, gamma, beta, y, mean, rstd, M, H, eps, stats_given); });
+                            int64_t M, int64_t H, double eps, DType dtype, bool stats_given, Norm norm) {
+  dispatch_dtype(dtype, [&](auto t) {
+    if (norm == Norm::kRms)
+      ln_forward<decltype(t), true>(x, gamma, beta, y, mean, rstd, M, H, eps, stats_given);
+    else
+      ln_forward<decltype(t), false>(x, gamma, beta, y, mean, rstd, M, H, eps, stats_given);
+  });
 }
 
 void layer_norm_backward_cpu(const void* dy, const void* x, const void* gamma, const void* mean, const void* rstd,
-                             void* dx, void* dgamma, void* dbeta, int64_t M, int64_t H, DType dtype) {
-  dispatch_dtype(dtype, [&](auto t) { ln_backward<decltype(t)>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, M, H); });
+                             void* dx, void* dgamma, void* dbeta, int64_t M, int64_t H, DType dtype, Norm norm) {
+  dispatch_dtype(dtype, [&](auto t) {
+    if (norm == Norm::kRms)
+      ln_backward<decltype(t), true>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, M, H);
+    else
+      ln_backward<decltype(t), false>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, M, H);
+  });
 }
 
 void layernorm_linear_fold_weight_cpu(const void* W, const void* gamma, const void* beta, const void* b, void* wc,

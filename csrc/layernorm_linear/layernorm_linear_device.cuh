@@ -55,9 +55,14 @@ template <> __device__ __forceinline__ float rsqrt_acc<float>(float v) { return 
 // second sums e = sum(x - mu1) and q = sum((x - mu1)^2). mu1 alone is off by
 // ~eps_acc * |x[0] - mean| when x[0] is far out; e corrects it. The variance
 // q/H - (e/H)^2 can round just below 0 on a constant row: clamped, so eps = 0 gives
-// inf (as torch), not NaN.
-template <typename A>
+// inf (as torch), not NaN. RMS: q = sum(x^2) (mu1 = 0, e unused), mu = 0.
+template <typename A, bool RMS = false>
 __device__ __forceinline__ void finish_stats(A mu1, A e, A q, int64_t H, double eps, A& mu, A& rs) {
+  if constexpr (RMS) {
+    mu = A(0);
+    rs = rsqrt_acc<A>(q / A(H) + A(eps));
+    return;
+  }
   const A de = e / A(H);
   const A var = q / A(H) - de * de;
   mu = mu1 + de;
@@ -148,13 +153,13 @@ __device__ __forceinline__ void block_sum2(A& a, A& b, A* sh) {
 
 // The end of a block's row statistics: e and q summed over the block, mu and rs from
 // them (finish_stats, every thread gets them), and thread 0 stores them for row.
-template <typename A>
+template <typename A, bool RMS = false>
 __device__ __forceinline__ void finish_block_row(A mu1, A e, A q, int64_t H, double eps, int64_t row,
                                                  A* mean, A* rstd, A* sh, A& mu, A& rs) {
   block_sum2(q, e, sh);
-  finish_stats(mu1, e, q, H, eps, mu, rs);
+  finish_stats<A, RMS>(mu1, e, q, H, eps, mu, rs);
   if (threadIdx.x == 0) {
-    mean[row] = mu;
+    if constexpr (!RMS) mean[row] = mu;
     rstd[row] = rs;
   }
 }
@@ -163,37 +168,49 @@ __device__ __forceinline__ void finish_block_row(A mu1, A e, A q, int64_t H, dou
 // (ln_row_cached, warp_row_stats, ln_fwd_loop, ln_fwd_warp) and the backward's xn
 // output. First pass: s += x - pivot. Second pass about mu1 (finish_stats):
 // e += x - mu1, q += (x - mu1)^2. normalise: o = (x - mu) * rs * gamma + beta at
-// vector column c.
+// vector column c. RMS (the mean forced to zero, no beta): the first pass is skipped,
+// q += x^2, and o = x * rs * gamma.
 template <typename T, int VEC>
 __device__ __forceinline__ void sum_shifted(const T (&v)[VEC], acc_t<T> pivot, acc_t<T>& s) {
 #pragma unroll
   for (int i = 0; i < VEC; ++i) s += to_acc<acc_t<T>>(v[i]) - pivot;
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, bool RMS = false>
 __device__ __forceinline__ void sum_centred(const T (&v)[VEC], acc_t<T> mu1, acc_t<T>& e, acc_t<T>& q) {
 #pragma unroll
   for (int i = 0; i < VEC; ++i) {
-    const acc_t<T> d = to_acc<acc_t<T>>(v[i]) - mu1;
-    e += d;
-    q += d * d;
+    if constexpr (RMS) {
+      const acc_t<T> d = to_acc<acc_t<T>>(v[i]);
+      q += d * d;
+    } else {
+      const acc_t<T> d = to_acc<acc_t<T>>(v[i]) - mu1;
+      e += d;
+      q += d * d;
+    }
   }
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, bool RMS = false>
 __device__ __forceinline__ void normalise(const T (&v)[VEC], acc_t<T> mu, acc_t<T> rs, const T* __restrict__ gamma,
                                           const T* __restrict__ beta, int64_t c, T (&o)[VEC]) {
   using A = acc_t<T>;
-  T g[VEC], b[VEC];
+  T g[VEC];
   load_pack<T, VEC>(g, gamma + c * VEC);
-  load_pack<T, VEC>(b, beta + c * VEC);
+  if constexpr (RMS) {
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) o[i] = from_acc<T>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+    for (int i = 0; i < VEC; ++i) o[i] = from_acc<T>(to_acc<A>(v[i]) * rs * to_acc<A>(g[i]));
+  } else {
+    T b[VEC];
+    load_pack<T, VEC>(b, beta + c * VEC);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] = from_acc<T>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+  }
 }
 
 // One row of LayerNorm held in registers by one block (blockDim.x threads, kCache
 // vectors each; the caller sizes the block so the row fits). y null: statistics only.
-template <typename T, int VEC>
+template <typename T, int VEC, bool RMS = false>
 __device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__ x, const T* __restrict__ gamma,
                                               const T* __restrict__ beta, T* __restrict__ y,
                                               acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd, int64_t H,
@@ -209,18 +226,21 @@ __device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__
   // each vector wait for its own load, one in flight per thread
   // (benchmarks/results/layer_norm_variants_h100.txt).
   for_cached<kCache>(nvec, [&](int k, int64_t c) { load_pack<T, VEC, Ld::kStream>(v[k], xr + c * VEC); });
-  A s = 0, unused = 0;
-  for_cached<kCache>(nvec, [&](int k, int64_t c) { sum_shifted<T, VEC>(v[k], pivot, s); });
-  block_sum2(s, unused, sh);
-  const A mu1 = pivot + s / A(H);
+  A mu1 = A(0);
+  if constexpr (!RMS) {
+    A s = 0, unused = 0;
+    for_cached<kCache>(nvec, [&](int k, int64_t c) { sum_shifted<T, VEC>(v[k], pivot, s); });
+    block_sum2(s, unused, sh);
+    mu1 = pivot + s / A(H);
+  }
   A q = 0, e = 0;  // second pass about mu1 (finish_stats)
-  for_cached<kCache>(nvec, [&](int k, int64_t c) { sum_centred<T, VEC>(v[k], mu1, e, q); });
+  for_cached<kCache>(nvec, [&](int k, int64_t c) { sum_centred<T, VEC, RMS>(v[k], mu1, e, q); });
   A mu, rs;
-  finish_block_row(mu1, e, q, H, eps, row, mean, rstd, sh, mu, rs);
+  finish_block_row<A, RMS>(mu1, e, q, H, eps, row, mean, rstd, sh, mu, rs);
   if (y != nullptr) {
     for_cached<kCache>(nvec, [&](int k, int64_t c) {
       T o[VEC];
-      normalise<T, VEC>(v[k], mu, rs, gamma, beta, c, o);
+      normalise<T, VEC, RMS>(v[k], mu, rs, gamma, beta, c, o);
       store_pack<T, VEC, St::kStream>(y + row * H + c * VEC, o);
     });
   }
@@ -230,7 +250,7 @@ __device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__
 // slots, those < nvec) into v, which the caller keeps. Same arithmetic as ln_row_cached
 // (pivot shift, corrected two-pass from registers), warp shuffles only. STREAM: the loads
 // skip L1 (rows read once). Every lane gets mu and rs.
-template <bool STREAM, typename T, int VEC, int NV>
+template <bool STREAM, typename T, int VEC, int NV, bool RMS = false>
 __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[NV][VEC], int lane, int64_t nvec,
                                                int64_t H, double eps, acc_t<T>& mu, acc_t<T>& rs) {
   using A = acc_t<T>;
@@ -245,21 +265,27 @@ __device__ __forceinline__ void warp_row_stats(const T* __restrict__ xr, T (&v)[
         load_pack<T, VEC>(v[k], xr + c * VEC);
     }
   }
-  A s = 0;
+  A mu1 = A(0);
+  if constexpr (!RMS) {
+    A s = 0;
 #pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    const int64_t c = lane + (int64_t)k * 32;
-    if (c < nvec) sum_shifted<T, VEC>(v[k], pivot, s);
+    for (int k = 0; k < NV; ++k) {
+      const int64_t c = lane + (int64_t)k * 32;
+      if (c < nvec) sum_shifted<T, VEC>(v[k], pivot, s);
+    }
+    s = warp_sum(s);
+    mu1 = pivot + s / A(H);
   }
-  s = warp_sum(s);
-  const A mu1 = pivot + s / A(H);
   A q = 0, e = 0;  // second pass about mu1 (finish_stats)
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int64_t c = lane + (int64_t)k * 32;
-    if (c < nvec) sum_centred<T, VEC>(v[k], mu1, e, q);
+    if (c < nvec) sum_centred<T, VEC, RMS>(v[k], mu1, e, q);
   }
-  finish_stats(mu1, warp_sum(e), warp_sum(q), H, eps, mu, rs);
+  if constexpr (RMS)
+    finish_stats<A, true>(mu1, e, warp_sum(q), H, eps, mu, rs);
+  else
+    finish_stats(mu1, warp_sum(e), warp_sum(q), H, eps, mu, rs);
 }
 // ---- launch helpers --------------------------------------------------------------
 

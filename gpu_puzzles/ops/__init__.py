@@ -3,6 +3,8 @@ from .attention import attention
 from .conv1d import conv1d
 from .embedding import embedding
 from .layernorm_linear import fused_layernorm_linear, layer_norm
+from .rmsnorm_linear import fused_rmsnorm_linear, rms_norm
 from .softmax import log_softmax, softmax
 
-__all__ = ["conv1d", "embedding", "softmax", "log_softmax", "layer_norm", "fused_layernorm_linear", "attention"]
+__all__ = ["conv1d", "embedding", "softmax", "log_softmax", "layer_norm", "fused_layernorm_linear", "attention",
+           "rms_norm", "fused_rmsnorm_linear"]

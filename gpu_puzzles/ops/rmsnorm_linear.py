@@ -1,0 +1,78 @@
+"""RMSNorm and fused RMSNorm+Linear: ``torch.ops.gpu_puzzles.rms_norm``,
+``torch.ops.gpu_puzzles.fused_rmsnorm_linear``.
+
+rms_norm(x) = x * rsqrt(mean(x^2 over the last dim) + eps) * weight, statistics in float32
+(float64 for float64 inputs), as ``torch.nn.functional.rms_norm`` and Llama's RMSNorm.
+
+fused_rmsnorm_linear(x, ...) = F.linear(rms_norm(x, norm_weight), W, b). The LayerNorm
+kernels with the mean forced to zero and no beta, and the same two plans (knob
+``layernorm_linear_plan``): "normalize" writes rms_norm(x) and runs one GEMM; "fold" runs
+the GEMM on x against W * norm_weight and applies rstd in its epilogue. W may be any 2-D
+view with a unit stride (it is not copied; its gradient comes back in its layout). See
+csrc/layernorm_linear/layernorm_linear.cpp.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._common import schema_default
+
+
+def _rstd_like(x):
+    return x.new_empty(x.shape[:-1], dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+
+# ---- fake kernels: output shapes only (the C++ kernels validate the arguments) ------
+
+@torch.library.register_fake("gpu_puzzles::rms_norm")
+def _rms_norm_fake(x, weight, eps=None):
+    return x.new_empty(x.shape), _rstd_like(x)
+
+
+@torch.library.register_fake("gpu_puzzles::rms_norm_backward")
+def _rms_norm_backward_fake(grad_out, x, weight, rstd):
+    return x.new_empty(x.shape), x.new_empty(weight.shape)
+
+
+@torch.library.register_fake("gpu_puzzles::fused_rmsnorm_linear")
+def _fused_rms_fake(x, norm_weight, linear_weight, linear_bias=None, eps=None):
+    return x.new_empty((*x.shape[:-1], linear_weight.shape[0])), _rstd_like(x)
+
+
+@torch.library.register_fake("gpu_puzzles::fused_rmsnorm_linear_backward")
+def _fused_rms_backward_fake(grad_out, x, norm_weight, linear_weight, rstd, has_bias):
+    N, H = linear_weight.shape
+    W = linear_weight
+    # dW in W's layout (the C++ w_transposed): (H, N) memory for a transposed W.
+    dW = x.new_empty((H, N)).t() if not W.is_contiguous() and W.t().is_contiguous() else x.new_empty((N, H))
+    return x.new_empty(x.shape), x.new_empty((H,)), dW, x.new_empty((N,) if has_bias else (0,))
+
+
+# Autograd is registered in C++ (csrc/layernorm_linear/layernorm_linear_autograd.cpp).
+
+_rms_norm = torch.ops.gpu_puzzles.rms_norm.default
+_fused = torch.ops.gpu_puzzles.fused_rmsnorm_linear.default
+
+_EPS = schema_default(_rms_norm, "eps")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = _EPS) -> Tensor:
+    """RMSNorm over the last dimension: ``x * rsqrt(mean(x^2) + eps) * weight``.
+
+    ``weight`` has shape ``(H,)``; statistics in float32 (float64 for float64 x). Same as
+    ``F.rms_norm(x, (H,), weight, eps)``.
+    """
+    return _rms_norm(x, weight, eps)[0]
+
+
+def fused_rmsnorm_linear(x: Tensor, norm_weight: Tensor, linear_weight: Tensor,
+                         linear_bias: Optional[Tensor] = None, eps: float = _EPS) -> Tensor:
+    """``F.linear(rms_norm(x, norm_weight, eps), linear_weight, linear_bias)``, fused.
+
+    ``x (..., H)``, ``norm_weight (H,)``, ``linear_weight (N, H)`` (any view with a unit
+    stride, e.g. ``weight.t()`` of an ``(H, N)`` parameter), ``linear_bias (N,)`` or
+    ``None``; returns ``(..., N)``. Only x and the row statistics are saved for the
+    backward (the normalised activation is recomputed there).
+    """
+    return _fused(x, norm_weight, linear_weight, linear_bias, eps)[0]
