@@ -98,7 +98,7 @@ template <typename T> __device__ __forceinline__ int64_t head_elems(const T* p, 
 }
 
 template <typename T>
-__global__ void __launch_bounds__(1024) ce_fwd_kernel(CeFwdArgs a) {
+__global__ void __launch_bounds__(512) ce_fwd_kernel(CeFwdArgs a) {
   using A = acc_t<T>;
   using D = Domain<A>;
   constexpr int VEC = 16 / sizeof(T);
@@ -163,7 +163,7 @@ __device__ __forceinline__ T grad_of(T xv, int64_t j, int64_t t, A lse_d, A g) {
 // No __restrict__ and no __ldg: grad may be the logits themselves (each element is read,
 // then written, by the same thread).
 template <typename T>
-__global__ void __launch_bounds__(1024) ce_bwd_kernel(CeBwdArgs a) {
+__global__ void __launch_bounds__(512) ce_bwd_kernel(CeBwdArgs a) {
   using A = acc_t<T>;
   constexpr int VEC = 16 / sizeof(T);
   const T* logits = static_cast<const T*>(a.logits);
