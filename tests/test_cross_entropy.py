@@ -126,18 +126,24 @@ def test_strided_logits(device, dtype, V):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_strided_logits_no_copy(reduction):
+def test_strided_logits_no_copy(dtype, reduction):
+    # ("none" casts its per-row float32 losses to bf16: a copy kernel of rows elements, not of the logits.)
     B, S, V = 2, 9, 50257
-    full = _logits((B, S, V), "cuda", torch.float32, seed=14)
+    full = _logits((B, S, V), "cuda", dtype, seed=14)
     labels = _targets((B, S), V, "cuda", seed=15)
     x, t = full[:, :-1], labels[:, 1:]
     (loss, lse), copies = copy_kernels(OP, x, t, -100, reduction)
     assert not copies, copies
-    g = torch.tensor(1.0, device="cuda")
+    g = torch.tensor(1.0, device="cuda", dtype=dtype)
     gx, copies = copy_kernels(BWD_OP, g, x, t, lse, -100, reduction)
     assert not copies, copies
-    assert_close_ref(loss, _ref(x, t, reduction), torch.float32, "loss")
+    assert_close_ref(loss, _ref(x, t, reduction), dtype, "loss")
+    xr = x.double().requires_grad_()
+    (gr,) = torch.autograd.grad(_ref(xr, t, reduction), xr)
+    n = (t != -100).sum().item() if reduction == "mean" else 1
+    assert_close_ref(gx.double() * n, gr * n, dtype, "grad")
 
 
 @requires_cuda
@@ -366,3 +372,16 @@ def test_bad_target_cpu():
 def test_bad_device():
     with pytest.raises(RuntimeError, match="target is on"):
         gp.cross_entropy(torch.randn(3, 4, device="cuda"), torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_all_ignored(device):
+    h = _logits((6, 8), device, torch.float32, seed=43).requires_grad_()
+    w = _logits((11, 8), device, torch.float32, seed=44).requires_grad_()
+    t = torch.full((6,), -100, device=device)
+    with tuning.override(cross_entropy_chunk="2"):
+        loss = gp.fused_linear_cross_entropy(h, w, t)
+        gh, gw = torch.autograd.grad(loss, (h, w))
+        assert gp.fused_linear_cross_entropy(h, w, t, reduction="sum").item() == 0
+    assert torch.isnan(loss)  # 0 / 0, as F.cross_entropy
+    assert (gh == 0).all() and (gw == 0).all()

@@ -25,16 +25,18 @@ namespace gpu_puzzles {
 
 CrossEntropyPlan cross_entropy_plan(int64_t rows, int64_t V, int64_t elem_bytes) {
   CrossEntropyPlan p{};
-  // About 8 vectors of 16 bytes per thread per row, 32 to 512 threads: up to 4 blocks per
+  // About 8 vectors of 16 bytes per thread per row, 32 to 512 threads: several blocks per
   // SM stay resident, so one row's reduction tail overlaps other rows' loads.
   const int64_t nvec = (V * elem_bytes + 15) / 16;
   p.threads = 32;
   while (p.threads < 512 && int64_t(p.threads) * 8 < nvec) p.threads *= 2;
-  const int64_t row_bytes = std::max<int64_t>(1, V * elem_bytes);
-  const int64_t by_bytes = std::max<int64_t>(1, kCeChunkBytes / row_bytes);
-  p.chunk_rows = std::max<int64_t>(1, std::min<int64_t>(std::max<int64_t>(rows, 1),
-                                                         knob_int(Knob::CrossEntropyChunk, static_cast<int>(
-                                                             std::min<int64_t>(by_bytes, 1 << 30)))));
+  // Fused: as few chunks as keep each under kCeChunkBytes, of equal size (8192 rows of
+  // 50257 bf16: 4 x 2048, not 3 x 2670 + 182), so no GEMM runs on a sliver of rows.
+  rows = std::max<int64_t>(rows, 1);
+  const int64_t by_bytes = std::max<int64_t>(1, kCeChunkBytes / std::max<int64_t>(1, V * elem_bytes));
+  const int64_t chunks = (rows + by_bytes - 1) / by_bytes;
+  const int knob_rows = knob_int(Knob::CrossEntropyChunk, 0);
+  p.chunk_rows = knob_rows > 0 ? std::min<int64_t>(rows, knob_rows) : (rows + chunks - 1) / chunks;
   return p;
 }
 
@@ -156,9 +158,28 @@ void backward_rows(const Tensor& logits, const Tensor& target, const Tensor& lse
 // int64 on the device; dividing a float by it casts inside the division kernel (no copy kernel).
 Tensor count_of(const Tensor& target, int64_t ignore) { return target.ne(ignore).sum(); }
 
+#ifdef WITH_CUDA
+// The single-block count/sum kernel (CeReduceArgs): the loss (loss_rows defined) or the
+// backward's scale.
+Tensor reduce_cuda(const Tensor& loss_rows, const Tensor& target, int64_t ignore, bool mean, const Tensor& grad_loss,
+                   const at::TensorOptions& out_opts, at::ScalarType dtype) {
+  const auto [tt, ts] = rows_of(target, false);
+  Tensor out = at::empty({}, out_opts);
+  const CeReduceArgs a{loss_rows.defined() ? loss_rows.data_ptr() : nullptr, tt.data_ptr(),
+                       tt.scalar_type() == at::kLong, ts, target.numel(), ignore, mean,
+                       grad_loss.defined() ? grad_loss.data_ptr() : nullptr, out.data_ptr(), to_dtype(dtype)};
+  GP_CUDA_CHECK_STATUS(cross_entropy_reduce_cuda(a, current_stream()));
+  return out;
+}
+#endif
+
 // The loss from the per-row losses (0 at ignored rows): as is, summed, or over the count.
 Tensor finalize(const Tensor& loss_rows, const Tensor& target, int64_t ignore, Reduction red, at::ScalarType out) {
   if (red == Reduction::None) return loss_rows.view(target.sizes()).to(out);
+#ifdef WITH_CUDA
+  if (loss_rows.is_cuda())
+    return reduce_cuda(loss_rows, target, ignore, red == Reduction::Mean, Tensor(), loss_rows.options().dtype(out), out);
+#endif
   const Tensor s = loss_rows.sum();
   if (red == Reduction::Sum) return s.to(out);
   return s.div(count_of(target, ignore)).to(out);  // 0 targets: 0 / 0 = nan
@@ -209,11 +230,20 @@ Tensor cross_entropy_backward_impl(const Tensor& grad_loss, const Tensor& logits
   c10::optional<c10::cuda::CUDAGuard> guard;
   if (logits.is_cuda()) guard.emplace(logits.device());
 #endif
-  const Tensor g = grad_loss.to(acc);
   Tensor scale;
-  if (red == Reduction::None) scale = g.reshape({-1}).contiguous();
-  else if (red == Reduction::Sum) scale = g.reshape({1});
-  else scale = g.div(count_of(target, ignore)).reshape({1});
+  if (red == Reduction::None) {
+    scale = grad_loss.to(acc).reshape({-1}).contiguous();
+#ifdef WITH_CUDA
+  } else if (logits.is_cuda()) {
+    const Tensor g = grad_loss.to(logits.scalar_type());  // the kernel reads it in the logits' dtype
+    scale = reduce_cuda(Tensor(), target, ignore, red == Reduction::Mean, g, logits.options().dtype(acc),
+                        logits.scalar_type())
+                .reshape({1});
+#endif
+  } else {
+    const Tensor g = grad_loss.to(acc);
+    scale = red == Reduction::Sum ? g.reshape({1}) : g.div(count_of(target, ignore)).reshape({1});
+  }
   const bool cpu_half = logits.device().is_cpu() && is_half(logits.scalar_type());
   const Tensor lg = cpu_half ? logits.to(at::kFloat) : logits;
   Tensor grad = at::empty(lg.sizes(), lg.options());  // contiguous
@@ -289,9 +319,17 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
   const Tensor t1 = target.reshape({N}).contiguous();
   const Tensor loss_rows = at::empty({N}, hidden.options().dtype(acc));
   Tensor scale;
+  // The scale of a loss of 1; 0 targets: inf, unused (every row is ignored).
   if (any) {
-    scale = at::ones({1}, hidden.options().dtype(acc));
-    if (red == Reduction::Mean) scale.div_(count_of(t1, ignore));  // 0 targets: inf, unused (every row ignored)
+#ifdef WITH_CUDA
+    if (!cpu)
+      scale = reduce_cuda(Tensor(), t1, ignore, red == Reduction::Mean, Tensor(), hidden.options().dtype(acc), dt)
+                  .reshape({1});
+#endif
+    if (cpu) {
+      scale = at::ones({1}, hidden.options().dtype(acc));
+      if (red == Reduction::Mean) scale.div_(count_of(t1, ignore));
+    }
   }
   Tensor gh = want_h ? at::empty({N, H}, hidden.options()) : at::empty({0}, hidden.options());
   // Weight and bias gradients sum over every chunk: in the accumulate type.

@@ -49,6 +49,24 @@ struct CeBwdArgs {
   int threads;
 };
 
+// One block, fixed order (deterministic), on CUDA: the count of non-ignored targets n and
+//   loss mode  (loss_rows set):  out (logits' dtype, 0-d) = sum(loss_rows) / n (mean) or the sum;
+//   scale mode (loss_rows null): out (A, 0-d) = g / n (mean) or g, g = *grad_loss (logits'
+//                                dtype) or 1 when grad_loss is null.
+// Replaces the handful of small ATen kernels (ne, sum, sum, div, cast) of the same math.
+struct CeReduceArgs {
+  const void* loss_rows;  // (rows,) A
+  const void* target;
+  bool target64;
+  RowStrides ts;
+  int64_t rows, ignore_index;
+  bool mean;
+  const void* grad_loss;
+  void* out;
+  DType dtype;
+};
+LaunchStatus cross_entropy_reduce_cuda(const CeReduceArgs& a, cudaStream_t stream);
+
 // The one heuristic of the op: the CUDA block size of the row kernels, and the rows per
 // chunk of the fused linear cross-entropy (knob cross_entropy_chunk overrides the latter).
 struct CrossEntropyPlan {

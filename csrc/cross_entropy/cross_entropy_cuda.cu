@@ -215,6 +215,50 @@ __global__ void __launch_bounds__(512) ce_bwd_kernel(CeBwdArgs a) {
   }
 }
 
+constexpr int kReduceThreads = 1024;
+
+// Sums in double and counts in int64, each thread over rows tid, tid + 1024, ..., then a
+// fixed tree: the same bits on every run.
+template <typename T>
+__global__ void __launch_bounds__(kReduceThreads) ce_reduce_kernel(CeReduceArgs a) {
+  using A = acc_t<T>;
+  __shared__ double ssum[32];
+  __shared__ long long scnt[32];
+  const A* rows = static_cast<const A*>(a.loss_rows);
+  double s = 0;
+  long long n = 0;
+  for (int64_t r = threadIdx.x; r < a.rows; r += blockDim.x) {
+    const bool keep = target_at(a.target, a.target64, a.ts, r) != a.ignore_index;
+    n += keep;
+    if (rows != nullptr) s += static_cast<double>(rows[r]);  // 0 at ignored rows
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, d);
+    n += __shfl_xor_sync(0xffffffffu, n, d);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  if (lane == 0) {
+    ssum[warp] = s;
+    scnt[warp] = n;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  s = 0;
+  n = 0;
+  for (int w = 0; w < nw; ++w) {
+    s += ssum[w];
+    n += scnt[w];
+  }
+  const double cnt = static_cast<double>(n);  // 0: 0 / 0 = nan for a mean, as PyTorch
+  if (rows != nullptr) {
+    *static_cast<T*>(a.out) = from_acc<T>(static_cast<A>(a.mean ? s / cnt : s));
+  } else {
+    const double g = a.grad_loss ? static_cast<double>(to_acc<A>(*static_cast<const T*>(a.grad_loss))) : 1.0;
+    *static_cast<A*>(a.out) = static_cast<A>(a.mean ? g / cnt : g);
+  }
+}
+
 template <typename T> int rows_grid(int64_t rows) {
   // Rows beyond the grid loop in the kernel; 2^31 - 1 is the x-dim limit.
   return static_cast<int>(rows < 0x7fffffff ? rows : 0x7fffffff);
@@ -236,6 +280,14 @@ LaunchStatus cross_entropy_backward_cuda(const CeBwdArgs& a, cudaStream_t stream
   return dispatch_dtype(a.dtype, [&](auto tag) -> LaunchStatus {
     using T = decltype(tag);
     ce_bwd_kernel<T><<<rows_grid<T>(a.rows), a.threads, 0, stream>>>(a);
+    return cudaGetLastError();
+  });
+}
+
+LaunchStatus cross_entropy_reduce_cuda(const CeReduceArgs& a, cudaStream_t stream) {
+  return dispatch_dtype(a.dtype, [&](auto tag) -> LaunchStatus {
+    using T = decltype(tag);
+    ce_reduce_kernel<T><<<1, kReduceThreads, 0, stream>>>(a);
     return cudaGetLastError();
   });
 }
