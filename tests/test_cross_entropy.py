@@ -385,3 +385,14 @@ def test_fused_all_ignored(device):
         assert gp.fused_linear_cross_entropy(h, w, t, reduction="sum").item() == 0
     assert torch.isnan(loss)  # 0 / 0, as F.cross_entropy
     assert (gh == 0).all() and (gw == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nn_module(device):
+    logits = _logits((3, 4, 10), device, torch.float64, seed=45)
+    target = _targets((3, 4), 10, device, seed=46)
+    for reduction in REDUCTIONS:
+        mod = gp.nn.CrossEntropyLoss(reduction=reduction)
+        torch.testing.assert_close(mod(logits, target), _ref(logits, target, reduction))
+    with pytest.raises(ValueError, match="reduction"):
+        gp.nn.CrossEntropyLoss(reduction="avg")
