@@ -128,16 +128,23 @@ void launch_backward(const CeBwdArgs& a, bool cpu) {
 }
 
 // Per-row loss and lse (accumulate type, (rows,)) of logits (rows as (..., V)) into
-// `loss` and `lse` (contiguous). CPU half logits are computed in float.
-void forward_rows(const Tensor& logits0, const Tensor& target, int64_t ignore, const Tensor& loss, const Tensor& lse) {
+// `loss` and `lse` (contiguous). CPU half logits are computed in float. With
+// grad_scale (CUDA only) the kernel also overwrites the logits with their gradient.
+void forward_rows(const Tensor& logits0, const Tensor& target, int64_t ignore, const Tensor& loss, const Tensor& lse,
+                  const Tensor& grad_scale = Tensor()) {
   const bool cpu = logits0.device().is_cpu();
   const Tensor logits = cpu && is_half(logits0.scalar_type()) ? logits0.to(at::kFloat) : logits0;
   const int64_t V = logits.size(-1), rows = loss.numel();
   const auto [lt, ls] = rows_of(logits, true);
   const auto [tt, ts] = rows_of(target, false);
   const CrossEntropyPlan plan = cross_entropy_plan(rows, V, logits.element_size());
-  const CeFwdArgs a{lt.data_ptr(), ls, tt.data_ptr(), tt.scalar_type() == at::kLong, ts, loss.data_ptr(),
-                    lse.data_ptr(), rows, V, ignore, to_dtype(lt.scalar_type()), plan.threads};
+  CeFwdArgs a{lt.data_ptr(), ls, tt.data_ptr(), tt.scalar_type() == at::kLong, ts, loss.data_ptr(),
+              lse.data_ptr(), rows, V, ignore, to_dtype(lt.scalar_type()), plan.threads};
+  if (grad_scale.defined()) {
+    TORCH_CHECK(!cpu && lt.data_ptr() == logits0.data_ptr(), "gpu_puzzles: in-place gradient rows need CUDA logits");
+    a.grad_in_place = true;
+    a.scale = grad_scale.data_ptr();
+  }
   launch_forward(a, cpu);
 }
 
@@ -343,9 +350,11 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
     const Tensor tc = t1.narrow(0, s, n);
     const Tensor logits = has_bias ? at::addmm(*bias, hc, wt) : at::mm(hc, wt);  // (n, V), contiguous
     const Tensor lse = at::empty({n}, hidden.options().dtype(acc));
-    forward_rows(logits, tc, ignore, loss_rows.narrow(0, s, n), lse);
+    // d loss / d logits over the logits, in place: in the forward kernel on CUDA (the row
+    // is still in L2), a second pass on the CPU.
+    forward_rows(logits, tc, ignore, loss_rows.narrow(0, s, n), lse, any && !cpu ? scale : Tensor());
     if (!any) continue;
-    backward_rows(logits, tc, lse, scale, false, ignore, logits);  // d loss / d logits, in place
+    if (cpu) backward_rows(logits, tc, lse, scale, false, ignore, logits);
     if (want_h) {
       Tensor ghc = gh.narrow(0, s, n);
       at::mm_out(ghc, logits, weight);

@@ -27,6 +27,11 @@ struct CeFwdArgs {
   int64_t rows, V, ignore_index;
   DType dtype;
   int threads;  // CUDA block size (cross_entropy_plan)
+  // Optional (CUDA): the gradient of each non-ignored row written over the logits
+  // themselves right after its lse, as the backward would with scale[0] (A) -- the fused
+  // op's chunks, whose logits are not needed afterwards; the row is re-read from L2.
+  bool grad_in_place = false;
+  const void* scale = nullptr;
 };
 
 // grad[r, j] = (exp(logit[r, j] - lse[r]) - (j == target[r])) * scale[per_row ? r : 0]; zero rows

@@ -18,7 +18,9 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kUnroll = 4;  // 16-byte vectors in flight per thread
+// 16-byte vectors in flight per thread (float64: 2, its wider accumulators would spill
+// under the forward's 64-register bound).
+template <typename T> constexpr int kUnrollOf = sizeof(T) == 8 ? 2 : 4;
 
 // exp in the accumulate type's log2 domain: float values are pre-multiplied by log2(e)
 // (one FFMA + MUFU.EX2 per element), double stays natural.
@@ -97,27 +99,80 @@ template <typename T> __device__ __forceinline__ int64_t head_elems(const T* p, 
   return mis == 0 ? 0 : (VEC - mis < V ? VEC - mis : V);
 }
 
+template <typename T, typename A>
+__device__ __forceinline__ T grad_of(T xv, int64_t j, int64_t t, A lse_d, A g) {
+  const A p = Domain<A>::ex(Domain<A>::in(to_acc<A>(xv)) - lse_d);
+  return from_acc<T>((j == t ? p - A(1) : p) * g);
+}
+
+// One row of the gradient by the whole block: y[j] = (exp(x[j] - lse) - (j == t)) * g, or
+// zeros for an ignored row. lse_d is the lse in the Domain. Plain loads, no __restrict__:
+// y may be x (each element is read, then written, by the same thread).
+template <typename T, typename A>
+__device__ __forceinline__ void grad_row(const T* x, T* y, int64_t V, int64_t t, bool ign, A lse_d, A g) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int kUnroll = kUnrollOf<T>;
+  const int nt = blockDim.x, tid = threadIdx.x;
+  const T zero = from_acc<T>(A(0));
+  const bool same = ((reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(y)) & 15u) == 0;
+  if (!same) {  // coalesced scalar loop
+    for (int64_t j = tid; j < V; j += nt) y[j] = ign ? zero : grad_of<T, A>(x[j], j, t, lse_d, g);
+    return;
+  }
+  const int64_t head = head_elems(y, V);
+  const int64_t nvec = (V - head) / VEC;
+  const int64_t tail0 = head + nvec * VEC;
+  if (tid < head) y[tid] = ign ? zero : grad_of<T, A>(x[tid], tid, t, lse_d, g);
+  if (tail0 + tid < V) y[tail0 + tid] = ign ? zero : grad_of<T, A>(x[tail0 + tid], tail0 + tid, t, lse_d, g);
+  const T* xb = x + head;
+  T* yb = y + head;
+  for (int64_t i = tid; i < nvec; i += int64_t(kUnroll) * nt) {
+    Vec<T, VEC> q[kUnroll];
+    if (!ign) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (i + int64_t(u) * nt < nvec) q[u].q[0] = *reinterpret_cast<const uint4*>(xb + (i + int64_t(u) * nt) * VEC);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t iv = i + int64_t(u) * nt;
+      if (iv >= nvec) continue;
+      if (ign) {
+        zero_vec(q[u]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) q[u].e[k] = grad_of<T, A>(q[u].e[k], head + iv * VEC + k, t, lse_d, g);
+      }
+      store_vec(yb + iv * VEC, q[u]);
+    }
+  }
+}
+
 template <typename T>
-__global__ void __launch_bounds__(512) ce_fwd_kernel(CeFwdArgs a) {
+// At most 64 registers: two blocks of 512 threads per SM, so one block's reduction and
+// barrier overlap the other's loads.
+__global__ void __launch_bounds__(512, 2) ce_fwd_kernel(CeFwdArgs a) {
   using A = acc_t<T>;
   using D = Domain<A>;
   constexpr int VEC = 16 / sizeof(T);
-  __shared__ A sm[32], ss[32];
+  constexpr int kUnroll = kUnrollOf<T>;
+  __shared__ A sm[32], ss[32], row_lse;
   const T* logits = static_cast<const T*>(a.logits);
   A* loss = static_cast<A*>(a.loss);
   A* lse_out = static_cast<A*>(a.lse);
   const int nt = blockDim.x, tid = threadIdx.x;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const int64_t t = target_at(a.target, a.target64, a.ts, row);
+    const T* x = logits + row_offset(a.ls, row);
+    const int64_t V = a.V;
     if (t == a.ignore_index) {  // block-uniform
       if (tid == 0) {
         loss[row] = A(0);
         lse_out[row] = A(0);
       }
+      if (a.grad_in_place) grad_row<T, A>(x, const_cast<T*>(x), V, t, true, A(0), A(0));
       continue;
     }
-    const T* x = logits + row_offset(a.ls, row);
-    const int64_t V = a.V;
     const int64_t head = head_elems(x, V);
     const int64_t nvec = (V - head) / VEC;
     const int64_t tail0 = head + nvec * VEC;
@@ -135,13 +190,25 @@ __global__ void __launch_bounds__(512) ce_fwd_kernel(CeFwdArgs a) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
         if (i + int64_t(u) * nt < nvec) load_vec(q[u], xb + (i + int64_t(u) * nt) * VEC);
-      A v[kUnroll * VEC];
+      // Max on the raw values (Domain::in is a positive scale), then one FFMA + exp per
+      // element, converting from the loaded words twice instead of keeping kUnroll * VEC
+      // converted values live (register pressure: resident blocks per SM).
+      A mx = neg_inf<A>();
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
+        if (i + int64_t(u) * nt < nvec)
 #pragma unroll
-        for (int k = 0; k < VEC; ++k)
-          v[u * VEC + k] = i + int64_t(u) * nt < nvec ? D::in(to_acc<A>(q[u].e[k])) : neg_inf<A>();
-      o.add(v);
+          for (int k = 0; k < VEC; ++k) mx = max_of(mx, to_acc<A>(q[u].e[k]));
+      const A mxd = D::in(mx);
+      if (mxd > o.m) {  // a new max: rescale (o.m = -inf: o.s is 0, ex(-inf) = 0)
+        o.s *= D::ex(o.m - mxd);
+        o.m = mxd;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (i + int64_t(u) * nt < nvec)
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) o.s += D::ex(D::in(to_acc<A>(q[u].e[k])) - o.m);
     }
     block_merge(o, sm, ss);
     if (tid == 0) {
@@ -149,69 +216,31 @@ __global__ void __launch_bounds__(512) ce_fwd_kernel(CeFwdArgs a) {
       lse_out[row] = l;
       // Out-of-range target: NaN, and no read outside the row.
       loss[row] = (t >= 0 && t < V) ? l - to_acc<A>(x[t]) : A(NAN);
+      row_lse = l;
     }
-    __syncthreads();  // sm/ss are reused by the next row
+    __syncthreads();  // sm/ss/row_lse are reused by the next row
+    if (a.grad_in_place) {
+      // Every thread has read its loads of the row before the barrier above: in place is safe.
+      const A g = *static_cast<const A*>(a.scale);
+      grad_row<T, A>(x, const_cast<T*>(x), V, t, false, D::in(row_lse), g);
+      __syncthreads();  // row_lse is read above before the next row's thread 0 writes it
+    }
   }
 }
 
-template <typename T, typename A>
-__device__ __forceinline__ T grad_of(T xv, int64_t j, int64_t t, A lse_d, A g) {
-  const A p = Domain<A>::ex(Domain<A>::in(to_acc<A>(xv)) - lse_d);
-  return from_acc<T>((j == t ? p - A(1) : p) * g);
-}
-
-// No __restrict__ and no __ldg: grad may be the logits themselves (each element is read,
-// then written, by the same thread).
 template <typename T>
 __global__ void __launch_bounds__(512) ce_bwd_kernel(CeBwdArgs a) {
   using A = acc_t<T>;
-  constexpr int VEC = 16 / sizeof(T);
   const T* logits = static_cast<const T*>(a.logits);
   T* grad = static_cast<T*>(a.grad);
   const A* lse = static_cast<const A*>(a.lse);
   const A* scale = static_cast<const A*>(a.scale);
-  const int nt = blockDim.x, tid = threadIdx.x;
-  const int64_t V = a.V;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const int64_t t = target_at(a.target, a.target64, a.ts, row);
     const bool ign = t == a.ignore_index;
-    const T* x = logits + row_offset(a.ls, row);
-    T* y = grad + row * a.grad_stride;
     const A lse_d = ign ? A(0) : Domain<A>::in(lse[row]);
     const A g = ign ? A(0) : scale[a.scale_per_row ? row : 0];
-    const T zero = from_acc<T>(A(0));
-    const bool same = ((reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(y)) & 15u) == 0;
-    if (!same) {  // coalesced scalar loop
-      for (int64_t j = tid; j < V; j += nt) y[j] = ign ? zero : grad_of<T, A>(x[j], j, t, lse_d, g);
-      continue;
-    }
-    const int64_t head = head_elems(y, V);
-    const int64_t nvec = (V - head) / VEC;
-    const int64_t tail0 = head + nvec * VEC;
-    if (tid < head) y[tid] = ign ? zero : grad_of<T, A>(x[tid], tid, t, lse_d, g);
-    if (tail0 + tid < V) y[tail0 + tid] = ign ? zero : grad_of<T, A>(x[tail0 + tid], tail0 + tid, t, lse_d, g);
-    const T* xb = x + head;
-    T* yb = y + head;
-    for (int64_t i = tid; i < nvec; i += int64_t(kUnroll) * nt) {
-      Vec<T, VEC> q[kUnroll];
-      if (!ign) {
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (i + int64_t(u) * nt < nvec) q[u].q[0] = *reinterpret_cast<const uint4*>(xb + (i + int64_t(u) * nt) * VEC);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t iv = i + int64_t(u) * nt;
-        if (iv >= nvec) continue;
-        if (ign) {
-          zero_vec(q[u]);
-        } else {
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) q[u].e[k] = grad_of<T, A>(q[u].e[k], head + iv * VEC + k, t, lse_d, g);
-        }
-        store_vec(yb + iv * VEC, q[u]);
-      }
-    }
+    grad_row<T, A>(logits + row_offset(a.ls, row), grad + row * a.grad_stride, a.V, t, ign, lse_d, g);
   }
 }
 
