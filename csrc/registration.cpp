@@ -86,4 +86,16 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   // (..., K, N) times alpha; causal_mask writes -inf where col > row.
   m.def("transpose_last2(Tensor x) -> Tensor");
   m.def("matmul(Tensor a, Tensor b, float alpha=1.0, bool causal_mask=False) -> Tensor");
+
+  // ---- cross_entropy -------------------------------------------------------
+  // F.cross_entropy over logits (..., V) (classes last) and int64/int32 target (...).
+  // Returns (loss, lse): lse is each row's log-sum-exp (float32, float64 for float64
+  // logits; 0 at ignored rows), all the backward keeps besides the logits.
+  m.def("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, str reduction=\"mean\") -> (Tensor, Tensor)");
+  m.def("cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, int ignore_index, str reduction) -> Tensor");
+  // cross_entropy(hidden @ weight.T + bias, target) without storing the logits (row chunks).
+  // output_mask (hidden, weight, bias): the gradients computed in the forward, for a
+  // loss of 1 (the backward scales them); unrequested ones are empty. reduction mean|sum.
+  // -> (loss, grad_hidden, grad_weight, grad_bias)
+  m.def("fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, str reduction=\"mean\", bool[3] output_mask=[False, False, False]) -> (Tensor, Tensor, Tensor, Tensor)");
 }

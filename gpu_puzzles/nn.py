@@ -300,3 +300,21 @@ class Attention(nn.Module):
     def extra_repr(self):
         return (f"{self.embed_dim}, num_heads={self.num_heads}, bias={self.qkv.bias is not None}, "
                 f"causal={self.causal}, algorithm={self.algorithm!r}")
+
+
+class CrossEntropyLoss(nn.Module):
+    """``nn.CrossEntropyLoss`` with the classes in the last dim (logits ``(..., V)``,
+    target ``(...)``); ``ignore_index`` and ``reduction`` as there. No class weights
+    or label smoothing."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean"):
+        super().__init__()
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"CrossEntropyLoss: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        self.ignore_index, self.reduction = ignore_index, reduction
+
+    def forward(self, logits, target):
+        return ops.cross_entropy(logits, target, self.ignore_index, self.reduction)
+
+    def extra_repr(self):
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"

@@ -104,6 +104,25 @@ def _attn_ref(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def _ce_make(g, n):
+    t = torch.randint(0, 37, (4 * n, 5), generator=g)
+    t[0, :2] = -100  # ignored rows
+    return [_randn(g, 4 * n, 5, 37) * 3, t]
+
+
+def _ce_ref(x, t):
+    return F.cross_entropy(x.reshape(-1, x.shape[-1]), t.reshape(-1))
+
+
+def _flce_make(g, n):
+    h, t = _ce_make(g, n)
+    return [h[..., :24] / 3, _randn(g, 37, 24) / 5, t, _randn(g, 37)]
+
+
+def _flce_ref(h, w, t, b):
+    return _ce_ref(F.linear(h, w, b), t)
+
+
 def _naive(x, lw, lb, W, b):
     return torch.ops.gpu_puzzles.fused_layernorm_linear_naive(x, lw, lb, W, b)
 
@@ -155,6 +174,15 @@ OPS = [
     OpCase("attention_unfused", lambda q, k, v: gp.attention(q, k, v, causal=True, algorithm="unfused"),
            _attn_make, ("q", "k", "v"), ("float",) * 3, _attn_ref,
            [("k head dim 15", lambda q, k, v: gp.attention(q, k[..., 1:], v, algorithm="unfused"), "k")]),
+    OpCase("cross_entropy", gp.cross_entropy, _ce_make, ("logits", "target"), ("float", "index"), _ce_ref,
+           [("target (4, 4)", lambda x, t: gp.cross_entropy(x, t[:, 1:]), "target"),
+            ("reduction", lambda x, t: gp.cross_entropy(x, t, reduction="avg"), "reduction")]),
+    OpCase("fused_linear_cross_entropy", gp.fused_linear_cross_entropy, _flce_make,
+           ("hidden", "weight", "target", "bias"), ("float", "float", "index", "float"), _flce_ref,
+           [("weight (37, 23)", lambda h, w, t, b: gp.fused_linear_cross_entropy(h, w[:, 1:], t, b), "weight"),
+            ("bias (36,)", lambda h, w, t, b: gp.fused_linear_cross_entropy(h, w, t, b[1:]), "bias"),
+            ("reduction none", lambda h, w, t, b: gp.fused_linear_cross_entropy(h, w, t, b, reduction="none"),
+             "reduction")]),
 ]
 GRAD_OPS = [c for c in OPS if c.differentiable]
 

@@ -22,6 +22,7 @@ enum class Knob : int {
   LayerNormLinearPdl,  // EVT launches: pdl (programmatic dependent) | plain
   LayerNormLinearPlan,  // fused forward: fold (gamma into W) | normalize (xn, then cuBLAS)
   CpuSimd,             // CPU kernels' SIMD level, a cap: baseline | avx2 | avx512 (common/cpu_isa.h)
+  CrossEntropyChunk,   // fused linear cross-entropy: rows per chunk
   Count
 };
 

@@ -6,7 +6,7 @@ Each op has a module here exposing ``bench_cases(device)`` (the benchmark shapes
 """
 import importlib
 
-OPS = ["conv1d", "embedding", "softmax", "layernorm_linear", "attention", "rmsnorm_linear"]
+OPS = ["conv1d", "embedding", "softmax", "layernorm_linear", "attention", "rmsnorm_linear", "cross_entropy"]
 
 
 def op_module(name):

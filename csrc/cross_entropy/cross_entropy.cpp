@@ -1,0 +1,387 @@
+// cross_entropy and fused_linear_cross_entropy host side: argument checks, the plan,
+// the CPU/CUDA calls and their registrations (kernels: cross_entropy_cpu.cpp,
+// cross_entropy_cuda.cu). Logits are (..., V) with the classes last, target (...).
+// The reductions across rows run on ATen's fixed-order sum (deterministic, no float atomics).
+// Out-of-range targets (not ignore_index): a RuntimeError on the CPU; on CUDA the
+// kernels never index with them, the row's loss is NaN (so is a mean or sum) and its
+// gradient carries no one-hot term: no host synchronisation to check them.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <array>
+#include <atomic>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/cuda_launch.h"
+#include "common/kernel_choice.h"
+#include "common/register.h"
+#include "cross_entropy/cross_entropy.h"
+
+namespace gpu_puzzles {
+
+CrossEntropyPlan cross_entropy_plan(int64_t rows, int64_t V, int64_t elem_bytes) {
+  CrossEntropyPlan p{};
+  // About 8 vectors of 16 bytes per thread per row, 32 to 512 threads: several blocks per
+  // SM stay resident, so one row's reduction tail overlaps other rows' loads.
+  const int64_t nvec = (V * elem_bytes + 15) / 16;
+  p.threads = 32;
+  while (p.threads < 512 && int64_t(p.threads) * 8 < nvec) p.threads *= 2;
+  // Fused: as few chunks as keep each under kCeChunkBytes, of equal size (8192 rows of
+  // 50257 bf16: 4 x 2048, not 3 x 2670 + 182), so no GEMM runs on a sliver of rows.
+  rows = std::max<int64_t>(rows, 1);
+  const int64_t by_bytes = std::max<int64_t>(1, kCeChunkBytes / std::max<int64_t>(1, V * elem_bytes));
+  const int64_t chunks = (rows + by_bytes - 1) / by_bytes;
+  const int knob_rows = knob_int(Knob::CrossEntropyChunk, 0);
+  p.chunk_rows = knob_rows > 0 ? std::min<int64_t>(rows, knob_rows) : (rows + chunks - 1) / chunks;
+  return p;
+}
+
+namespace {
+
+using Tensor = at::Tensor;
+using Tensor2 = std::tuple<Tensor, Tensor>;
+using Tensor4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+enum class Reduction { None, Mean, Sum };
+
+Reduction parse_reduction(c10::string_view r, const char* op) {
+  if (r == "mean") return Reduction::Mean;
+  if (r == "sum") return Reduction::Sum;
+  if (r == "none") return Reduction::None;
+  TORCH_CHECK(false, op, ": reduction must be one of 'mean', 'sum', 'none', got '", std::string(r), "'");
+}
+
+at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// target: int32/int64 of shape `rows_shape` (the logits' or hidden's shape without its last dim).
+void check_target(const Tensor& target, at::IntArrayRef rows_shape, const Tensor& ref, const char* op,
+                  const char* ref_name) {
+  TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt, op,
+              ": target must be an int64 or int32 tensor of class indices, got ", target.scalar_type());
+  TORCH_CHECK(target.sizes() == rows_shape, op, ": target must have shape ", ref_name, ".shape[:-1] = ",
+              rows_shape, ", got ", target.sizes());
+  const std::string t = std::string(op) + ": target";
+  check_same_device(target, ref, t.c_str(), ref_name);
+}
+
+// Logits (..., V), V >= 1.
+void check_logits(const Tensor& logits, const char* op) {
+  const std::string name = std::string(op) + ": logits";
+  check_float(logits, name.c_str());
+  TORCH_CHECK(logits.dim() >= 1, op, ": logits must have at least 1 dimension (..., num_classes), got a 0-d tensor");
+  TORCH_CHECK(logits.size(-1) >= 1, op, ": logits must have at least one class (last dim), got shape ",
+              logits.sizes());
+}
+
+// CPU: every target in [0, V) or equal to ignore_index.
+void check_target_range(const Tensor& target, int64_t V, int64_t ignore, const char* op) {
+  if (target.numel() == 0) return;
+  const Tensor bad = target.ne(ignore).logical_and(target.lt(0).logical_or(target.ge(V)));
+  if (!bad.any().item<bool>()) return;
+  const Tensor flat = bad.reshape({-1}).nonzero();
+  const int64_t i = flat[0][0].item<int64_t>();
+  TORCH_CHECK(false, op, ": target holds ", target.reshape({-1})[i].item<int64_t>(), " at flat position ", i,
+              ", outside [0, ", V, ") and not ignore_index (", ignore, ")");
+}
+
+// t read in place when its leading dims (all of them, or all but a contiguous last with
+// rows = true) collapse to two levels of row strides; else a contiguous copy.
+std::pair<Tensor, RowStrides> rows_of(const Tensor& t, bool rows) {
+  const int64_t dims = rows ? t.dim() - 1 : t.dim();
+  const bool inner_ok = !rows || t.size(-1) <= 1 || t.stride(-1) == 1;
+  RowStrides s;
+  if (inner_ok && collapse_rows(t.sizes().data(), t.strides().data(), dims, s) >= 0) return {t, s};
+  const Tensor c = t.contiguous();
+  collapse_rows(c.sizes().data(), c.strides().data(), dims, s);
+  return {c, s};
+}
+
+void launch_forward(const CeFwdArgs& a, bool cpu) {
+  if (a.rows == 0) return;
+  if (cpu) {
+    GP_CPU_CALL(cross_entropy_forward_cpu)(a);
+    return;
+  }
+#ifdef WITH_CUDA
+  GP_CUDA_CHECK_STATUS(cross_entropy_forward_cuda(a, current_stream()));
+#else
+  TORCH_CHECK(false, "gpu_puzzles was built without CUDA");
+#endif
+}
+
+void launch_backward(const CeBwdArgs& a, bool cpu) {
+  if (a.rows == 0) return;
+  if (cpu) {
+    GP_CPU_CALL(cross_entropy_backward_cpu)(a);
+    return;
+  }
+#ifdef WITH_CUDA
+  GP_CUDA_CHECK_STATUS(cross_entropy_backward_cuda(a, current_stream()));
+#else
+  TORCH_CHECK(false, "gpu_puzzles was built without CUDA");
+#endif
+}
+
+// Per-row loss and lse (accumulate type, (rows,)) of logits (rows as (..., V)) into
+// `loss` and `lse` (contiguous). CPU half logits are computed in float. With
+// grad_scale (CUDA only) the kernel also overwrites the logits with their gradient.
+void forward_rows(const Tensor& logits0, const Tensor& target, int64_t ignore, const Tensor& loss, const Tensor& lse,
+                  const Tensor& grad_scale = Tensor()) {
+  const bool cpu = logits0.device().is_cpu();
+  const Tensor logits = cpu && is_half(logits0.scalar_type()) ? logits0.to(at::kFloat) : logits0;
+  const int64_t V = logits.size(-1), rows = loss.numel();
+  const auto [lt, ls] = rows_of(logits, true);
+  const auto [tt, ts] = rows_of(target, false);
+  const CrossEntropyPlan plan = cross_entropy_plan(rows, V, logits.element_size());
+  CeFwdArgs a{lt.data_ptr(), ls, tt.data_ptr(), tt.scalar_type() == at::kLong, ts, loss.data_ptr(),
+              lse.data_ptr(), rows, V, ignore, to_dtype(lt.scalar_type()), plan.threads};
+  if (grad_scale.defined()) {
+    TORCH_CHECK(!cpu && lt.data_ptr() == logits0.data_ptr(), "gpu_puzzles: in-place gradient rows need CUDA logits");
+    a.grad_in_place = true;
+    a.scale = grad_scale.data_ptr();
+  }
+  launch_forward(a, cpu);
+}
+
+// grad (rows, V) contiguous, or the logits themselves (in place) when grad is logits.
+void backward_rows(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& scale,
+                   bool per_row, int64_t ignore, const Tensor& grad) {
+  const bool cpu = logits.device().is_cpu();
+  const int64_t V = logits.size(-1), rows = lse.numel();
+  const auto [lt, ls] = rows_of(logits, true);
+  const auto [tt, ts] = rows_of(target, false);
+  const CrossEntropyPlan plan = cross_entropy_plan(rows, V, logits.element_size());
+  const CeBwdArgs a{lt.data_ptr(), ls, tt.data_ptr(), tt.scalar_type() == at::kLong, ts, lse.data_ptr(),
+                    scale.data_ptr(), per_row, grad.data_ptr(), V, rows, V, ignore,
+                    to_dtype(lt.scalar_type()), plan.threads};
+  launch_backward(a, cpu);
+}
+
+// int64 on the device; dividing a float by it casts inside the division kernel (no copy kernel).
+Tensor count_of(const Tensor& target, int64_t ignore) { return target.ne(ignore).sum(); }
+
+#ifdef WITH_CUDA
+// The single-block count/sum kernel (CeReduceArgs): the loss (loss_rows defined) or the
+// backward's scale.
+Tensor reduce_cuda(const Tensor& loss_rows, const Tensor& target, int64_t ignore, bool mean, const Tensor& grad_loss,
+                   const at::TensorOptions& out_opts, at::ScalarType dtype) {
+  const auto [tt, ts] = rows_of(target, false);
+  Tensor out = at::empty({}, out_opts);
+  const CeReduceArgs a{loss_rows.defined() ? loss_rows.data_ptr() : nullptr, tt.data_ptr(),
+                       tt.scalar_type() == at::kLong, ts, target.numel(), ignore, mean,
+                       grad_loss.defined() ? grad_loss.data_ptr() : nullptr, out.data_ptr(), to_dtype(dtype)};
+  GP_CUDA_CHECK_STATUS(cross_entropy_reduce_cuda(a, current_stream()));
+  return out;
+}
+#endif
+
+// The loss from the per-row losses (0 at ignored rows): as is, summed, or over the count.
+Tensor finalize(const Tensor& loss_rows, const Tensor& target, int64_t ignore, Reduction red, at::ScalarType out) {
+  if (red == Reduction::None) return loss_rows.view(target.sizes()).to(out);
+#ifdef WITH_CUDA
+  if (loss_rows.is_cuda())
+    return reduce_cuda(loss_rows, target, ignore, red == Reduction::Mean, Tensor(), loss_rows.options().dtype(out), out);
+#endif
+  const Tensor s = loss_rows.sum();
+  if (red == Reduction::Sum) return s.to(out);
+  return s.div(count_of(target, ignore)).to(out);  // 0 targets: 0 / 0 = nan
+}
+
+// ---- cross_entropy ---------------------------------------------------------------
+
+Tensor2 cross_entropy_impl(const Tensor& logits, const Tensor& target, int64_t ignore, c10::string_view reduction) {
+  const char* op = "cross_entropy";
+  check_logits(logits, op);
+  const Reduction red = parse_reduction(reduction, op);
+  const auto rows_shape = logits.sizes().slice(0, logits.dim() - 1);
+  check_target(target, rows_shape, logits, op, "logits");
+  const int64_t V = logits.size(-1);
+  if (logits.device().is_cpu()) check_target_range(target, V, ignore, op);
+#ifdef WITH_CUDA
+  c10::optional<c10::cuda::CUDAGuard> guard;
+  if (logits.is_cuda()) guard.emplace(logits.device());
+#endif
+  const auto acc = acc_type(logits.scalar_type());
+  const Tensor loss_rows = at::empty({target.numel()}, logits.options().dtype(acc));
+  Tensor lse = at::empty(target.sizes(), logits.options().dtype(acc));
+  forward_rows(logits, target, ignore, loss_rows, lse);
+  return {finalize(loss_rows, target, ignore, red, logits.scalar_type()), lse};
+}
+
+Tensor cross_entropy_backward_impl(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
+                                   const Tensor& lse, int64_t ignore, c10::string_view reduction) {
+  const char* op = "cross_entropy_backward";
+  check_logits(logits, op);
+  const Reduction red = parse_reduction(reduction, op);
+  const auto rows_shape = logits.sizes().slice(0, logits.dim() - 1);
+  check_target(target, rows_shape, logits, op, "logits");
+  const auto acc = acc_type(logits.scalar_type());
+  TORCH_CHECK(lse.scalar_type() == acc && lse.sizes() == rows_shape, op, ": lse must be the forward's ", acc,
+              " tensor of shape ", rows_shape, ", got ", lse.scalar_type(), " ", lse.sizes());
+  check_same_device(lse, logits, "cross_entropy_backward: lse", "logits");
+  check_float(grad_loss, "cross_entropy_backward: grad_loss");
+  check_same_device(grad_loss, logits, "cross_entropy_backward: grad_loss", "logits");
+  if (red == Reduction::None) {
+    TORCH_CHECK(grad_loss.sizes() == rows_shape, op, ": grad_loss must have shape ", rows_shape,
+                " (reduction='none'), got ", grad_loss.sizes());
+  } else {
+    TORCH_CHECK(grad_loss.dim() == 0, op, ": grad_loss must be 0-d for reduction='", std::string(reduction),
+                "', got shape ", grad_loss.sizes());
+  }
+#ifdef WITH_CUDA
+  c10::optional<c10::cuda::CUDAGuard> guard;
+  if (logits.is_cuda()) guard.emplace(logits.device());
+#endif
+  Tensor scale;
+  if (red == Reduction::None) {
+    scale = grad_loss.to(acc).reshape({-1}).contiguous();
+#ifdef WITH_CUDA
+  } else if (logits.is_cuda()) {
+    const Tensor g = grad_loss.to(logits.scalar_type());  // the kernel reads it in the logits' dtype
+    scale = reduce_cuda(Tensor(), target, ignore, red == Reduction::Mean, g, logits.options().dtype(acc),
+                        logits.scalar_type())
+                .reshape({1});
+#endif
+  } else {
+    const Tensor g = grad_loss.to(acc);
+    scale = red == Reduction::Sum ? g.reshape({1}) : g.div(count_of(target, ignore)).reshape({1});
+  }
+  const bool cpu_half = logits.device().is_cpu() && is_half(logits.scalar_type());
+  const Tensor lg = cpu_half ? logits.to(at::kFloat) : logits;
+  Tensor grad = at::empty(lg.sizes(), lg.options());  // contiguous
+  backward_rows(lg, target, lse.contiguous(), scale, red == Reduction::None, ignore, grad);
+  return cpu_half ? grad.to(logits.scalar_type()) : grad;
+}
+
+// ---- fused_linear_cross_entropy -----------------------------------------------------
+
+// grad_weight (fp32 accumulator) += a^T-free product a @ b for half inputs: cuBLAS's
+// half-in / float-out GEMM when ATen has it, else a half product added in float.
+void accumulate_mm(Tensor& acc, const Tensor& a, const Tensor& b) {
+  if (acc.scalar_type() == a.scalar_type()) {
+    acc.addmm_(a, b);
+    return;
+  }
+  static std::atomic<bool> dtype_mm_ok{true};
+  if (dtype_mm_ok.load(std::memory_order_relaxed)) {
+    try {
+      at::addmm_out(acc, acc, a, b, acc.scalar_type());
+      return;
+    } catch (const c10::Error&) {
+      dtype_mm_ok.store(false, std::memory_order_relaxed);
+    }
+  }
+  acc.add_(at::mm(a, b));
+}
+
+Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& target, const c10::optional<Tensor>& bias,
+                   int64_t ignore, c10::string_view reduction, std::array<bool, 3> mask) {
+  const char* op = "fused_linear_cross_entropy";
+  check_float(hidden, "fused_linear_cross_entropy: hidden");
+  TORCH_CHECK(hidden.dim() >= 1, op, ": hidden must have at least 1 dimension (..., H), got a 0-d tensor");
+  check_same_dtype(weight, hidden, "fused_linear_cross_entropy: weight", "hidden");
+  check_same_device(weight, hidden, "fused_linear_cross_entropy: weight", "hidden");
+  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D (num_classes, H), got shape ", weight.sizes());
+  TORCH_CHECK(weight.size(0) >= 1, op, ": weight must have at least one class (row), got shape ", weight.sizes());
+  TORCH_CHECK(weight.size(1) == hidden.size(-1), op, ": weight has shape ", weight.sizes(), " but hidden has H = ",
+              hidden.size(-1), " (last dim); weight must be (num_classes, H)");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    check_same_dtype(*bias, hidden, "fused_linear_cross_entropy: bias", "hidden");
+    check_same_device(*bias, hidden, "fused_linear_cross_entropy: bias", "hidden");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), op, ": bias must have shape (",
+                weight.size(0), ",), got ", bias->sizes());
+  }
+  const Reduction red = parse_reduction(reduction, op);
+  TORCH_CHECK(red != Reduction::None, op,
+              ": reduction must be 'mean' or 'sum': the gradients are computed in the forward and scaled by "
+              "one number in the backward; for per-row losses use cross_entropy(F.linear(hidden, weight, bias), "
+              "target, reduction='none'); got 'none'");
+  const auto rows_shape = hidden.sizes().slice(0, hidden.dim() - 1);
+  check_target(target, rows_shape, hidden, op, "hidden");
+  const int64_t V = weight.size(0), H = weight.size(1), N = target.numel();
+  const bool cpu = hidden.device().is_cpu();
+  if (cpu) check_target_range(target, V, ignore, op);
+  if (cpu && is_half(hidden.scalar_type())) {  // the CPU computes half types in float
+    const auto f = [](const Tensor& t) { return t.to(at::kFloat); };
+    auto [l, gh, gw, gb] = fused_impl(f(hidden), f(weight), target, has_bias ? c10::optional<Tensor>(f(*bias)) : bias,
+                                      ignore, reduction, mask);
+    const auto dt = hidden.scalar_type();
+    return {l.to(dt), gh.to(dt), gw.to(dt), gb.to(dt)};
+  }
+#ifdef WITH_CUDA
+  c10::optional<c10::cuda::CUDAGuard> guard;
+  if (!cpu) guard.emplace(hidden.device());
+#endif
+  const auto dt = hidden.scalar_type();
+  const auto acc = acc_type(dt);
+  const bool want_h = mask[0], want_w = mask[1], want_b = mask[2] && has_bias;
+  const bool any = want_h || want_w || want_b;
+  const Tensor h2 = hidden.reshape({N, H});
+  const Tensor t1 = target.reshape({N}).contiguous();
+  const Tensor loss_rows = at::empty({N}, hidden.options().dtype(acc));
+  Tensor scale;
+  // The scale of a loss of 1; 0 targets: inf, unused (every row is ignored).
+  if (any) {
+#ifdef WITH_CUDA
+    if (!cpu)
+      scale = reduce_cuda(Tensor(), t1, ignore, red == Reduction::Mean, Tensor(), hidden.options().dtype(acc), dt)
+                  .reshape({1});
+#endif
+    if (cpu) {
+      scale = at::ones({1}, hidden.options().dtype(acc));
+      if (red == Reduction::Mean) scale.div_(count_of(t1, ignore));
+    }
+  }
+  Tensor gh = want_h ? at::empty({N, H}, hidden.options()) : at::empty({0}, hidden.options());
+  // Weight and bias gradients sum over every chunk: in the accumulate type.
+  Tensor gw = want_w ? at::zeros({V, H}, weight.options().dtype(acc)) : at::empty({0}, weight.options());
+  Tensor gb = want_b ? at::zeros({V}, weight.options().dtype(acc)) : at::empty({0}, weight.options());
+  const Tensor wt = weight.t();
+  const int64_t chunk = cross_entropy_plan(N, V, hidden.element_size()).chunk_rows;
+  for (int64_t s = 0; s < N; s += chunk) {
+    const int64_t n = std::min(chunk, N - s);
+    const Tensor hc = h2.narrow(0, s, n);
+    const Tensor tc = t1.narrow(0, s, n);
+    const Tensor logits = has_bias ? at::addmm(*bias, hc, wt) : at::mm(hc, wt);  // (n, V), contiguous
+    const Tensor lse = at::empty({n}, hidden.options().dtype(acc));
+    // d loss / d logits over the logits, in place: in the forward kernel on CUDA (the row
+    // is still in L2), a second pass on the CPU.
+    forward_rows(logits, tc, ignore, loss_rows.narrow(0, s, n), lse, any && !cpu ? scale : Tensor());
+    if (!any) continue;
+    if (cpu) backward_rows(logits, tc, lse, scale, false, ignore, logits);
+    if (want_h) {
+      Tensor ghc = gh.narrow(0, s, n);
+      at::mm_out(ghc, logits, weight);
+    }
+    if (want_w) accumulate_mm(gw, logits.t(), hc);
+    if (want_b) gb.add_(logits.sum(0, false, acc));
+  }
+  const Tensor loss = finalize(loss_rows, t1, ignore, red, dt);
+  if (want_h) gh = gh.view(hidden.sizes());
+  if (want_w && gw.scalar_type() != dt) gw = gw.to(dt);
+  if (want_b && gb.scalar_type() != dt) gb = gb.to(dt);
+  return {loss, gh, gw, gb};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gpu_puzzles, m) {
+  // One kernel per op for both backends: the device is dispatched inside (the fused op's
+  // GEMMs are ATen's on either).
+  m.impl("cross_entropy", torch::dispatch(c10::DispatchKey::CPU, &cross_entropy_impl));
+  m.impl("cross_entropy_backward", torch::dispatch(c10::DispatchKey::CPU, &cross_entropy_backward_impl));
+  m.impl("fused_linear_cross_entropy", torch::dispatch(c10::DispatchKey::CPU, &fused_impl));
+#ifdef WITH_CUDA
+  m.impl("cross_entropy", torch::dispatch(c10::DispatchKey::CUDA, &cross_entropy_impl));
+  m.impl("cross_entropy_backward", torch::dispatch(c10::DispatchKey::CUDA, &cross_entropy_backward_impl));
+  m.impl("fused_linear_cross_entropy", torch::dispatch(c10::DispatchKey::CUDA, &fused_impl));
+#endif
+}
+
+}  // namespace gpu_puzzles

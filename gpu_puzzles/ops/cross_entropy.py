@@ -1,0 +1,76 @@
+"""Cross-entropy over the last dim: ``torch.ops.gpu_puzzles.cross_entropy`` and
+``fused_linear_cross_entropy``.
+
+loss_r = logsumexp(logits_r) - logits_r[target_r], as ``F.cross_entropy`` with the
+classes in the last dim; targets equal to ``ignore_index`` add nothing and do not
+count for the mean. Statistics in float32 (float64 for float64 logits); half logits
+are read as they are. The forward keeps only each row's log-sum-exp for the backward.
+
+The fused op never stores the (N, V) logits: it runs the GEMM, the loss and the
+gradients chunk by chunk (rows), in the forward; the backward only scales them.
+Argument checks live in C++ (csrc/cross_entropy/cross_entropy.cpp); the fake kernels
+compute shapes only, with the real kernels' (contiguous) strides.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("gpu_puzzles::cross_entropy")
+def _cross_entropy_fake(logits, target, ignore_index=-100, reduction="mean"):
+    torch._check(logits.dim() >= 1, lambda: "cross_entropy: logits must have at least 1 dimension")
+    loss = logits.new_empty(target.shape if reduction == "none" else ())
+    return loss, logits.new_empty(logits.shape[:-1], dtype=_acc(logits.dtype))
+
+
+@torch.library.register_fake("gpu_puzzles::cross_entropy_backward")
+def _cross_entropy_backward_fake(grad_loss, logits, target, lse, ignore_index, reduction):
+    return logits.new_empty(logits.shape)
+
+
+@torch.library.register_fake("gpu_puzzles::fused_linear_cross_entropy")
+def _fused_fake(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
+                output_mask=(False, False, False)):
+    torch._check(reduction != "none", lambda: "fused_linear_cross_entropy: reduction must be 'mean' or 'sum'")
+    gh = hidden.new_empty(hidden.shape if output_mask[0] else (0,))
+    gw = weight.new_empty(weight.shape if output_mask[1] else (0,))
+    gb = weight.new_empty(bias.shape if bias is not None and output_mask[2] else (0,))
+    return hidden.new_empty(()), gh, gw, gb
+
+
+# Autograd is registered in C++ (csrc/cross_entropy/cross_entropy_autograd.cpp).
+_cross_entropy = torch.ops.gpu_puzzles.cross_entropy.default
+_fused = torch.ops.gpu_puzzles.fused_linear_cross_entropy.default
+
+
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """``F.cross_entropy(logits, target, ignore_index=..., reduction=...)`` with the
+    classes in the **last** dim: ``logits`` ``(..., V)``, ``target`` ``(...)`` int64 or int32.
+
+    ``reduction``: ``"mean"`` (over the non-ignored targets; none of them gives NaN, as
+    PyTorch), ``"sum"`` or ``"none"`` (shape of ``target``). The loss has the logits'
+    dtype. A target outside ``[0, V)`` that is not ``ignore_index`` raises on the CPU; on
+    CUDA it gives a NaN loss for its row (no out-of-bounds read, no host sync).
+    Strided logits such as ``logits[:, :-1]`` are read in place when the last dim is
+    contiguous.
+    """
+    return _cross_entropy(logits, target, ignore_index, reduction)[0]
+
+
+def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
+                               ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without storing the logits.
+
+    ``hidden`` ``(..., H)``, ``weight`` ``(V, H)`` (a transposed view is fine: tied
+    embeddings), ``bias`` ``(V,)`` or None, ``target`` ``hidden.shape[:-1]``.
+    The rows run in chunks (knob ``cross_entropy_chunk`` overrides their size); the
+    gradients of ``hidden``, ``weight`` and ``bias`` are computed in the forward for
+    the inputs that require them (float32 accumulation across chunks), so the backward
+    costs one scaling. ``reduction``: ``"mean"`` or ``"sum"``.
+    """
+    return _fused(hidden, weight, target, bias, ignore_index, reduction)[0]

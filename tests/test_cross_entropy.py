@@ -1,0 +1,398 @@
+"""cross_entropy and fused_linear_cross_entropy: float64 references (F.cross_entropy, F.linear) on
+random logits with ignored targets, every reduction, odd and large vocabularies, strided logits read
+without a copy, all-ignored batches, several fused chunks (knob), gradcheck, opcheck, compile, bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gpu_puzzles as gp
+from gpu_puzzles import tuning
+
+from conftest import (DEVICES, HAS_CUDA, TOL, assert_close_ref, copy_kernels, device_dtypes, many,
+                      poison_allocator, requires_caching_allocator, requires_cuda)
+
+OP = torch.ops.gpu_puzzles.cross_entropy.default
+BWD_OP = torch.ops.gpu_puzzles.cross_entropy_backward.default
+FUSED_OP = torch.ops.gpu_puzzles.fused_linear_cross_entropy.default
+REDUCTIONS = ["mean", "sum", "none"]
+
+
+def _targets(shape, V, device, dtype=torch.int64, ignore=-100, frac=0.2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, V, shape, generator=g)
+    t[torch.rand(shape, generator=g) < frac] = ignore
+    return t.to(device=device, dtype=dtype)
+
+
+def _logits(shape, device, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 3).to(device=device, dtype=dtype)
+
+
+def _ref(logits, target, reduction, ignore=-100):
+    """F.cross_entropy in float64 with the classes last."""
+    x = logits.double().reshape(-1, logits.shape[-1])
+    out = F.cross_entropy(x, target.reshape(-1).long(), ignore_index=ignore, reduction=reduction)
+    return out.reshape(target.shape) if reduction == "none" else out
+
+
+def _vocabs(device):
+    return [1, 7, 4099, 50257] + ([128256] if device == "cuda" else [])
+
+
+def _case_list():
+    cases = []
+    for device, dtype in device_dtypes():
+        for V in _vocabs(device):
+            cases.append((device, dtype, V))
+    return cases
+
+
+@pytest.mark.parametrize("device,dtype,V", _case_list())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_forward_backward_match_reference(device, dtype, V, reduction):
+    rows = 5 if V > 10000 else 33
+    logits = _logits((rows, V), device, dtype, seed=V)
+    target = _targets((rows,), V, device, seed=V + 1)
+    target[0] = V - 1  # the last class, past any vector body
+    if device == "cuda":
+        poison_allocator(64 << 20)
+    x = logits.clone().requires_grad_()
+    loss = gp.cross_entropy(x, target, reduction=reduction)
+    assert loss.dtype == dtype and loss.shape == ((rows,) if reduction == "none" else ())
+    xr = logits.double().requires_grad_()
+    ref = _ref(xr, target, reduction)
+    assert_close_ref(loss, ref.detach(), dtype, "loss")
+    g = _logits(loss.shape, device, dtype, seed=3) if reduction == "none" else torch.tensor(1.7, device=device, dtype=dtype)
+    (gx,) = torch.autograd.grad(loss, x, g)
+    (gr,) = torch.autograd.grad(ref, xr, g.double())
+    assert gx.dtype == dtype and gx.shape == logits.shape
+    # Gradients are ~1/count for the mean: compare on the scale of one row's gradient.
+    scale = 1.0 / max(1, int((target != -100).sum())) if reduction == "mean" else 1.0
+    assert_close_ref(gx.double() / scale, gr / scale, dtype, "grad")
+    assert (gx[target == -100] == 0).all()
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+def test_lse_and_int32_targets(device, dtype):
+    logits = _logits((4, 6, 301), device, dtype, seed=5)
+    target = _targets((4, 6), 301, device, dtype=torch.int32, seed=6)
+    loss, lse = OP(logits, target, -100, "none")
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and lse.shape == (4, 6)
+    keep = target != -100
+    ref_lse = torch.logsumexp(logits.double(), -1)
+    assert_close_ref(lse[keep], ref_lse[keep], torch.float32 if dtype != torch.float64 else dtype, "lse")
+    assert_close_ref(loss, _ref(logits, target, "none"), dtype, "loss")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ignore_index", [-100, 3])
+def test_ignore_index(device, ignore_index):
+    logits = _logits((50, 11), device, torch.float64, seed=9)
+    target = _targets((50,), 11, device, ignore=ignore_index, frac=0.3, seed=10)
+    for reduction in REDUCTIONS:
+        out = gp.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+        torch.testing.assert_close(out, _ref(logits, target, reduction, ignore_index))
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+def test_all_ignored(device, dtype):
+    logits = _logits((6, 37), device, dtype, seed=11).requires_grad_()
+    target = torch.full((6,), -100, device=device)
+    mean = gp.cross_entropy(logits, target)
+    assert torch.isnan(mean)  # 0 / 0, as F.cross_entropy
+    assert gp.cross_entropy(logits, target, reduction="sum").item() == 0
+    assert (gp.cross_entropy(logits, target, reduction="none") == 0).all()
+    (g,) = torch.autograd.grad(gp.cross_entropy(logits, target, reduction="sum"), logits)
+    assert (g == 0).all()
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("V", [7, 50257])
+def test_strided_logits(device, dtype, V):
+    # A causal LM's shift: logits[:, :-1] against labels[:, 1:]; rows of odd V sit at every alignment.
+    B, S = 3, 5
+    full = _logits((B, S, V), device, dtype, seed=12).requires_grad_()
+    labels = _targets((B, S), V, device, seed=13)
+    x, t = full[:, :-1], labels[:, 1:]
+    for reduction in REDUCTIONS:
+        loss = gp.cross_entropy(x, t, reduction=reduction)
+        assert_close_ref(loss, _ref(x.detach(), t, reduction), dtype, reduction)
+    loss = gp.cross_entropy(x, t, reduction="sum")
+    (g,) = torch.autograd.grad(loss, full)
+    xr = full.detach().double().requires_grad_()
+    (gr,) = torch.autograd.grad(_ref(xr[:, :-1], t, "sum"), xr)
+    assert_close_ref(g, gr, dtype, "grad")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_strided_logits_no_copy(dtype, reduction):
+    # ("none" casts its per-row float32 losses to bf16: a copy kernel of rows elements, not of the logits.)
+    B, S, V = 2, 9, 50257
+    full = _logits((B, S, V), "cuda", dtype, seed=14)
+    labels = _targets((B, S), V, "cuda", seed=15)
+    x, t = full[:, :-1], labels[:, 1:]
+    (loss, lse), copies = copy_kernels(OP, x, t, -100, reduction)
+    assert not copies, copies
+    g = torch.tensor(1.0, device="cuda", dtype=dtype)
+    gx, copies = copy_kernels(BWD_OP, g, x, t, lse, -100, reduction)
+    assert not copies, copies
+    assert_close_ref(loss, _ref(x, t, reduction), dtype, "loss")
+    xr = x.double().requires_grad_()
+    (gr,) = torch.autograd.grad(_ref(xr, t, reduction), xr)
+    n = (t != -100).sum().item() if reduction == "mean" else 1
+    assert_close_ref(gx.double() * n, gr * n, dtype, "grad")
+
+
+@requires_cuda
+def test_out_of_range_target_cuda():
+    # No error (that would need a host sync); the row's loss is NaN and nothing is read outside the row.
+    logits = _logits((4, 100), "cuda", torch.float32, seed=16).requires_grad_()
+    target = torch.tensor([1, 100, -5, -100], device="cuda")
+    loss = gp.cross_entropy(logits, target, reduction="none")
+    assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and torch.isnan(loss[2]) and loss[3] == 0
+    (g,) = torch.autograd.grad(loss[0] + loss[3], logits)
+    assert torch.isfinite(g).all()
+
+
+@requires_cuda
+def test_deterministic():
+    logits = _logits((512, 50257), "cuda", torch.bfloat16, seed=17)
+    target = _targets((512,), 50257, "cuda", seed=18)
+    a = gp.cross_entropy(logits, target)
+    b = gp.cross_entropy(logits, target)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_gradcheck(device, reduction):
+    logits = _logits((2, 3, 5), device, torch.float64, seed=19).requires_grad_()
+    target = torch.tensor([[0, 4, -100], [2, 2, 1]], device=device)
+    assert torch.autograd.gradcheck(lambda x: gp.cross_entropy(x, target, reduction=reduction), (logits,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    logits = _logits((3, 4, 9), device, torch.float32, seed=20).requires_grad_(requires_grad)
+    target = _targets((3, 4), 9, device, seed=21)
+    for reduction in REDUCTIONS:
+        torch.library.opcheck(OP, (logits, target, -100, reduction))
+    _, lse = OP(logits.detach(), target, -100, "mean")
+    torch.library.opcheck(BWD_OP, (torch.tensor(0.5, device=device), logits.detach(), target, lse, -100, "mean"))
+    torch.library.opcheck(BWD_OP, (torch.randn(3, 4, device=device), logits.detach(), target, lse, -100, "none"))
+    h = _logits((7, 6), device, torch.float32, seed=22).requires_grad_(requires_grad)
+    w = _logits((9, 6), device, torch.float32, seed=23).requires_grad_(requires_grad)
+    b = _logits((9,), device, torch.float32, seed=24).requires_grad_(requires_grad)
+    t = _targets((7,), 9, device, seed=25)
+    torch.library.opcheck(FUSED_OP, (h, w, t, b, -100, "mean"))
+    torch.library.opcheck(FUSED_OP, (h, w, t, None, -100, "sum"))
+    torch.library.opcheck(FUSED_OP, (h.detach(), w.detach(), t, b.detach(), -100, "mean", [True, True, True]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    torch._dynamo.reset()
+
+    def f(x, t, h, w, b, t2):
+        return gp.cross_entropy(x[:, :-1], t[:, 1:]) + gp.fused_linear_cross_entropy(h, w, t2, b)
+
+    x = _logits((2, 6, 13), device, torch.float32, seed=26).requires_grad_()
+    t = _targets((2, 6), 13, device, seed=27)
+    h = _logits((2, 5, 8), device, torch.float32, seed=28).requires_grad_()
+    w = _logits((13, 8), device, torch.float32, seed=29).requires_grad_()
+    b = _logits((13,), device, torch.float32, seed=30).requires_grad_()
+    t2 = _targets((2, 5), 13, device, seed=31)
+    cf = torch.compile(f, fullgraph=True)
+    out = cf(x, t, h, w, b, t2)
+    grads = torch.autograd.grad(out, (x, h, w, b))
+    ref = f(x, t, h, w, b, t2)
+    rgrads = torch.autograd.grad(ref, (x, h, w, b))
+    torch.testing.assert_close(out, ref)
+    for a, r in zip(grads, rgrads):
+        torch.testing.assert_close(a, r)
+
+
+# ---- fused linear cross-entropy ---------------------------------------------------
+
+def _fused_ref(h, w, t, b, reduction, ignore=-100):
+    hr, wr = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    br = b.detach().double().requires_grad_() if b is not None else None
+    logits = F.linear(hr, wr, br)
+    loss = F.cross_entropy(logits.reshape(-1, wr.shape[0]), t.reshape(-1).long(), ignore_index=ignore,
+                           reduction=reduction)
+    inputs = (hr, wr) + ((br,) if br is not None else ())
+    return loss.detach(), torch.autograd.grad(loss, inputs)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("chunk", [None, "1", "3", "8", "64"])  # 8: 37 rows end in a partial chunk
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_matches_unfused(device, dtype, chunk, bias, reduction):
+    N, H, V = 37, 24, 301
+    h = (_logits((N, H), device, torch.float32, seed=32) * 0.3).to(dtype).requires_grad_()
+    w = (_logits((V, H), device, torch.float32, seed=33) * 0.3).to(dtype).requires_grad_()
+    b = _logits((V,), device, dtype, seed=34).requires_grad_() if bias else None
+    t = _targets((N,), V, device, seed=35)
+    with tuning.override(cross_entropy_chunk=chunk):
+        loss = gp.fused_linear_cross_entropy(h, w, t, b, reduction=reduction)
+    assert loss.dtype == dtype and loss.shape == ()
+    gout = torch.tensor(0.7, device=device, dtype=dtype)
+    inputs = (h, w) + ((b,) if bias else ())
+    grads = torch.autograd.grad(loss, inputs, gout)
+    ref, rgrads = _fused_ref(h, w, t, b, reduction)
+    assert_close_ref(loss, ref, dtype, "loss")
+    norm = (t != -100).sum().item() if reduction == "mean" else 1.0
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads):
+        assert g.dtype == dtype
+        assert_close_ref(g.double() * norm, r * 0.7 * norm, dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_shapes_views_and_no_grad(device):
+    # (B, S, H) hidden, tied-embedding weight as a transposed view, frozen weight, no_grad.
+    B, S, H, V = 2, 7, 16, 53
+    h = _logits((B, S, H), device, torch.float64, seed=36).requires_grad_()
+    wt = _logits((H, V), device, torch.float64, seed=37)
+    w = wt.t()  # (V, H), not contiguous
+    t = _targets((B, S), V, device, seed=38)
+    with tuning.override(cross_entropy_chunk="5"):
+        loss = gp.fused_linear_cross_entropy(h, w, t)
+        (gh,) = torch.autograd.grad(loss, h)
+        with torch.no_grad():
+            loss2 = gp.fused_linear_cross_entropy(h, w, t)
+    ref, (rh, _) = _fused_ref(h, w, t, None, "mean")
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(loss2, ref)
+    torch.testing.assert_close(gh, rh)
+    # Under no_grad no gradient is computed: the op's gradient outputs are empty.
+    with torch.no_grad():
+        _, g1, g2, g3 = FUSED_OP(h, w, t, None, -100, "mean")
+    assert g1.numel() == 0 and g2.numel() == 0 and g3.numel() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_gradcheck(device):
+    h = _logits((5, 4), device, torch.float64, seed=39).requires_grad_()
+    w = _logits((6, 4), device, torch.float64, seed=40).requires_grad_()
+    b = _logits((6,), device, torch.float64, seed=41).requires_grad_()
+    t = torch.tensor([0, 5, -100, 2, 2], device=device)
+    with tuning.override(cross_entropy_chunk="2"):
+        assert torch.autograd.gradcheck(lambda h, w, b: gp.fused_linear_cross_entropy(h, w, t, b), (h, w, b))
+
+
+@requires_cuda
+@requires_caching_allocator
+def test_fused_peak_memory_below_logits():
+    # The stock path stores (N, V) bf16 logits (and their gradient); the fused op only a chunk.
+    N, H, V = 4096, 256, 50257
+    h = (torch.randn(N, H, device="cuda") * 0.1).bfloat16().requires_grad_()
+    w = (torch.randn(V, H, device="cuda") * 0.1).bfloat16().requires_grad_()
+    t = torch.randint(0, V, (N,), device="cuda")
+    with tuning.override(cross_entropy_chunk="256"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = gp.fused_linear_cross_entropy(h, w, t)
+        loss.backward()
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < N * V * 2 / 2, f"peak {peak / 2**20:.0f} MiB vs logits {N * V * 2 / 2**20:.0f} MiB"
+    ref, (rh, rw) = _fused_ref(h, w, t, None, "mean")
+    assert_close_ref(loss, ref, torch.bfloat16, "loss")
+    assert_close_ref(h.grad.double() * N, rh * N, torch.bfloat16, "hidden")
+    assert_close_ref(w.grad.double() * N, rw * N, torch.bfloat16, "weight")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_large_vocab(dtype):
+    N, H, V = many(300, 40), 64, 128256
+    h = (torch.randn(N, H, device="cuda") * 0.2).to(dtype).requires_grad_()
+    w = (torch.randn(V, H, device="cuda") * 0.2).to(dtype).requires_grad_()
+    t = _targets((N,), V, "cuda", seed=42)
+    loss = gp.fused_linear_cross_entropy(h, w, t)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    ref, (rh, rw) = _fused_ref(h, w, t, None, "mean")
+    n = (t != -100).sum().item()
+    assert_close_ref(loss, ref, dtype, "loss")
+    assert_close_ref(gh.double() * n, rh * n, dtype, "hidden")
+    assert_close_ref(gw.double() * n, rw * n, dtype, "weight")
+
+
+def test_chunk_knob_listed():
+    values, current = tuning.knobs()["cross_entropy_chunk"]
+    assert "1" in values and "8" in values and current is None
+
+
+# ---- bad input --------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device):
+    x = torch.randn(4, 5, device=device)
+    t = torch.tensor([0, 1, 2, 3], device=device)
+    with pytest.raises(RuntimeError, match="target must be an int64 or int32"):
+        gp.cross_entropy(x, t.float())
+    with pytest.raises(RuntimeError, match=r"target must have shape logits.shape\[:-1\]"):
+        gp.cross_entropy(x, t[:3])
+    with pytest.raises(RuntimeError, match=r"target must have shape logits.shape\[:-1\]"):
+        gp.cross_entropy(x, t.view(2, 2))
+    with pytest.raises(RuntimeError, match="logits must have at least 1 dimension"):
+        OP(torch.tensor(1.0, device=device), t, -100, "mean")
+    with pytest.raises(RuntimeError, match="logits must be a float32"):
+        gp.cross_entropy(x.int(), t)
+    with pytest.raises(RuntimeError, match="reduction must be one of 'mean', 'sum', 'none', got 'avg'"):
+        gp.cross_entropy(x, t, reduction="avg")
+    w = torch.randn(7, 5, device=device)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        gp.fused_linear_cross_entropy(x, w.t(), t)
+    with pytest.raises(RuntimeError, match="bias must have shape"):
+        gp.fused_linear_cross_entropy(x, w, t, torch.randn(6, device=device))
+    with pytest.raises(RuntimeError, match="reduction must be 'mean' or 'sum'"):
+        gp.fused_linear_cross_entropy(x, w, t, reduction="none")
+    with pytest.raises(RuntimeError, match="weight has dtype"):
+        gp.fused_linear_cross_entropy(x, w.double(), t)
+
+
+def test_bad_target_cpu():
+    x = torch.randn(4, 5)
+    with pytest.raises(RuntimeError, match=r"target holds 5 at flat position 2, outside \[0, 5\)"):
+        gp.cross_entropy(x, torch.tensor([0, 1, 5, -100]))
+    with pytest.raises(RuntimeError, match=r"target holds -1 at flat position 0"):
+        gp.cross_entropy(x, torch.tensor([-1, 1, 2, 3]), ignore_index=3)
+    with pytest.raises(RuntimeError, match="outside"):
+        gp.fused_linear_cross_entropy(x, torch.randn(7, 5), torch.tensor([0, 1, 7, 2]))
+
+
+@requires_cuda
+def test_bad_device():
+    with pytest.raises(RuntimeError, match="target is on"):
+        gp.cross_entropy(torch.randn(3, 4, device="cuda"), torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_all_ignored(device):
+    h = _logits((6, 8), device, torch.float32, seed=43).requires_grad_()
+    w = _logits((11, 8), device, torch.float32, seed=44).requires_grad_()
+    t = torch.full((6,), -100, device=device)
+    with tuning.override(cross_entropy_chunk="2"):
+        loss = gp.fused_linear_cross_entropy(h, w, t)
+        gh, gw = torch.autograd.grad(loss, (h, w))
+        assert gp.fused_linear_cross_entropy(h, w, t, reduction="sum").item() == 0
+    assert torch.isnan(loss)  # 0 / 0, as F.cross_entropy
+    assert (gh == 0).all() and (gw == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nn_module(device):
+    logits = _logits((3, 4, 10), device, torch.float64, seed=45)
+    target = _targets((3, 4), 10, device, seed=46)
+    for reduction in REDUCTIONS:
+        mod = gp.nn.CrossEntropyLoss(reduction=reduction)
+        torch.testing.assert_close(mod(logits, target), _ref(logits, target, reduction))
+    with pytest.raises(ValueError, match="reduction"):
+        gp.nn.CrossEntropyLoss(reduction="avg")
