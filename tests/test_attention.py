@@ -948,7 +948,8 @@ def make_gqa(B, H, Hkv, Sq, Sk, D, device, dtype, grad=False, seed=0, layout="co
 
     def mk(h, S):
         if layout == "bshd":
-            return torch.randn(B, S, h, D, generator=g, dtype=torch.float64).to(device=device, dtype=dtype).transpose(1, 2)
+            t = torch.randn(B, S, h, D, generator=g, dtype=torch.float64)
+            return t.to(device=device, dtype=dtype).transpose(1, 2)
         return torch.randn(B, h, S, D, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
     return [t.requires_grad_(grad) for t in (mk(H, Sq), mk(Hkv, Sk), mk(Hkv, Sk))]
@@ -1017,7 +1018,7 @@ def test_gqa_strided_views(device):
         _assert_layout(t, "bshd", f"gqa {name}")
     x = torch.randn(B, S, (H + 2 * Hkv) * D, device=device, dtype=dtype)
     q, k, v = x.split([H * D, Hkv * D, Hkv * D], dim=-1)
-    q, k, v = q.view(B, S, H, D).transpose(1, 2), k.view(B, S, Hkv, D).transpose(1, 2), v.view(B, S, Hkv, D).transpose(1, 2)
+    q, k, v = (t.view(B, S, h, D).transpose(1, 2) for t, h in ((q, H), (k, Hkv), (v, Hkv)))
     out, lse, grads = _check_gqa(q, k, v, False, dtype, "fused projection", g=g)
     for name, t in zip(("out", "dq", "dk", "dv"), (out, *grads)):
         _assert_layout(t, "bshd", f"gqa fused projection {name}")
@@ -1222,5 +1223,6 @@ def test_gqa_cuda_matches_sdpa(dtype):
         _assert_close(ours, ref, dtype, f"ours causal={causal}")
         _assert_close(theirs, ref, dtype, f"sdpa causal={causal}")
         g = torch.randn_like(ours)
-        for name, a, b in zip("qkv", torch.autograd.grad(ours, (q, k, v), g), torch.autograd.grad(theirs, (q, k, v), g)):
+        grads_t = torch.autograd.grad(theirs, (q, k, v), g)
+        for name, a, b in zip("qkv", torch.autograd.grad(ours, (q, k, v), g), grads_t):
             _assert_close(a, b.double(), dtype, f"d{name} vs SDPA causal={causal}", grad=True)

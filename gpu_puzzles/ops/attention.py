@@ -2,10 +2,11 @@
 
 attention(q, k, v) = softmax(q k^T * scale) v, scale = 1/sqrt(D) unless given,
 causal as SDPA's ``is_causal`` (key j visible to query i iff j <= i, aligned to the
-top-left corner also when Sq != Sk); ``enable_gqa`` as SDPA's (k and v with fewer heads, query
-head h reading kv head h // (H // Hkv), never repeated in memory). The fused op returns ``(out, lse)``: lse is
-each query row's log-sum-exp, saved so the backward recomputes the probabilities
-instead of storing the S x S matrix; :func:`attention` hides it.
+top-left corner also when Sq != Sk), ``enable_gqa`` as SDPA's (k and v with fewer heads:
+query head h reads kv head h // (H // Hkv); the fused op never repeats them in memory).
+The fused op returns ``(out, lse)``: lse is each query row's log-sum-exp, saved so the
+backward recomputes the probabilities instead of storing the S x S matrix;
+:func:`attention` hides it.
 
 ``attention(..., algorithm="unfused")`` is the seed's chain: our tiled transpose, our
 tiled matmul, our softmax, our matmul; the S x S scores live in memory.
