@@ -6,8 +6,9 @@
 // the heads H and the ones before it the batch B; with enable_gqa (SDPA's), k and v may
 // have Hkv heads, Hkv dividing H (grouped-query attention; attention.h), never repeated.
 // The CUDA kernels read every operand where it lies, through its (batch, head, row)
-// strides (attention.h); the CPU kernels take contiguous (BH, S, D) copies. Outputs follow their input's memory order on both
-// (empty_in_order_of; the fake kernels in gpu_puzzles/ops/attention.py do the same).
+// strides (attention.h); the CPU kernels take contiguous (BH, S, D) copies. Outputs follow
+// their input's memory order on both (empty_in_order_of; the fake kernels in
+// gpu_puzzles/ops/attention.py do the same).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
