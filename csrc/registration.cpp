@@ -78,9 +78,10 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   // is_causal (key j visible to query i iff j <= i). Returns (out, lse): lse is
   // the log-sum-exp of each query row's scaled scores (float32, float64 for a
   // float64 q), saved for the backward so the S x S probabilities never exist.
-  m.def("attention(Tensor q, Tensor k, Tensor v, float? scale=None, bool causal=False) -> (Tensor, Tensor)");
-  // -> (dq, dk, dv)
-  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? scale, bool causal) -> (Tensor, Tensor, Tensor)");
+  // enable_gqa (SDPA's): k and v may have fewer heads (dim -3), dividing q's; query head h reads kv head h / (H / Hkv).
+  m.def("attention(Tensor q, Tensor k, Tensor v, float? scale=None, bool causal=False, bool enable_gqa=False) -> (Tensor, Tensor)");
+  // -> (dq, dk, dv); dk, dv have k's and v's shapes (with enable_gqa: summed over each group's query heads)
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? scale, bool causal, bool enable_gqa=False) -> (Tensor, Tensor, Tensor)");
   // The curriculum's chain (attention(..., algorithm="unfused") in Python): our transpose, our
   // tiled matmul, the softmax op, our matmul. matmul is batched (..., M, K) @
   // (..., K, N) times alpha; causal_mask writes -inf where col > row.

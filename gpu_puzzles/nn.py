@@ -1,5 +1,6 @@
 """nn.Module wrappers around the functional ops."""
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -268,19 +269,28 @@ class Attention(nn.Module):
     ``num_heads`` heads of ``embed_dim // num_heads``; the heads go through
     :func:`gpu_puzzles.attention` with scale ``1/sqrt(head_dim)`` and ``algorithm``
     (``"auto"``: fused, ``"unfused"``: the curriculum's chain), then ``out_proj``.
-    ``causal`` masks future keys as SDPA's ``is_causal``.
+    ``causal`` masks future keys as SDPA's ``is_causal``. ``num_kv_heads`` (default
+    ``num_heads``, dividing it): grouped-query attention, k and v with that many heads of
+    ``head_dim`` each (the projection's output is then ``(num_heads + 2 * num_kv_heads) *
+    head_dim``: q, k, v in that order), each shared by ``num_heads // num_kv_heads`` query
+    heads without being repeated.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, causal: bool = False,
-                 algorithm: str = "auto", device=None, dtype=None):
+                 algorithm: str = "auto", device=None, dtype=None, num_kv_heads: Optional[int] = None):
         super().__init__()
         if embed_dim < 1 or num_heads < 1 or embed_dim % num_heads:
             raise ValueError(f"Attention: embed_dim ({embed_dim}) must be a positive multiple of num_heads "
                              f"({num_heads})")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"Attention: num_kv_heads ({num_kv_heads}) must be a positive divisor of num_heads "
+                             f"({num_heads})")
         factory = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.causal, self.algorithm = embed_dim, num_heads, causal, algorithm
+        self.num_kv_heads = num_kv_heads
         self.head_dim = embed_dim // num_heads
-        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias, **factory)
+        self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
 
     def forward(self, x):
@@ -291,14 +301,23 @@ class Attention(nn.Module):
         if unbatched:
             x = x.unsqueeze(0)
         B, S, _ = x.shape
-        qkv = self.qkv(x).view(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # (B, H, S, Dh) each
-        o = ops.attention(q, k, v, causal=self.causal, algorithm=self.algorithm)
+        if self.num_kv_heads == self.num_heads:
+            qkv = self.qkv(x).view(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)  # (B, H, S, Dh) each
+        else:  # strided views of the projection, read in place by the op
+            H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+            q, k, v = self.qkv(x).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+            q = q.view(B, S, H, Dh).transpose(1, 2)
+            k = k.view(B, S, Hkv, Dh).transpose(1, 2)
+            v = v.view(B, S, Hkv, Dh).transpose(1, 2)
+        o = ops.attention(q, k, v, causal=self.causal, enable_gqa=self.num_kv_heads != self.num_heads,
+                          algorithm=self.algorithm)
         o = self.out_proj(o.transpose(1, 2).reshape(B, S, self.embed_dim))
         return o.squeeze(0) if unbatched else o
 
     def extra_repr(self):
-        return (f"{self.embed_dim}, num_heads={self.num_heads}, bias={self.qkv.bias is not None}, "
+        kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return (f"{self.embed_dim}, num_heads={self.num_heads}{kv}, bias={self.qkv.bias is not None}, "
                 f"causal={self.causal}, algorithm={self.algorithm!r}")
 
 

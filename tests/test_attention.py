@@ -307,8 +307,10 @@ def test_bad_input(device):
     cases = [
         (lambda: gp.attention(r(2, 5, 8), r(2, 6, 7), r(2, 6, 8)), "k has head dim 7 but q has head dim 8"),
         (lambda: gp.attention(r(2, 5, 8), r(2, 6, 8), r(2, 4, 8)), "v has sequence length 4 but k has 6"),
-        (lambda: gp.attention(r(2, 5, 8), r(3, 6, 8), r(3, 6, 8)), "k has leading dims"),
-        (lambda: gp.attention(r(2, 5, 8), r(2, 6, 8), r(3, 6, 8)), "v has leading dims"),
+        (lambda: gp.attention(r(2, 5, 8), r(3, 6, 8), r(3, 6, 8)), r"k has 3 heads \(dim -3\) but q has 2"),
+        (lambda: gp.attention(r(2, 5, 8), r(2, 6, 8), r(3, 6, 8)), r"v has 3 heads \(dim -3\) but k has 2"),
+        (lambda: gp.attention(r(2, 2, 5, 8), r(3, 2, 6, 8), r(3, 2, 6, 8)), "k has leading dims"),
+        (lambda: gp.attention(r(2, 2, 5, 8), r(2, 2, 6, 8), r(3, 2, 6, 8)), "v has leading dims"),
         (lambda: gp.attention(r(2, 5, 8), r(6, 8), r(6, 8)), "k must have as many dims as q"),
         (lambda: gp.attention(r(8), r(1, 6, 8), r(6, 8)), "k and v must be 2-D"),
         (lambda: gp.attention(r(2, 5, 8), r(2, 6, 8, dt=torch.float64), r(2, 6, 8)), "k has dtype"),
@@ -926,3 +928,301 @@ def test_compile_strided_model_block():
         ge = torch.autograd.grad(y_e.square().sum(), (x, w))
         for a, b in zip(gc, ge):
             torch.testing.assert_close(a, b)
+
+
+# ---- grouped k/v heads (GQA / MQA, enable_gqa) ---------------------------------------
+# k and v with Hkv heads, Hkv dividing q's H: query head h uses kv head h // (H // Hkv). The
+# reference repeats k and v over each group (then their float64 gradients are the sums over
+# the group's query heads, what dk and dv must hold); the op itself never repeats them.
+
+def ref_gqa(q, k, v, scale=None, causal=False):
+    group = q.shape[-3] // k.shape[-3]
+    return ref_attention(q, k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), scale=scale,
+                         causal=causal)
+
+
+def make_gqa(B, H, Hkv, Sq, Sk, D, device, dtype, grad=False, seed=0, layout="contiguous"):
+    """q (B, H, Sq, D), k and v (B, Hkv, Sk, D); layout "bshd": (B, S, heads, D) tensors transposed,
+    as a Llama-style model's separate q/k/v projections hand them over."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def mk(h, S):
+        if layout == "bshd":
+            t = torch.randn(B, S, h, D, generator=g, dtype=torch.float64)
+            return t.to(device=device, dtype=dtype).transpose(1, 2)
+        return torch.randn(B, h, S, D, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    return [t.requires_grad_(grad) for t in (mk(H, Sq), mk(Hkv, Sk), mk(Hkv, Sk))]
+
+
+def _check_gqa(q, k, v, causal, dtype, what, scale=None, g=None):
+    """Forward through the op, backward through attention_backward, both vs float64; returns the grads."""
+    out, lse = OPS.attention(q, k, v, scale, causal, True)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_gqa(*leaves, scale=scale, causal=causal)
+    _assert_close(out, ref, dtype, f"{what} out")
+    if g is None:
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(out)
+    if q.is_cuda:
+        _poison_cache()
+    grads = OPS.attention_backward(g, q.detach(), k.detach(), v.detach(), out, lse, scale, causal, True)
+    refs = torch.autograd.grad(ref, leaves, g.double())
+    for name, a, r, x in zip("qkv", grads, refs, (q, k, v)):
+        assert a.shape == x.shape, f"{what} d{name}: shape {tuple(a.shape)}, want {tuple(x.shape)}"
+        _assert_close(a, r, dtype, f"{what} d{name}", grad=True)
+    return out, lse, grads
+
+
+# (H, Hkv): plain multi-head (group 1), groups of 2 and 4, and multi-query (Hkv = 1).
+GQA_HEADS = [(4, 4), (4, 2), (8, 2), (4, 1)]
+# (Sq, Sk, D): odd lengths, Sq != Sk both ways, D 64 / 128 and an odd D.
+GQA_SHAPES = [(7, 7, 16), (33, 9, 64), (9, 40, 128), (17, 17, 5)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", GQA_HEADS, ids=str)
+@pytest.mark.parametrize("shape", GQA_SHAPES, ids=str)
+def test_gqa_cpu_matches_reference(shape, heads, causal):
+    (Sq, Sk, D), (H, Hkv) = shape, heads
+    for dtype in (torch.float64, torch.float32):
+        q, k, v = make_gqa(2, H, Hkv, Sq, Sk, D, "cpu", dtype, seed=Sq + H * Hkv)
+        _check_gqa(q, k, v, causal, dtype, f"{shape} H={H} Hkv={Hkv} causal={causal} {dtype}")
+    # F.scaled_dot_product_attention(enable_gqa=True), and the public function with its autograd.
+    q, k, v = make_gqa(2, H, Hkv, Sq, Sk, D, "cpu", torch.float64, grad=True, seed=1)
+    out = gp.attention(q, k, v, causal=causal, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    _assert_close(out, ref, torch.float64, "vs SDPA enable_gqa")
+    g = torch.randn_like(out)
+    for name, a, r in zip("qkv", torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        _assert_close(a, r, torch.float64, f"d{name} vs SDPA enable_gqa", grad=True)
+
+
+def test_gqa_cpu_long_rows():
+    # Longer than the CPU kernels' key and query blocks, groups of 4 and MQA.
+    for H, Hkv in ((8, 2), (4, 1)):
+        for causal in (False, True):
+            q, k, v = make_gqa(1, H, Hkv, 300, 600, 32, "cpu", torch.float32, seed=H)
+            _check_gqa(q * 4, k, v, causal, torch.float32, f"H={H} Hkv={Hkv} causal={causal}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gqa_strided_views(device):
+    # Llama's layout: separate projections viewed (B, S, heads, D) and transposed; and slices of
+    # one fused projection. Results follow the inputs' memory order: dk, dv as k, v.
+    dtype = torch.float64
+    B, H, Hkv, S, D = 2, 4, 2, 13, 8
+    q, k, v = make_gqa(B, H, Hkv, S, S, D, device, dtype, seed=2, layout="bshd")
+    g = torch.randn(B, S, H, D, device=device, dtype=dtype).transpose(1, 2)
+    out, lse, grads = _check_gqa(q, k, v, True, dtype, "bshd", g=g)
+    for name, t in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+        _assert_layout(t, "bshd", f"gqa {name}")
+    x = torch.randn(B, S, (H + 2 * Hkv) * D, device=device, dtype=dtype)
+    q, k, v = x.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = (t.view(B, S, h, D).transpose(1, 2) for t, h in ((q, H), (k, Hkv), (v, Hkv)))
+    out, lse, grads = _check_gqa(q, k, v, False, dtype, "fused projection", g=g)
+    for name, t in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+        _assert_layout(t, "bshd", f"gqa fused projection {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gqa_gradcheck(device):
+    for (H, Hkv), causal in (((4, 2), False), ((3, 1), True), ((2, 2), True)):
+        q, k, v = make_gqa(1, H, Hkv, 5, 6, 3, device, torch.float64, grad=True, seed=H + Hkv)
+        assert torch.autograd.gradcheck(lambda a, b, c: gp.attention(a, b, c, causal=causal, enable_gqa=True),
+                                        (q, k, v))
+    q, k, v = make_gqa(1, 4, 2, 4, 5, 3, device, torch.float64, grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: gp.attention(a, b, c, causal=True, enable_gqa=True, algorithm="unfused"), (q, k, v))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gqa_opcheck_and_fake_strides(device):
+    cases = [make_gqa(2, 4, 2, 5, 7, 8, device, torch.float32, seed=1),
+             make_gqa(1, 3, 1, 6, 6, 8, device, torch.float32, seed=2, layout="bshd")]
+    for q, k, v in cases:
+        for causal in (False, True):
+            torch.library.opcheck(OPS.attention.default, (q, k, v, None, causal, True))
+            with torch.no_grad():
+                out, lse = OPS.attention(q, k, v, None, causal, True)
+            _assert_fake_strides(OPS.attention.default, (q, k, v, None, causal, True), (out, lse))
+            args = (torch.randn_like(out), q, k, v, out, lse, None, causal, True)
+            torch.library.opcheck(OPS.attention_backward.default, args)
+            _assert_fake_strides(OPS.attention_backward.default, args, OPS.attention_backward(*args))
+    q, k, v = make_gqa(2, 4, 2, 5, 7, 8, device, torch.float32, grad=True, seed=3)
+    torch.library.opcheck(OPS.attention.default, (q, k, v, 0.5, True, True))
+
+
+def test_gqa_compile():
+    # fullgraph + dynamic over the sequence length, a Llama-style block: separate projections,
+    # grouped k/v views, transpose back; values and gradients match eager.
+    device = "cuda" if HAS_CUDA else "cpu"
+    torch._dynamo.reset()
+    H, Hkv, D = 4, 2, 16
+
+    def block(x, wq, wkv):
+        B, S, _ = x.shape
+        q = (x @ wq).view(B, S, H, D).transpose(1, 2)
+        k, v = ((x @ wkv).view(B, S, 2 * Hkv, D).transpose(1, 2)).split(Hkv, dim=1)
+        return gp.attention(q, k, v, causal=True, enable_gqa=True).transpose(1, 2).reshape(B, S, H * D)
+
+    fc = torch.compile(block, fullgraph=True, dynamic=True)
+    for S in (16, 23):
+        g = torch.Generator().manual_seed(S)
+        x = torch.randn(2, S, 24, generator=g).to(device).requires_grad_()
+        wq = torch.randn(24, H * D, generator=g).to(device).requires_grad_()
+        wkv = torch.randn(24, 2 * Hkv * D, generator=g).to(device).requires_grad_()
+        y_c, y_e = fc(x, wq, wkv), block(x, wq, wkv)
+        torch.testing.assert_close(y_c, y_e)
+        for a, b in zip(torch.autograd.grad(y_c.square().sum(), (x, wq, wkv)),
+                        torch.autograd.grad(y_e.square().sum(), (x, wq, wkv))):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gqa_bad_input(device):
+    r = lambda *s: torch.randn(*s, device=device)  # noqa: E731
+    cases = [
+        (lambda: gp.attention(r(1, 4, 5, 8), r(1, 2, 6, 8), r(1, 2, 6, 8)),
+         r"k has 2 heads \(dim -3\) but q has 4; they must be equal, or pass enable_gqa=True"),
+        (lambda: gp.attention(r(1, 6, 5, 8), r(1, 4, 6, 8), r(1, 4, 6, 8), enable_gqa=True),
+         r"with enable_gqa, q's heads \(6\) must be a multiple of k's and v's heads \(4"),
+        (lambda: gp.attention(r(1, 4, 5, 8), r(1, 2, 6, 8), r(1, 1, 6, 8), enable_gqa=True),
+         r"v has 1 heads \(dim -3\) but k has 2"),
+        (lambda: gp.attention(r(2, 4, 5, 8), r(1, 2, 6, 8), r(1, 2, 6, 8), enable_gqa=True), "k has leading dims"),
+        (lambda: gp.attention(r(1, 4, 5, 8), r(1, 2, 6, 8), r(1, 2, 6, 8), algorithm="unfused"),
+         r"attention: k has 2 heads"),
+        (lambda: gp.attention(r(1, 6, 5, 8), r(1, 4, 6, 8), r(1, 4, 6, 8), enable_gqa=True, algorithm="unfused"),
+         r"q's heads \(6\) must be a multiple"),
+    ]
+    for call, msg in cases:
+        with pytest.raises((RuntimeError, ValueError), match=msg):
+            call()
+    q, k, v = r(1, 4, 5, 8), r(1, 2, 6, 8), r(1, 2, 6, 8)
+    out, lse = OPS.attention(q, k, v, None, False, True)
+    with pytest.raises(RuntimeError, match=r"attention_backward: k has 2 heads"):
+        OPS.attention_backward(out, q, k, v, out, lse, None, False)  # enable_gqa left False
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gqa_unfused_and_module(device):
+    # The chain (which repeats k/v) agrees with the fused op; nn.Attention(num_kv_heads) with
+    # separate-projection views agrees with SDPA(enable_gqa) on its weights.
+    q, k, v = make_gqa(2, 4, 2, 9, 11, 8, device, torch.float64, grad=True, seed=4)
+    for causal in (False, True):
+        a = gp.attention(q, k, v, causal=causal, enable_gqa=True)
+        b = gp.attention(q, k, v, causal=causal, enable_gqa=True, algorithm="unfused")
+        _assert_close(b, a, torch.float64, "unfused vs fused")
+        g = torch.randn_like(a)
+        for x, y in zip(torch.autograd.grad(b, (q, k, v), g), torch.autograd.grad(a, (q, k, v), g)):
+            _assert_close(x, y, torch.float64, "unfused vs fused grad", grad=True)
+    torch.manual_seed(2)
+    mod = gp.nn.Attention(32, 4, num_kv_heads=2, causal=True, device=device, dtype=torch.float64)
+    assert mod.qkv.out_features == (4 + 2 * 2) * 8 and "num_kv_heads=2" in repr(mod)
+    x = torch.randn(2, 13, 32, device=device, dtype=torch.float64, requires_grad=True)
+    B, S, _ = x.shape
+    qr, kr, vr = F.linear(x, mod.qkv.weight, mod.qkv.bias).split([32, 16, 16], dim=-1)
+    o = F.scaled_dot_product_attention(qr.view(B, S, 4, 8).transpose(1, 2), kr.view(B, S, 2, 8).transpose(1, 2),
+                                       vr.view(B, S, 2, 8).transpose(1, 2), is_causal=True, enable_gqa=True)
+    ref = F.linear(o.transpose(1, 2).reshape(B, S, 32), mod.out_proj.weight, mod.out_proj.bias)
+    y = mod(x)
+    torch.testing.assert_close(y, ref)
+    params = [x, mod.qkv.weight, mod.out_proj.weight]
+    g = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        gp.nn.Attention(32, 4, num_kv_heads=3)
+
+
+# CUDA: (B, H, Hkv, Sq, Sk, D). D 64/128 take the tensor-core kernels in fp16/bf16 (tails past
+# every tile, several query tiles per head so the dK/dV pipeline crosses heads mid-stream),
+# odd D the SIMT ones; every dtype.
+GQA_CUDA_SHAPES = [(2, 4, 2, 33, 129, 64), (1, 8, 2, 129, 33, 128), (2, 4, 1, 200, 200, 64),
+                   (1, 4, 4, 100, 100, 128), (1, 6, 3, 300, 257, 128), (2, 4, 2, 17, 17, 33),
+                   (1, 8, 1, 65, 130, 80), (1, 2, 1, 1, 70, 64), (1, 4, 2, 513, 511, 64)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", GQA_CUDA_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_cuda_forward_backward(shape, dtype, causal):
+    B, H, Hkv, Sq, Sk, D = shape
+    what = f"{shape} causal={causal} {dtype}"
+    q, k, v = make_gqa(B, H, Hkv, Sq, Sk, D, "cuda", dtype, seed=Sq + Sk + H)
+    _poison_cache()
+    out, lse, grads = _check_gqa(q, k, v, causal, dtype, what)
+    # Deterministic: dk and dv are summed over the group in a fixed order, written once.
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(out)
+    _poison_cache()
+    again = OPS.attention_backward(g, q, k, v, out, lse, None, causal, True)
+    for name, a, b in zip("qkv", grads, again):
+        assert torch.equal(a, b), f"{what}: d{name} differs between two identical backward calls"
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("knobs", FWD_KNOBS, ids=lambda k: k[0] + (f"-w{k[1]}" if k[1] else ""))
+def test_gqa_cuda_forward_configs(knobs, dtype):
+    # Each forward kernel reads the group's kv head (the knob forces it; the label checks it ran).
+    fwd, warps = knobs
+    if fwd.startswith("wgmma"):
+        _skip_unless_wgmma()
+    with gp.tuning.override(attention_fwd=fwd, attention_fwd_warps=warps):
+        for (H, Hkv), (Sq, Sk), D in many([((4, 2), (129, 200), 64), ((8, 1), (257, 257), 128),
+                                          ((6, 3), (65, 33), 128), ((4, 4), (200, 129), 64)],
+                                         [((8, 1), (257, 257), 128)]):
+            for causal in (False, True):
+                what = f"{fwd} H={H} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}"
+                q, k, v = make_gqa(2, H, Hkv, Sq, Sk, D, "cuda", dtype, seed=Sq + D)
+                _poison_cache()
+                _assert_forward_kernel(lambda: _check_gqa(q, k, v, causal, dtype, what), _FWD_LABEL[knobs], what)
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [64, 128, 33])
+def test_gqa_cuda_strided_no_copy(D):
+    # Llama's separate projections (B, S, heads, D) transposed: read and written in place (no copy
+    # kernel), grads in the inputs' memory order, bitwise equal to the call on contiguous copies.
+    B, H, Hkv, S = 2, 8, 2, 100
+    for dtype in many((torch.bfloat16, torch.float16, torch.float32), (torch.bfloat16,)):
+        for causal in (False, True):
+            what = f"D={D} {dtype} causal={causal}"
+            q, k, v = make_gqa(B, H, Hkv, S, S, D, "cuda", dtype, seed=D, layout="bshd")
+            _poison_cache()
+            (out, lse), copies = copy_kernels(OPS.attention.default, q, k, v, None, causal, True)
+            assert copies == [], f"{what}: forward copies {copies}"
+            _assert_layout(out, "bshd", f"{what} out")
+            qc, kc, vc = (t.contiguous() for t in (q, k, v))
+            out_c, lse_c = OPS.attention(qc, kc, vc, None, causal, True)
+            assert torch.equal(out, out_c) and torch.equal(lse, lse_c), f"{what}: out/lse differ from contiguous"
+            g = torch.randn(B, S, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+            _poison_cache()
+            grads, copies = copy_kernels(OPS.attention_backward.default, g, q, k, v, out, lse, None, causal, True)
+            assert copies == [], f"{what}: backward copies {copies}"
+            grads_c = OPS.attention_backward(g.contiguous(), qc, kc, vc, out_c, lse_c, None, causal, True)
+            for name, a, c in zip("qkv", grads, grads_c):
+                _assert_layout(a, "bshd", f"{what} d{name}")
+                assert torch.equal(a, c), f"{what}: d{name} differs from the contiguous call"
+            leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            ref = ref_gqa(*leaves, causal=causal)
+            _assert_close(out, ref, dtype, f"{what} out")
+            for name, a, r in zip("qkv", grads, torch.autograd.grad(ref, leaves, g.double())):
+                _assert_close(a, r, dtype, f"{what} d{name}", grad=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gqa_cuda_matches_sdpa(dtype):
+    # Against PyTorch's own enable_gqa in the same dtype (and both against float64).
+    q, k, v = make_gqa(2, 8, 2, 300, 300, 64, "cuda", dtype, grad=True, seed=9, layout="bshd")
+    for causal in (False, True):
+        ours = gp.attention(q, k, v, causal=causal, enable_gqa=True)
+        theirs = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        ref = ref_gqa(*(t.detach().double() for t in (q, k, v)), causal=causal)
+        _assert_close(ours, ref, dtype, f"ours causal={causal}")
+        _assert_close(theirs, ref, dtype, f"sdpa causal={causal}")
+        g = torch.randn_like(ours)
+        grads_t = torch.autograd.grad(theirs, (q, k, v), g)
+        for name, a, b in zip("qkv", torch.autograd.grad(ours, (q, k, v), g), grads_t):
+            _assert_close(a, b.double(), dtype, f"d{name} vs SDPA causal={causal}", grad=True)

@@ -3,10 +3,12 @@
 // curriculum's chain (transpose_last2, matmul; softmax is the softmax op's).
 // Shapes: the seed's vector form q (D,) k (S, D) v (S, Dv) is B = H = 1, Sq = 1;
 // q (..., Sq, D), k (..., Sk, D), v (..., Sk, Dv) have equal leading dims, the last of them
-// the heads H and the ones before it the batch B. The CUDA kernels read every operand where it
-// lies, through its (batch, head, row) strides (attention.h); the CPU kernels take
-// contiguous (BH, S, D) copies. Outputs follow their input's memory order on both
-// (empty_in_order_of; the fake kernels in gpu_puzzles/ops/attention.py do the same).
+// the heads H and the ones before it the batch B; with enable_gqa (SDPA's), k and v may
+// have Hkv heads, Hkv dividing H (grouped-query attention; attention.h), never repeated.
+// The CUDA kernels read every operand where it lies, through its (batch, head, row)
+// strides (attention.h); the CPU kernels take contiguous (BH, S, D) copies. Outputs follow
+// their input's memory order on both (empty_in_order_of; the fake kernels in
+// gpu_puzzles/ops/attention.py do the same).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -29,12 +31,12 @@ namespace gpu_puzzles {
 namespace {
 
 struct AttnShape {
-  int64_t B, H, BH, Sq, Sk, D, Dv;  // BH = B * H
+  int64_t B, H, Hkv, BH, BHkv, Sq, Sk, D, Dv;  // BH = B * H, BHkv = B * Hkv
   std::vector<int64_t> out_shape;  // q.shape[:-1] + (Dv,)
   std::vector<int64_t> lse_shape;  // q.shape[:-1]
 };
 
-AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* op) {
+AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool enable_gqa, const char* op) {
   const std::string p(op);
   check_float(q, (p + ": q").c_str());
   check_same_dtype(k, q, (p + ": k").c_str(), "q");
@@ -45,7 +47,6 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   if (q.dim() == 1) {  // the seed's vector form
     TORCH_CHECK(k.dim() == 2 && v.dim() == 2, op, ": for a 1-D q (D,), k and v must be 2-D (S, D), got k shape ",
                 k.sizes(), " and v shape ", v.sizes());
-    s.BH = 1;
     s.Sq = 1;
   } else {
     TORCH_CHECK(q.dim() >= 2, op, ": q must be (D,) or (..., Sq, D), got a 0-d tensor");
@@ -53,16 +54,33 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                 " (q shape ", q.sizes(), ")");
     TORCH_CHECK(v.dim() == q.dim(), op, ": v must have as many dims as q (", q.dim(), "), got shape ", v.sizes(),
                 " (q shape ", q.sizes(), ")");
-    const auto lead = q.sizes().slice(0, q.dim() - 2);
-    TORCH_CHECK(k.sizes().slice(0, k.dim() - 2) == lead, op, ": k has leading dims ",
-                k.sizes().slice(0, k.dim() - 2), " but q has ", lead, "; they must be equal");
-    TORCH_CHECK(v.sizes().slice(0, v.dim() - 2) == lead, op, ": v has leading dims ",
-                v.sizes().slice(0, v.dim() - 2), " but q has ", lead, "; they must be equal");
-    s.BH = c10::multiply_integers(lead);
+    // The batch dims (all but the heads, dim -3) equal; the heads checked below.
+    const int64_t nb = std::max<int64_t>(q.dim() - 3, 0);
+    const auto batch = q.sizes().slice(0, nb);
+    TORCH_CHECK(k.sizes().slice(0, nb) == batch, op, ": k has leading dims ", k.sizes().slice(0, k.dim() - 2),
+                " but q has ", q.sizes().slice(0, q.dim() - 2), "; they must be equal");
+    TORCH_CHECK(v.sizes().slice(0, nb) == batch, op, ": v has leading dims ", v.sizes().slice(0, v.dim() - 2),
+                " but q has ", q.sizes().slice(0, q.dim() - 2), "; they must be equal");
     s.Sq = q.size(-2);
   }
   s.H = q.dim() >= 3 ? q.size(-3) : 1;
+  s.Hkv = q.dim() >= 3 ? k.size(-3) : 1;
   s.B = q.dim() >= 3 ? c10::multiply_integers(q.sizes().slice(0, q.dim() - 3)) : 1;
+  if (q.dim() >= 3) {
+    TORCH_CHECK(v.size(-3) == s.Hkv, op, ": v has ", v.size(-3), " heads (dim -3) but k has ", s.Hkv,
+                "; they must be equal (k shape ", k.sizes(), ", v shape ", v.sizes(), ")");
+    if (enable_gqa) {
+      TORCH_CHECK(s.Hkv == s.H || (s.Hkv >= 1 && s.H % s.Hkv == 0), op, ": with enable_gqa, q's heads (", s.H,
+                  ") must be a multiple of k's and v's heads (", s.Hkv, ", dim -3; q shape ", q.sizes(),
+                  ", k shape ", k.sizes(), ")");
+    } else {
+      TORCH_CHECK(s.Hkv == s.H, op, ": k has ", s.Hkv, " heads (dim -3) but q has ", s.H,
+                  "; they must be equal, or pass enable_gqa=True for grouped k/v heads (q shape ", q.sizes(),
+                  ", k shape ", k.sizes(), ")");
+    }
+  }
+  s.BH = s.B * s.H;
+  s.BHkv = s.B * s.Hkv;
   s.D = q.size(-1);
   s.Sk = k.size(-2);
   s.Dv = v.size(-1);
@@ -129,9 +147,9 @@ void cpu_finish(at::Tensor& t, const at::Tensor& buf) {
 
 // The backward's arguments: q, k, v as the forward's, then grad_out, out and lse.
 AttnShape check_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         const at::Tensor& out, const at::Tensor& lse) {
+                         const at::Tensor& out, const at::Tensor& lse, bool enable_gqa) {
   const char* op = "attention_backward";
-  AttnShape s = check_qkv(q, k, v, op);
+  AttnShape s = check_qkv(q, k, v, enable_gqa, op);
   TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(s.out_shape), op, ": grad_out has shape ", grad_out.sizes(),
               " but the output has shape ", at::IntArrayRef(s.out_shape));
   TORCH_CHECK(out.sizes() == at::IntArrayRef(s.out_shape), op, ": out has shape ", out.sizes(),
@@ -156,10 +174,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_grads(const at::Tensor& q, 
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                 c10::optional<double> scale, bool causal) {
-  const AttnShape s = check_qkv(q, k, v, "attention");
+                                                 c10::optional<double> scale, bool causal, bool enable_gqa) {
+  const AttnShape s = check_qkv(q, k, v, enable_gqa, "attention");
   const double sc = resolve_scale(scale, s.D);
-  const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BH, s.Sk, s.D), vc = as_3d(v, s.BH, s.Sk, s.Dv);
+  const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BHkv, s.Sk, s.D),
+                   vc = as_3d(v, s.BHkv, s.Sk, s.Dv);
   at::Tensor out = empty_in_order_of(q, s.out_shape, q.options());
   at::Tensor o3 = cpu_out_3d(out, s.BH, s.Sq, s.Dv);
   at::Tensor lse = at::empty({s.BH, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
@@ -170,16 +189,17 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, c10::optional<double> scale, bool causal) {
-  const AttnShape s = check_backward(grad_out, q, k, v, out, lse);
+    const at::Tensor& lse, c10::optional<double> scale, bool causal, bool enable_gqa) {
+  const AttnShape s = check_backward(grad_out, q, k, v, out, lse, enable_gqa);
   const double sc = resolve_scale(scale, s.D);
-  const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BH, s.Sk, s.D), vc = as_3d(v, s.BH, s.Sk, s.Dv);
+  const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BHkv, s.Sk, s.D),
+                   vc = as_3d(v, s.BHkv, s.Sk, s.Dv);
   const at::Tensor gc = as_3d(grad_out, s.BH, s.Sq, s.Dv), oc = as_3d(out, s.BH, s.Sq, s.Dv);
   const at::Tensor lc = lse.reshape({s.BH, s.Sq}).contiguous();
   at::Tensor dq, dk, dv;
   std::tie(dq, dk, dv) = empty_grads(q, k, v);
-  at::Tensor dq3 = cpu_out_3d(dq, s.BH, s.Sq, s.D), dk3 = cpu_out_3d(dk, s.BH, s.Sk, s.D),
-             dv3 = cpu_out_3d(dv, s.BH, s.Sk, s.Dv);
+  at::Tensor dq3 = cpu_out_3d(dq, s.BH, s.Sq, s.D), dk3 = cpu_out_3d(dk, s.BHkv, s.Sk, s.D),
+             dv3 = cpu_out_3d(dv, s.BHkv, s.Sk, s.Dv);
   attention_bwd_cpu(gc, qc, kc, vc, oc, lc, dq3, dk3, dv3, sc, causal);
   cpu_finish(dq, dq3);
   cpu_finish(dk, dk3);
@@ -273,11 +293,11 @@ struct KernelInput {
 // 16-byte aligned (the tensor-core kernels' vector loads), or when a copy could not align
 // them either (rows of a byte size not a multiple of 16: only the SIMT kernels, which
 // need no alignment, take those); else a contiguous copy with an aligned base.
-KernelInput kernel_input(const at::Tensor& t, const AttnShape& s, int64_t S, int64_t Dl) {
+KernelInput kernel_input(const at::Tensor& t, const AttnShape& s, int64_t heads, int64_t S, int64_t Dl) {
   AttnStrides st;
   const int64_t es = t.element_size();
   if (kernel_strides(t, st) && (attn_rows_aligned16(t.data_ptr(), st, es) || (Dl * es) % 16 != 0)) return {t, st};
-  at::Tensor c = t.reshape({s.B, s.H, S, Dl}).contiguous();
+  at::Tensor c = t.reshape({s.B, heads, S, Dl}).contiguous();
   if (!aligned16(c.data_ptr())) c = c.clone();
   kernel_strides(c, st);
   return {c, st};
@@ -289,11 +309,11 @@ KernelInput kernel_input(const at::Tensor& t, const AttnShape& s, int64_t S, int
 struct KernelOutput {
   at::Tensor dst, buf;
   AttnStrides st;
-  KernelOutput(const at::Tensor& d, const AttnShape& s, int64_t S, int64_t Dl) : dst(d) {
+  KernelOutput(const at::Tensor& d, const AttnShape& s, int64_t heads, int64_t S, int64_t Dl) : dst(d) {
     if (kernel_strides(dst, st)) {
       buf = dst;
     } else {
-      buf = at::empty({s.B, s.H, S, Dl}, dst.options());
+      buf = at::empty({s.B, heads, S, Dl}, dst.options());
       kernel_strides(buf, st);
     }
   }
@@ -303,8 +323,8 @@ struct KernelOutput {
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  c10::optional<double> scale, bool causal) {
-  const AttnShape s = check_qkv(q, k, v, "attention");
+                                                  c10::optional<double> scale, bool causal, bool enable_gqa) {
+  const AttnShape s = check_qkv(q, k, v, enable_gqa, "attention");
   const c10::cuda::CUDAGuard guard(q.device());
   const double sc = resolve_scale(scale, s.D);
   at::Tensor out = empty_in_order_of(q, s.out_shape, q.options());
@@ -316,7 +336,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const 
       lse.fill_(-std::numeric_limits<double>::infinity());
     } else {  // Dv == 0 still has a log-sum-exp; ATen computes it (a degenerate case)
       const at::Tensor q3 = q.reshape({s.BH, s.Sq, s.D}).to(lse.scalar_type());
-      const at::Tensor k3 = k.reshape({s.BH, s.Sk, s.D}).to(lse.scalar_type());
+      const at::Tensor k3 =
+          k.reshape({s.BHkv, s.Sk, s.D}).repeat_interleave(s.H / s.Hkv, 0).to(lse.scalar_type());
       at::Tensor scores = at::matmul(q3, k3.transpose(1, 2)) * sc;
       if (causal) scores.masked_fill_(at::ones({s.Sq, s.Sk}, q.options().dtype(at::kBool)).triu(1),
                                       -std::numeric_limits<double>::infinity());
@@ -332,11 +353,11 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const 
     qs = q * sc;
     kscale = 1.0f;
   }
-  const KernelInput Q = kernel_input(qs, s, s.Sq, s.D), K = kernel_input(k, s, s.Sk, s.D),
-                    V = kernel_input(v, s, s.Sk, s.Dv);
-  KernelOutput O(out, s, s.Sq, s.Dv);
+  const KernelInput Q = kernel_input(qs, s, s.H, s.Sq, s.D), K = kernel_input(k, s, s.Hkv, s.Sk, s.D),
+                    V = kernel_input(v, s, s.Hkv, s.Sk, s.Dv);
+  KernelOutput O(out, s, s.H, s.Sq, s.Dv);
   AttentionFwdArgs a{Q.t.data_ptr(), K.t.data_ptr(), V.t.data_ptr(), O.buf.data_ptr(), lse.data_ptr(),
-                     Q.st, K.st, V.st, O.st, s.B, s.H, s.Sq, s.Sk, s.D, s.Dv, kscale, causal,
+                     Q.st, K.st, V.st, O.st, s.B, s.H, s.Hkv, s.Sq, s.Sk, s.D, s.Dv, kscale, causal,
                      to_dtype(q.scalar_type())};
   GP_CUDA_CHECK_STATUS(attention_forward_cuda(a, current_stream()));
   O.finish();
@@ -345,8 +366,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, c10::optional<double> scale, bool causal) {
-  const AttnShape s = check_backward(grad_out, q, k, v, out, lse);
+    const at::Tensor& lse, c10::optional<double> scale, bool causal, bool enable_gqa) {
+  const AttnShape s = check_backward(grad_out, q, k, v, out, lse, enable_gqa);
   const c10::cuda::CUDAGuard guard(q.device());
   const double sc = resolve_scale(scale, s.D);
   at::Tensor dq, dk, dv;
@@ -362,16 +383,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
   const bool folded = q.scalar_type() == at::kDouble && static_cast<double>(kscale) != sc;
   const at::Tensor qs = folded ? q * sc : q;
   if (folded) kscale = 1.0f;
-  const KernelInput Q = kernel_input(qs, s, s.Sq, s.D), K = kernel_input(k, s, s.Sk, s.D),
-                    V = kernel_input(v, s, s.Sk, s.Dv), O = kernel_input(out, s, s.Sq, s.Dv),
-                    G = kernel_input(grad_out, s, s.Sq, s.Dv);
+  const KernelInput Q = kernel_input(qs, s, s.H, s.Sq, s.D), K = kernel_input(k, s, s.Hkv, s.Sk, s.D),
+                    V = kernel_input(v, s, s.Hkv, s.Sk, s.Dv), O = kernel_input(out, s, s.H, s.Sq, s.Dv),
+                    G = kernel_input(grad_out, s, s.H, s.Sq, s.Dv);
   at::Tensor lc = lse.reshape({s.BH, s.Sq}).contiguous();
   if (!aligned16(lc.data_ptr())) lc = lc.clone();
-  KernelOutput DQ(dq, s, s.Sq, s.D), DK(dk, s, s.Sk, s.D), DV(dv, s, s.Sk, s.Dv);
+  KernelOutput DQ(dq, s, s.H, s.Sq, s.D), DK(dk, s, s.Hkv, s.Sk, s.D), DV(dv, s, s.Hkv, s.Sk, s.Dv);
   AttentionBwdArgs a{Q.t.data_ptr(), K.t.data_ptr(), V.t.data_ptr(), O.t.data_ptr(), G.t.data_ptr(), lc.data_ptr(),
                      DQ.buf.data_ptr(), DK.buf.data_ptr(), DV.buf.data_ptr(),
                      Q.st, K.st, V.st, O.st, G.st, DQ.st, DK.st, DV.st,
-                     s.B, s.H, s.Sq, s.Sk, s.D, s.Dv, kscale, causal, to_dtype(q.scalar_type())};
+                     s.B, s.H, s.Hkv, s.Sq, s.Sk, s.D, s.Dv, kscale, causal, to_dtype(q.scalar_type())};
   const int64_t ws_bytes = attention_backward_workspace_bytes(a);
   at::Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));
   GP_CUDA_CHECK_STATUS(attention_backward_cuda(a, ws.data_ptr(), current_stream()));

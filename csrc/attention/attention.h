@@ -4,11 +4,17 @@
 // torch-free: the CPU kernels take at::Tensor, declared here without ATen's headers.
 //
 // Layout (CPU kernels): every tensor contiguous, leading dims flattened into BH:
-//   q (BH, Sq, D), k (BH, Sk, D), v (BH, Sk, Dv), o / dout (BH, Sq, Dv).
-// Layout (CUDA kernels): each of q, k, v, o, dout, dq, dk, dv is viewed as (B, H, S, Dlast)
+//   q (BH, Sq, D), k (BHkv, Sk, D), v (BHkv, Sk, Dv), o / dout (BH, Sq, Dv); query row bh
+//   reads kv row bh / G (G = BH / BHkv: the group size, as the heads are the innermost
+//   leading dim).
+// Layout (CUDA kernels): each of q, k, v, o, dout, dq, dk, dv is viewed as (B, heads, S, Dlast)
 //   with its own element strides (AttnStrides) and Dlast contiguous, so the views models
 //   hand over (q/k/v transposed out of a fused projection) are read where they lie;
 //   BH = B * H, and the grid's row bh is head bh % H of batch bh / H.
+// Grouped k/v heads (GQA/MQA, SDPA's enable_gqa): q, o, dout, dq have H heads, k, v, dk, dv
+//   Hkv, Hkv dividing H; query head h reads kv head h / G, G = H / Hkv (G = 1: plain
+//   multi-head). k and v are never repeated: dk, dv of a kv head are the sums over its G
+//   query heads, accumulated by the one block (CUDA) or task (CPU) that writes them.
 // lse (BH, Sq), contiguous on both: natural-log log-sum-exp of the scaled, masked scores of each
 //   query row, float32 for float32/float16/bfloat16 inputs and float64 for
 //   float64 inputs. The forward writes it; the backward reads it, so the S x S
@@ -34,7 +40,7 @@ namespace gpu_puzzles {
 // Writes out (BH, Sq, Dv) and lse (BH, Sq); Sk == 0 gives zeros and lse = -inf.
 void attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                        at::Tensor& lse, double scale, bool causal);
-// Writes dq (BH, Sq, D), dk (BH, Sk, D), dv (BH, Sk, Dv).
+// Writes dq (BH, Sq, D), dk (BHkv, Sk, D), dv (BHkv, Sk, Dv).
 void attention_bwd_cpu(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& o, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
                        double scale, bool causal);
@@ -65,11 +71,12 @@ struct AttentionFwdArgs {
   void* o;
   void* lse;  // contiguous (BH, Sq)
   AttnStrides sq, sk, sv, so;
-  int64_t B, H, Sq, Sk, D, Dv;
+  int64_t B, H, Hkv, Sq, Sk, D, Dv;  // H % Hkv == 0
   float scale;
   bool causal;
   DType dtype;
   int64_t BH() const { return B * H; }
+  int64_t G() const { return H / Hkv; }  // query heads per kv head
 };
 
 struct AttentionBwdArgs {
@@ -80,14 +87,16 @@ struct AttentionBwdArgs {
   const void* dout;
   const void* lse;  // contiguous (BH, Sq)
   void* dq;         // (B, H, Sq, D)
-  void* dk;         // (B, H, Sk, D)
-  void* dv;         // (B, H, Sk, Dv)
+  void* dk;         // (B, Hkv, Sk, D)
+  void* dv;         // (B, Hkv, Sk, Dv)
   AttnStrides sq, sk, sv, so, sdo, sdq, sdk, sdv;
-  int64_t B, H, Sq, Sk, D, Dv;
+  int64_t B, H, Hkv, Sq, Sk, D, Dv;  // H % Hkv == 0
   float scale;
   bool causal;
   DType dtype;
   int64_t BH() const { return B * H; }
+  int64_t BHkv() const { return B * Hkv; }
+  int64_t G() const { return H / Hkv; }  // query heads per kv head
 };
 
 // Largest head dim (D and Dv) the CUDA kernels accept.

@@ -11,32 +11,33 @@ using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
 
 struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                               c10::optional<double> scale, bool causal) {
+                               c10::optional<double> scale, bool causal, bool enable_gqa) {
     static const auto op =
-        typed_op<Tensor2(const Tensor&, const Tensor&, const Tensor&, c10::optional<double>, bool)>(
+        typed_op<Tensor2(const Tensor&, const Tensor&, const Tensor&, c10::optional<double>, bool, bool)>(
             "gpu_puzzles::attention");
     Tensor out, lse;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(out, lse) = op.call(q, k, v, scale, causal);
+      std::tie(out, lse) = op.call(q, k, v, scale, causal, enable_gqa);
     }
     // The backward recomputes the probabilities from lse: nothing S x S is kept.
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->mark_non_differentiable({lse});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["enable_gqa"] = enable_gqa;
     return {out, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto op = typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                            const Tensor&, const Tensor&, c10::optional<double>, bool)>(
+                                            const Tensor&, const Tensor&, c10::optional<double>, bool, bool)>(
         "gpu_puzzles::attention_backward");
-    if (!grads[0].defined()) return variable_list(5);
+    if (!grads[0].defined()) return variable_list(6);
     const auto s = ctx->get_saved_variables();
     auto [dq, dk, dv] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], ctx->saved_data["scale"].toOptional<double>(),
-                                ctx->saved_data["causal"].toBool());
-    return {if_needed(ctx, 0, dq), if_needed(ctx, 1, dk), if_needed(ctx, 2, dv), Tensor(), Tensor()};
+                                ctx->saved_data["causal"].toBool(), ctx->saved_data["enable_gqa"].toBool());
+    return {if_needed(ctx, 0, dq), if_needed(ctx, 1, dk), if_needed(ctx, 2, dv), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -84,8 +85,8 @@ struct MatmulFunction : public torch::autograd::Function<MatmulFunction> {
 };
 
 Tensor2 attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, c10::optional<double> scale,
-                           bool causal) {
-  auto r = AttentionFunction::apply(q, k, v, scale, causal);
+                           bool causal, bool enable_gqa) {
+  auto r = AttentionFunction::apply(q, k, v, scale, causal, enable_gqa);
   return {r[0], r[1]};
 }
 Tensor transpose_autograd(const Tensor& x) { return TransposeFunction::apply(x); }

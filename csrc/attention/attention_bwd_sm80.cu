@@ -2,9 +2,11 @@
 // fragments as in the forward (attention_mma.cuh). Deterministic, no atomics: two passes
 // after delta = rowsum(dO * O) (attention_simt.cu), each recomputing P = exp2(S - lse)
 // from the forward's lse:
-//   dK/dV pass: block = 64 keys (16 per warp), loops over 32-query tiles
-//     (double-buffered cp.async): S^T = K Q^T, P^T = exp2(S^T - lse),
+//   dK/dV pass: block = 64 keys (16 per warp) of one kv head, loops over the 32-query
+//     tiles of each of the G query heads of its group (one double-buffered cp.async
+//     pipeline across them): S^T = K Q^T, P^T = exp2(S^T - lse),
 //     dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
+//     So grouped heads (GQA) sum into registers and dK/dV are written once.
 //   dQ pass: block = 64 queries (Q, dO fragments in registers), loops over
 //     32-key tiles (double-buffered): S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 // The dQ pass recomputes S and dP (7 instead of 5 GEMMs) in exchange for determinism
@@ -41,8 +43,8 @@ template <int D> constexpr int tc_dkdv_smem_bytes() {
 template <typename T, int D>
 __global__ void __launch_bounds__(kTcThreads)
 attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout,
-                 const float* __restrict__ lse, const float* __restrict__ delta, Rows<T> dk, Rows<T> dv, int64_t H,
-                 int64_t bh0, int64_t Sq, int64_t Sk, float scale, bool causal) {
+                 const float* __restrict__ lse, const float* __restrict__ delta, Rows<T> dk, Rows<T> dv, int64_t Hkv,
+                 int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale, bool causal) {
   constexpr int LDS = D + 8;
   constexpr int NQT = kBwdKQ / 8;  // n-tiles over queries
   constexpr int NDT = D / 8;
@@ -56,37 +58,41 @@ attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T
   float* Ls = reinterpret_cast<float*>(dOs + 2 * kBwdKQ * LDS);  // [2][KQ]  lse * log2e (+inf past Sq)
   float* Dl = Ls + 2 * kBwdKQ;                                    // [2][KQ]  delta
 
-  const int64_t bh = bh0 + blockIdx.y;
-  const HeadIdx hd(bh, H);
+  const int64_t bhk = bh0 + blockIdx.y;
+  const KvHeadIdx hd(bhk, Hkv, G);
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBwdKN;
-  const T* qb = q.head(hd.b, hd.h);
-  const T* dob = dout.head(hd.b, hd.h);
+  // The group's first query head; head h0 + gi lies gi head strides (lse, delta: gi * Sq) on.
+  const T* qb = q.head(hd.b, hd.h0);
+  const T* dob = dout.head(hd.b, hd.h0);
   const T* kb = k.head(hd.b, hd.hk);
   const T* vb = v.head(hd.b, hd.hk);
-  const float* lb = lse + bh * Sq;
-  const float* db = delta + bh * Sq;
+  const float* lb = lse + bhk * G * Sq;
+  const float* db = delta + bhk * G * Sq;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const float scale_log2 = scale * kLog2e;
 
   const int64_t q_begin = causal ? (n0 / kBwdKQ) * kBwdKQ : 0;
   const int n_qt = q_begin < Sq ? static_cast<int>((Sq - q_begin + kBwdKQ - 1) / kBwdKQ) : 0;
+  const int n_it = n_qt * static_cast<int>(G);  // iteration it: query head it / n_qt, its tile it % n_qt
 
   auto issue_q_tile = [&](int it) {
     const int buf = it & 1;
-    const int64_t q0 = q_begin + static_cast<int64_t>(it) * kBwdKQ;
-    load_tile_async<kBwdKQ, D, LDS, kTcThreads>(Qs + buf * kBwdKQ * LDS, qb, q.ss, q0, Sq, tid);
-    load_tile_async<kBwdKQ, D, LDS, kTcThreads>(dOs + buf * kBwdKQ * LDS, dob, dout.ss, q0, Sq, tid);
+    const int gi = it / n_qt;
+    const int64_t q0 = q_begin + static_cast<int64_t>(it - gi * n_qt) * kBwdKQ;
+    load_tile_async<kBwdKQ, D, LDS, kTcThreads>(Qs + buf * kBwdKQ * LDS, qb + gi * q.sh, q.ss, q0, Sq, tid);
+    load_tile_async<kBwdKQ, D, LDS, kTcThreads>(dOs + buf * kBwdKQ * LDS, dob + gi * dout.sh, dout.ss, q0, Sq,
+                                                tid);
     if (tid < kBwdKQ) {
       const int64_t qi = q0 + tid;
-      Ls[buf * kBwdKQ + tid] = qi < Sq ? lb[qi] * kLog2e : INFINITY;
-      Dl[buf * kBwdKQ + tid] = qi < Sq ? db[qi] : 0.f;
+      Ls[buf * kBwdKQ + tid] = qi < Sq ? lb[gi * Sq + qi] * kLog2e : INFINITY;
+      Dl[buf * kBwdKQ + tid] = qi < Sq ? db[gi * Sq + qi] : 0.f;
     }
   };
 
   load_tile_async<kBwdKN, D, LDS, kTcThreads>(Ks, kb, k.ss, n0, Sk, tid);
   load_tile_async<kBwdKN, D, LDS, kTcThreads>(Vs, vb, v.ss, n0, Sk, tid);
-  if (n_qt > 0) issue_q_tile(0);
+  if (n_it > 0) issue_q_tile(0);
   cp_async_commit();
 
   float dk_acc[NDT][4], dv_acc[NDT][4];
@@ -98,12 +104,12 @@ attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T
   const int kw = warp * 16;  // this warp's key rows within the block
   const int64_t key_g[2] = {n0 + kw + g, n0 + kw + g + 8};
 
-  for (int it = 0; it < n_qt; ++it) {
+  for (int it = 0; it < n_it; ++it) {
     const int buf = it & 1;
-    const int64_t q0 = q_begin + static_cast<int64_t>(it) * kBwdKQ;
+    const int64_t q0 = q_begin + static_cast<int64_t>(it % n_qt) * kBwdKQ;
     cp_async_wait<0>();
     __syncthreads();  // tile it visible; every warp done with tile it-1 (the other buffer)
-    if (it + 1 < n_qt) issue_q_tile(it + 1);
+    if (it + 1 < n_it) issue_q_tile(it + 1);
     cp_async_commit();
 
     const T* Qb = Qs + buf * kBwdKQ * LDS;
@@ -207,8 +213,8 @@ template <int D> constexpr int tc_dq_smem_bytes() { return (2 * kBwdQM + 2 * 2 *
 template <typename T, int D>
 __global__ void __launch_bounds__(kTcThreads, D == 64 ? 4 : 1)
 attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout, const float* __restrict__ lse,
-               const float* __restrict__ delta, Rows<T> dq, int64_t H, int64_t bh0, int64_t Sq, int64_t Sk,
-               float scale, bool causal) {
+               const float* __restrict__ delta, Rows<T> dq, int64_t H, int64_t G, int64_t bh0, int64_t Sq,
+               int64_t Sk, float scale, bool causal) {
   constexpr int LDS = D + 8;
   constexpr int NKT = kBwdQN / 8;  // n-tiles over keys
   constexpr int NDT = D / 8;
@@ -223,7 +229,7 @@ attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> 
   const int64_t bh = bh0 + blockIdx.y;
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int64_t m0 = mblk * kBwdQM;
-  const HeadIdx hd(bh, H);
+  const HeadIdx hd(bh, H, G);
   const T* qb = q.head(hd.b, hd.h);
   const T* dob = dout.head(hd.b, hd.h);
   const T* kb = k.head(hd.b, hd.hk);
@@ -366,16 +372,16 @@ cudaError_t launch_bwd_tc(const AttentionBwdArgs& a, const float* delta, int dev
                       v = rows_of<const T>(a.v, a.sv), dout = rows_of<const T>(a.dout, a.sdo);
   const float* lse = static_cast<const float*>(a.lse);
   if (a.Sk > 0) {
-    e = for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
+    e = for_bh_chunks(a.BHkv(), [&](int64_t bh0, unsigned nbh) {
       kkv<<<dim3(ceil_div_u(a.Sk, kBwdKN), nbh), kTcThreads, smem_kv, stream>>>(
-          q, k, v, dout, lse, delta, rows_of<T>(a.dk, a.sdk), rows_of<T>(a.dv, a.sdv), a.H, bh0, a.Sq, a.Sk,
-          a.scale, a.causal);
+          q, k, v, dout, lse, delta, rows_of<T>(a.dk, a.sdk), rows_of<T>(a.dv, a.sdv), a.Hkv, a.G(), bh0, a.Sq,
+          a.Sk, a.scale, a.causal);
     });
     if (e != cudaSuccess) return e;
   }
   return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
     kq<<<dim3(ceil_div_u(a.Sq, kBwdQM), nbh), kTcThreads, smem_q, stream>>>(
-        q, k, v, dout, lse, delta, rows_of<T>(a.dq, a.sdq), a.H, bh0, a.Sq, a.Sk, a.scale, a.causal);
+        q, k, v, dout, lse, delta, rows_of<T>(a.dq, a.sdq), a.H, a.G(), bh0, a.Sq, a.Sk, a.scale, a.causal);
   });
 }
 

@@ -41,11 +41,20 @@ template <typename T, typename P> Rows<T> rows_of(P* p, const AttnStrides& st) {
   return Rows<T>{static_cast<T*>(p), st.b, st.h, st.s};
 }
 
-// The (batch, head) of grid row bh, and the head of k/v it reads: the query head itself
-// (with grouped k/v heads this becomes h / (H / Hkv)).
+// The (batch, query head) of grid row bh (a grid over B * H), and the kv head it reads:
+// h / G, G = H / Hkv query heads per kv head (attention.h).
 struct HeadIdx {
   int64_t b, h, hk;
-  __device__ __forceinline__ HeadIdx(int64_t bh, int64_t H) : b(bh / H), h(bh - b * H), hk(h) {}
+  __device__ __forceinline__ HeadIdx(int64_t bh, int64_t H, int64_t G) : b(bh / H), h(bh - b * H), hk(h / G) {}
+};
+
+// The (batch, kv head) of grid row bhk of the dK/dV kernels (a grid over B * Hkv), and the
+// first of its G query heads, h0 = hk * G: query head h0 + i is query grid row bhk * G + i
+// (its lse and delta rows).
+struct KvHeadIdx {
+  int64_t b, hk, h0;
+  __device__ __forceinline__ KvHeadIdx(int64_t bhk, int64_t Hkv, int64_t G)
+      : b(bhk / Hkv), hk(bhk - b * Hkv), h0(hk * G) {}
 };
 
 // Call f(bh0, nbh) for chunks of at most 65535 (grid.y limit).

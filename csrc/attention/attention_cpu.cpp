@@ -109,8 +109,8 @@ inline int64_t visible_in_block(int64_t i, int64_t j0, int64_t n, bool causal) {
 inline int64_t keys_for_rows(int64_t i1, int64_t Sk, bool causal) { return causal ? std::min(Sk, i1) : Sk; }
 
 template <typename T>
-void fwd_kernel(const T* q, const T* k, const T* v, T* o, T* lse, int64_t BH, int64_t Sq, int64_t Sk, int64_t D,
-                int64_t Dv, double scale, bool causal) {
+void fwd_kernel(const T* q, const T* k, const T* v, T* o, T* lse, int64_t BH, int64_t G, int64_t Sq, int64_t Sk,
+                int64_t D, int64_t Dv, double scale, bool causal) {
   const int64_t qblk = query_block(BH, Sq, causal);
   const int64_t nqb = (Sq + qblk - 1) / qblk;
   const int64_t kb_max = std::min(Sk, kKBlock);
@@ -119,8 +119,8 @@ void fwd_kernel(const T* q, const T* k, const T* v, T* o, T* lse, int64_t BH, in
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nqb, i0 = (t % nqb) * qblk, m = std::min(qblk, Sq - i0);
       const T* qb = q + (bh * Sq + i0) * D;
-      const T* kbh = k + bh * Sk * D;
-      const T* vbh = v + bh * Sk * Dv;
+      const T* kbh = k + (bh / G) * Sk * D;  // the kv head of query head bh (attention.h)
+      const T* vbh = v + (bh / G) * Sk * Dv;
       T* ob = o + (bh * Sq + i0) * Dv;
       const at::Tensor o_blk = mat(ob, m, Dv, Dv), q_blk = mat(qb, m, D, D);
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<T>::infinity());
@@ -162,53 +162,56 @@ void fwd_kernel(const T* q, const T* k, const T* v, T* o, T* lse, int64_t BH, in
 // Backward from the saved lse, recomputing P block by block (never stored):
 //   P = exp(scale Q K^T - lse), dV += P^T dO, dP = dO V^T, delta_i = dO_i . O_i,
 //   dS = P (dP - delta), dQ = scale dS K, dK += scale dS^T Q.
-// One task per (batch, head): its dK and dV rows are written by it alone.
+// One task per (batch, kv head): it runs the G query heads of its group in order, so its
+// dK and dV rows are written by it alone and summed over the group in a fixed order.
 template <typename T>
 void bwd_kernel(const T* dout, const T* q, const T* k, const T* v, const T* o, const T* lse, T* dq, T* dk, T* dv,
-                int64_t BH, int64_t Sq, int64_t Sk, int64_t D, int64_t Dv, double scale, bool causal) {
+                int64_t BH, int64_t G, int64_t Sq, int64_t Sk, int64_t D, int64_t Dv, double scale, bool causal) {
   const int64_t qblk = query_block(BH, Sq, causal);
   const int64_t kb_max = std::min(Sk, kKBlock);
-  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, BH / G, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> p(qblk * kb_max), dp(qblk * kb_max), delta(Sq);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const T* qh = q + bh * Sq * D;
-      const T* kh = k + bh * Sk * D;
-      const T* vh = v + bh * Sk * Dv;
-      const T* gh = dout + bh * Sq * Dv;
-      const T* oh = o + bh * Sq * Dv;
-      const T* lh = lse + bh * Sq;
-      T* dqh = dq + bh * Sq * D;
-      T* dkh = dk + bh * Sk * D;
-      T* dvh = dv + bh * Sk * Dv;
+    for (int64_t bhk = begin; bhk < end; ++bhk) {
+      const T* kh = k + bhk * Sk * D;
+      const T* vh = v + bhk * Sk * Dv;
+      T* dkh = dk + bhk * Sk * D;
+      T* dvh = dv + bhk * Sk * Dv;
       std::fill(dkh, dkh + Sk * D, T(0));
       std::fill(dvh, dvh + Sk * Dv, T(0));
-      for (int64_t i = 0; i < Sq; ++i) {
-        T acc = T(0);
-        for (int64_t d = 0; d < Dv; ++d) acc += gh[i * Dv + d] * oh[i * Dv + d];
-        delta[i] = acc;
-      }
-      for (int64_t i0 = 0; i0 < Sq; i0 += qblk) {  // the forward's blocks
-        const int64_t m = std::min(qblk, Sq - i0);
-        const at::Tensor q_blk = mat(qh + i0 * D, m, D, D), g_blk = mat(gh + i0 * Dv, m, Dv, Dv);
-        const at::Tensor dq_blk = mat(dqh + i0 * D, m, D, D);
-        const int64_t kend = keys_for_rows(i0 + m, Sk, causal);
-        for (int64_t j0 = 0; j0 < kend; j0 += kKBlock) {
-          const int64_t n = std::min(kKBlock, kend - j0);
-          const at::Tensor p_blk = mat(p.data(), m, n, n), dp_blk = mat(dp.data(), m, n, n);
-          gemm(p_blk, q_blk, mat(kh + j0 * D, n, D, D, true), scale, 0.0);
-          gemm(dp_blk, g_blk, mat(vh + j0 * Dv, n, Dv, Dv, true), 1.0, 0.0);
-          for (int64_t r = 0; r < m; ++r)
-            shift_and_mask(p.data() + r * n, visible_in_block(i0 + r, j0, n, causal), n, lh[i0 + r]);
-          exp_inplace(p_blk);
-          for (int64_t r = 0; r < m; ++r) {
-            const T* pr = p.data() + r * n;
-            T* dpr = dp.data() + r * n;
-            const T dl = delta[i0 + r];
-            for (int64_t j = 0; j < n; ++j) dpr[j] = pr[j] * (dpr[j] - dl);  // 0 where masked
+      for (int64_t bh = bhk * G; bh < (bhk + 1) * G; ++bh) {
+        const T* qh = q + bh * Sq * D;
+        const T* gh = dout + bh * Sq * Dv;
+        const T* oh = o + bh * Sq * Dv;
+        const T* lh = lse + bh * Sq;
+        T* dqh = dq + bh * Sq * D;
+        for (int64_t i = 0; i < Sq; ++i) {
+          T acc = T(0);
+          for (int64_t d = 0; d < Dv; ++d) acc += gh[i * Dv + d] * oh[i * Dv + d];
+          delta[i] = acc;
+        }
+        for (int64_t i0 = 0; i0 < Sq; i0 += qblk) {  // the forward's blocks
+          const int64_t m = std::min(qblk, Sq - i0);
+          const at::Tensor q_blk = mat(qh + i0 * D, m, D, D), g_blk = mat(gh + i0 * Dv, m, Dv, Dv);
+          const at::Tensor dq_blk = mat(dqh + i0 * D, m, D, D);
+          const int64_t kend = keys_for_rows(i0 + m, Sk, causal);
+          for (int64_t j0 = 0; j0 < kend; j0 += kKBlock) {
+            const int64_t n = std::min(kKBlock, kend - j0);
+            const at::Tensor p_blk = mat(p.data(), m, n, n), dp_blk = mat(dp.data(), m, n, n);
+            gemm(p_blk, q_blk, mat(kh + j0 * D, n, D, D, true), scale, 0.0);
+            gemm(dp_blk, g_blk, mat(vh + j0 * Dv, n, Dv, Dv, true), 1.0, 0.0);
+            for (int64_t r = 0; r < m; ++r)
+              shift_and_mask(p.data() + r * n, visible_in_block(i0 + r, j0, n, causal), n, lh[i0 + r]);
+            exp_inplace(p_blk);
+            for (int64_t r = 0; r < m; ++r) {
+              const T* pr = p.data() + r * n;
+              T* dpr = dp.data() + r * n;
+              const T dl = delta[i0 + r];
+              for (int64_t j = 0; j < n; ++j) dpr[j] = pr[j] * (dpr[j] - dl);  // 0 where masked
+            }
+            gemm(mat(dvh + j0 * Dv, n, Dv, Dv), mat(p.data(), m, n, n, true), g_blk, 1.0, 1.0);
+            gemm(dq_blk, dp_blk, mat(kh + j0 * D, n, D, D), scale, j0 > 0 ? 1.0 : 0.0);
+            gemm(mat(dkh + j0 * D, n, D, D), mat(dp.data(), m, n, n, true), q_blk, scale, 1.0);
           }
-          gemm(mat(dvh + j0 * Dv, n, Dv, Dv), mat(p.data(), m, n, n, true), g_blk, 1.0, 1.0);
-          gemm(dq_blk, dp_blk, mat(kh + j0 * D, n, D, D), scale, j0 > 0 ? 1.0 : 0.0);
-          gemm(mat(dkh + j0 * D, n, D, D), mat(dp.data(), m, n, n, true), q_blk, scale, 1.0);
         }
       }
     }
@@ -221,6 +224,7 @@ void attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        at::Tensor& lse, double scale, bool causal) {
   const int64_t BH = q.size(0), Sq = q.size(1), Sk = k.size(1), D = q.size(2), Dv = v.size(2);
   if (BH * Sq == 0) return;
+  const int64_t G = BH / k.size(0);  // query heads per kv head
   if (Sk == 0) {  // no visible key: zero output, lse = -inf
     out.zero_();
     lse.fill_(-std::numeric_limits<double>::infinity());
@@ -228,7 +232,7 @@ void attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_fwd_cpu", [&] {
     fwd_kernel<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                         out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), BH, Sq, Sk, D, Dv, scale, causal);
+                         out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), BH, G, Sq, Sk, D, Dv, scale, causal);
   });
 }
 
@@ -242,11 +246,12 @@ void attention_bwd_cpu(const at::Tensor& dout, const at::Tensor& q, const at::Te
     dv.zero_();
     return;
   }
+  const int64_t G = BH / k.size(0);  // query heads per kv head
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_bwd_cpu", [&] {
     bwd_kernel<scalar_t>(dout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
                          v.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-                         dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), BH, Sq, Sk, D, Dv,
-                         scale, causal);
+                         dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), BH, G, Sq, Sk, D,
+                         Dv, scale, causal);
   });
 }
 

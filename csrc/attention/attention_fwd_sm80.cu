@@ -38,7 +38,7 @@ template <int D, int WARPS> constexpr int tc_fwd_smem_bytes() { return (16 * WAR
 template <typename T, int D, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
-            int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
+            int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
   constexpr int BM = 16 * WARPS;  // query rows per block (16 per warp)
   constexpr int NT = WARPS * 32;
   constexpr int LDS = D + 8;
@@ -55,7 +55,7 @@ attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float*
   // Causal: heaviest query tiles (largest m0) first, for a better tail.
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int64_t m0 = mblk * BM;
-  const HeadIdx hd(bh, H);
+  const HeadIdx hd(bh, H, G);
   const T* qb = q.head(hd.b, hd.h);
   const T* kb = k.head(hd.b, hd.hk);
   const T* vb = v.head(hd.b, hd.hk);
@@ -194,7 +194,7 @@ template <int D, int RPW, int BN, int WARPS, int STAGES> constexpr int tc_fwd2_s
 template <typename T, int D, int RPW, int BN, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32)
 attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
-             int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
+             int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
   static_assert(RPW == 16 || RPW == 32, "RPW");
   static_assert(BN == 32 || BN == 64, "BN");
   static_assert(STAGES == 1 || STAGES == 2, "STAGES");
@@ -215,7 +215,7 @@ attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float
   const int64_t bh = bh0 + blockIdx.y;
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heaviest first
   const int64_t m0 = mblk * BM;
-  const HeadIdx hd(bh, H);
+  const HeadIdx hd(bh, H, G);
   const T* qb = q.head(hd.b, hd.h);
   const T* kb = k.head(hd.b, hd.hk);
   const T* vb = v.head(hd.b, hd.hk);
@@ -409,7 +409,7 @@ cudaError_t launch_fwd(const AttentionFwdArgs& a, int dev, cudaStream_t stream) 
   return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
     Kern<<<dim3(gx, nbh), THREADS, SMEM, stream>>>(
         rows_of<const T>(a.q, a.sq), rows_of<const T>(a.k, a.sk), rows_of<const T>(a.v, a.sv), rows_of<T>(a.o, a.so),
-        static_cast<float*>(a.lse), a.H, bh0, a.Sq, a.Sk, sl, a.causal);
+        static_cast<float*>(a.lse), a.H, a.G(), bh0, a.Sq, a.Sk, sl, a.causal);
   });
 }
 

@@ -121,8 +121,8 @@ template <class Elem> __device__ __forceinline__ uint32_t pack2(float lo, float 
 template <class Cfg, class Elem>
 __device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Rows<const Elem> k,
                                               const Rows<const Elem> v, const Rows<Elem> o,
-                                              float* __restrict__ lse, int64_t H, int64_t bh0, int64_t Sq,
-                                              int64_t Sk, float scale_log2, bool causal) {
+                                              float* __restrict__ lse, int64_t H, int64_t G, int64_t bh0,
+                                              int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
   constexpr int D = Cfg::D, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::kThreads;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Elem* q_s = reinterpret_cast<Elem*>(smem_raw);
@@ -137,7 +137,7 @@ __device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Ro
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heaviest first
   const int64_t m0 = mblk * BM;
   const int64_t wrow0 = m0 + 64 * wg;  // this warpgroup's first query row
-  const HeadIdx hd(bh, H);
+  const HeadIdx hd(bh, H, G);
   const Elem* qb = q.head(hd.b, hd.h);
   const Elem* kb = k.head(hd.b, hd.hk);
   const Elem* vb = v.head(hd.b, hd.hk);
@@ -273,10 +273,10 @@ __device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Ro
 template <class Cfg, class Elem>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
 attn_fwd_sm90(const Rows<const Elem> q, const Rows<const Elem> k, const Rows<const Elem> v, const Rows<Elem> o,
-              float* __restrict__ lse, int64_t H, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2,
-              bool causal) {
+              float* __restrict__ lse, int64_t H, int64_t G, int64_t bh0, int64_t Sq, int64_t Sk,
+              float scale_log2, bool causal) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  fwd_sm90_body<Cfg, Elem>(q, k, v, o, lse, H, bh0, Sq, Sk, scale_log2, causal);
+  fwd_sm90_body<Cfg, Elem>(q, k, v, o, lse, H, G, bh0, Sq, Sk, scale_log2, causal);
 #elif defined(__CUDA_ARCH__)
   __trap();  // not sm_90a: the host never launches this image (attention_forward_sm90_available)
 #endif
@@ -299,7 +299,7 @@ template <class Cfg, class Elem> cudaError_t launch_sm90(const AttentionFwdArgs&
   return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
     kern<<<dim3(gx, nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         rows_of<const Elem>(a.q, a.sq), rows_of<const Elem>(a.k, a.sk), rows_of<const Elem>(a.v, a.sv),
-        rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse), a.H, bh0, a.Sq, a.Sk, sl, a.causal);
+        rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse), a.H, a.G(), bh0, a.Sq, a.Sk, sl, a.causal);
   });
 }
 

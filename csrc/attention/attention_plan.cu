@@ -139,7 +139,7 @@ LaunchStatus attention_backward_cuda(const AttentionBwdArgs& a, void* workspace,
   if (a.Sq <= 0) {
     // No queries: no gradient reaches k or v. dk and dv are dense here (the host allocates
     // them so), whatever their order: numel elements from their base.
-    const int64_t nk = a.BH() * a.Sk;
+    const int64_t nk = a.BHkv() * a.Sk;
     const size_t es = a.dtype == DType::Float64 ? 8 : a.dtype == DType::Float32 ? 4 : 2;
     if (nk > 0) {
       cudaError_t e = cudaMemsetAsync(a.dk, 0, nk * a.D * es, stream);

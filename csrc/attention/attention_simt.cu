@@ -32,7 +32,7 @@ constexpr int kSimtT = 32;
 template <typename T, typename A, int NC, int RPW>
 __global__ void __launch_bounds__(kSimtWarps * 32)
 attn_fwd_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, A* __restrict__ lse, int64_t H,
-              int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
+              int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
   constexpr int BM = kSimtWarps * RPW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* Qs = reinterpret_cast<A*>(smem_raw);  // [BM][D]
@@ -40,7 +40,7 @@ attn_fwd_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, A* _
   A* Vs = Ks + kSimtT * (D + 1);            // [KT][Dv]
 
   const int64_t bh = bh0 + blockIdx.y;
-  const HeadIdx hd(bh, H);
+  const HeadIdx hd(bh, H, G);
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
   const T* __restrict__ qb = q.head(hd.b, hd.h);
   const T* __restrict__ kb = k.head(hd.b, hd.hk);
@@ -132,7 +132,7 @@ attn_bwd_delta(Rows<const T> o, Rows<const T> dout, A* __restrict__ delta, int64
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;  // whole warp leaves together
   const int64_t bh = row / Sq, i = row - bh * Sq;
-  const HeadIdx hd(bh, H);
+  const HeadIdx hd(bh, H, 1);  // o and dout only: no kv head
   const T* __restrict__ orow = o.row(hd.b, hd.h, i);
   const T* __restrict__ drow = dout.row(hd.b, hd.h, i);
   A s = A(0);
@@ -145,8 +145,8 @@ attn_bwd_delta(Rows<const T> o, Rows<const T> dout, A* __restrict__ delta, int64
 template <typename T, typename A, int NC, int RPW>
 __global__ void __launch_bounds__(kSimtWarps * 32)
 attn_bwd_dq_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout, const A* __restrict__ lse,
-                 const A* __restrict__ delta, Rows<T> dq, int64_t H, int64_t bh0, int64_t Sq, int64_t Sk, int D,
-                 int Dv, A scale, bool causal) {
+                 const A* __restrict__ delta, Rows<T> dq, int64_t H, int64_t G, int64_t bh0, int64_t Sq,
+                 int64_t Sk, int D, int Dv, A scale, bool causal) {
   constexpr int BM = kSimtWarps * RPW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* Qs = reinterpret_cast<A*>(smem_raw);  // [BM][D]
@@ -155,7 +155,7 @@ attn_bwd_dq_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T
   A* Vs = Ks + kSimtT * (D + 1);            // [KT][Dv+1]
 
   const int64_t bh = bh0 + blockIdx.y;
-  const HeadIdx hd(bh, H);
+  const HeadIdx hd(bh, H, G);
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
   const T* __restrict__ qb = q.head(hd.b, hd.h);
   const T* __restrict__ dob = dout.head(hd.b, hd.h);
@@ -237,12 +237,14 @@ attn_bwd_dq_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T
   }
 }
 
-// dV = sum_i P_ij dout_i, dK = scale * sum_i dS_ij q_i, one block per key tile.
+// dV = sum_i P_ij dout_i, dK = scale * sum_i dS_ij q_i, one block per key tile of a kv
+// head (grid over B * Hkv); the sums run over the queries of all G query heads of its
+// group, so dK and dV are written once, in a fixed order.
 template <typename T, typename A, int NC, int RPW>
 __global__ void __launch_bounds__(kSimtWarps * 32)
 attn_bwd_dkdv_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout,
-                   const A* __restrict__ lse, const A* __restrict__ delta, Rows<T> dk, Rows<T> dv, int64_t H,
-                   int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
+                   const A* __restrict__ lse, const A* __restrict__ delta, Rows<T> dk, Rows<T> dv, int64_t Hkv,
+                   int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
   constexpr int BN = kSimtWarps * RPW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* Ks = reinterpret_cast<A*>(smem_raw);  // [BN][D]
@@ -252,15 +254,11 @@ attn_bwd_dkdv_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const
   A* Ls = dOs + kSimtT * (Dv + 1);          // [QT]
   A* Dl = Ls + kSimtT;                      // [QT]
 
-  const int64_t bh = bh0 + blockIdx.y;
-  const HeadIdx hd(bh, H);
+  const int64_t bhk = bh0 + blockIdx.y;
+  const KvHeadIdx hd(bhk, Hkv, G);
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * BN;
-  const T* __restrict__ qb = q.head(hd.b, hd.h);
-  const T* __restrict__ dob = dout.head(hd.b, hd.h);
   const T* __restrict__ kb = k.head(hd.b, hd.hk);
   const T* __restrict__ vb = v.head(hd.b, hd.hk);
-  const A* lb = lse + bh * Sq;
-  const A* db = delta + bh * Sq;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   for (int idx = tid; idx < BN * D; idx += blockDim.x) {
@@ -281,51 +279,57 @@ attn_bwd_dkdv_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const
 
   // Causal: queries i < n0 see none of this block's keys.
   const int64_t q_begin = causal ? (n0 / kSimtT) * kSimtT : 0;
-  for (int64_t q0 = q_begin; q0 < Sq; q0 += kSimtT) {
-    __syncthreads();
-    for (int idx = tid; idx < kSimtT * D; idx += blockDim.x) {
-      const int i = idx / D, c = idx - i * D;
-      const int64_t qi = q0 + i;
-      Qs[i * (D + 1) + c] = qi < Sq ? to_acc<A>(qb[qi * q.ss + c]) : A(0);
-    }
-    for (int idx = tid; idx < kSimtT * Dv; idx += blockDim.x) {
-      const int i = idx / Dv, c = idx - i * Dv;
-      const int64_t qi = q0 + i;
-      dOs[i * (Dv + 1) + c] = qi < Sq ? to_acc<A>(dob[qi * dout.ss + c]) : A(0);
-    }
-    if (tid < kSimtT) {
-      const int64_t qi = q0 + tid;
-      Ls[tid] = qi < Sq ? lb[qi] : A(0);
-      Dl[tid] = qi < Sq ? db[qi] : A(0);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int rr = 0; rr < RPW; ++rr) {
-      const int r = warp * RPW + rr;
-      const int64_t key = n0 + r;
-      const int64_t qi = q0 + lane;
-      A s = A(0), dp = A(0);
-      const A* qr = Qs + lane * (D + 1);
-      const A* kr = Ks + r * D;
-      for (int c = 0; c < D; ++c) s += qr[c] * kr[c];
-      const A* dr = dOs + lane * (Dv + 1);
-      const A* vr = Vs + r * Dv;
-      for (int c = 0; c < Dv; ++c) dp += dr[c] * vr[c];
-      const bool valid = qi < Sq && key < Sk && (!causal || key <= qi);
-      const A p = valid ? exp(s * scale - Ls[lane]) : A(0);
-      const A ds = p * (dp - Dl[lane]);
-      for (int ii = 0; ii < kSimtT; ++ii) {
-        const A pi = __shfl_sync(kFull, p, ii);
-        const A dsi = __shfl_sync(kFull, ds, ii);
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-          const int d = lane + 32 * c;
-          if (d < Dv) dv_acc[rr][c] += pi * dOs[ii * (Dv + 1) + d];
-          if (d < D) dk_acc[rr][c] += dsi * Qs[ii * (D + 1) + d];
+  for (int64_t gi = 0; gi < G; ++gi) {  // the group's query heads, in order
+    const T* __restrict__ qb = q.head(hd.b, hd.h0 + gi);
+    const T* __restrict__ dob = dout.head(hd.b, hd.h0 + gi);
+    const A* lb = lse + (bhk * G + gi) * Sq;
+    const A* db = delta + (bhk * G + gi) * Sq;
+    for (int64_t q0 = q_begin; q0 < Sq; q0 += kSimtT) {
+      __syncthreads();
+      for (int idx = tid; idx < kSimtT * D; idx += blockDim.x) {
+        const int i = idx / D, c = idx - i * D;
+        const int64_t qi = q0 + i;
+        Qs[i * (D + 1) + c] = qi < Sq ? to_acc<A>(qb[qi * q.ss + c]) : A(0);
+      }
+      for (int idx = tid; idx < kSimtT * Dv; idx += blockDim.x) {
+        const int i = idx / Dv, c = idx - i * Dv;
+        const int64_t qi = q0 + i;
+        dOs[i * (Dv + 1) + c] = qi < Sq ? to_acc<A>(dob[qi * dout.ss + c]) : A(0);
+      }
+      if (tid < kSimtT) {
+        const int64_t qi = q0 + tid;
+        Ls[tid] = qi < Sq ? lb[qi] : A(0);
+        Dl[tid] = qi < Sq ? db[qi] : A(0);
+      }
+      __syncthreads();
+  #pragma unroll
+      for (int rr = 0; rr < RPW; ++rr) {
+        const int r = warp * RPW + rr;
+        const int64_t key = n0 + r;
+        const int64_t qi = q0 + lane;
+        A s = A(0), dp = A(0);
+        const A* qr = Qs + lane * (D + 1);
+        const A* kr = Ks + r * D;
+        for (int c = 0; c < D; ++c) s += qr[c] * kr[c];
+        const A* dr = dOs + lane * (Dv + 1);
+        const A* vr = Vs + r * Dv;
+        for (int c = 0; c < Dv; ++c) dp += dr[c] * vr[c];
+        const bool valid = qi < Sq && key < Sk && (!causal || key <= qi);
+        const A p = valid ? exp(s * scale - Ls[lane]) : A(0);
+        const A ds = p * (dp - Dl[lane]);
+        for (int ii = 0; ii < kSimtT; ++ii) {
+          const A pi = __shfl_sync(kFull, p, ii);
+          const A dsi = __shfl_sync(kFull, ds, ii);
+  #pragma unroll
+          for (int c = 0; c < NC; ++c) {
+            const int d = lane + 32 * c;
+            if (d < Dv) dv_acc[rr][c] += pi * dOs[ii * (Dv + 1) + d];
+            if (d < D) dk_acc[rr][c] += dsi * Qs[ii * (D + 1) + d];
+          }
         }
       }
     }
-  }
+  }  // query heads of the group
 
 #pragma unroll
   for (int rr = 0; rr < RPW; ++rr) {
@@ -368,8 +372,8 @@ template <typename T> cudaError_t launch_fwd_simt(const AttentionFwdArgs& a, int
     return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
       kern<<<dim3(gx, nbh), kSimtWarps * 32, smem, stream>>>(
           rows_of<const T>(a.q, a.sq), rows_of<const T>(a.k, a.sk), rows_of<const T>(a.v, a.sv),
-          rows_of<T>(a.o, a.so), static_cast<A*>(a.lse), a.H, bh0, a.Sq, a.Sk, D, Dv, static_cast<A>(a.scale),
-          a.causal);
+          rows_of<T>(a.o, a.so), static_cast<A*>(a.lse), a.H, a.G(), bh0, a.Sq, a.Sk, D, Dv,
+          static_cast<A>(a.scale), a.causal);
     });
   });
 }
@@ -392,10 +396,10 @@ cudaError_t launch_bwd_simt(const AttentionBwdArgs& a, const acc_t<T>* delta, in
       constexpr auto kkv = attn_bwd_dkdv_simt<T, A, NC, RPW>;
       cudaError_t e = set_smem<kkv>(dev, smem_kv);
       if (e != cudaSuccess) return e;
-      e = for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
+      e = for_bh_chunks(a.BHkv(), [&](int64_t bh0, unsigned nbh) {
         kkv<<<dim3(ceil_div_u(a.Sk, R), nbh), kSimtWarps * 32, smem_kv, stream>>>(
-            q, k, v, dout, lse, delta, rows_of<T>(a.dk, a.sdk), rows_of<T>(a.dv, a.sdv), a.H, bh0, a.Sq, a.Sk, D,
-            Dv, scale, a.causal);
+            q, k, v, dout, lse, delta, rows_of<T>(a.dk, a.sdk), rows_of<T>(a.dv, a.sdv), a.Hkv, a.G(), bh0, a.Sq,
+            a.Sk, D, Dv, scale, a.causal);
       });
       if (e != cudaSuccess) return e;
     }
@@ -406,7 +410,8 @@ cudaError_t launch_bwd_simt(const AttentionBwdArgs& a, const acc_t<T>* delta, in
     if (e != cudaSuccess) return e;
     return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
       kq<<<dim3(ceil_div_u(a.Sq, R), nbh), kSimtWarps * 32, smem_q, stream>>>(
-          q, k, v, dout, lse, delta, rows_of<T>(a.dq, a.sdq), a.H, bh0, a.Sq, a.Sk, D, Dv, scale, a.causal);
+          q, k, v, dout, lse, delta, rows_of<T>(a.dq, a.sdq), a.H, a.G(), bh0, a.Sq, a.Sk, D, Dv, scale,
+          a.causal);
     });
   });
 }

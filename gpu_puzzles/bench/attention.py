@@ -10,8 +10,12 @@ split out of one fused (B, S, 3 H D) projection and transposed to (B, H, S, D) (
 (S 3HD, D, 3HD, 1)), with grad_out in the layout the model's out.transpose(1, 2).reshape(...)
 gives back; every implementation gets the same views.
 
-FLOPs (as FlashAttention counts them): forward 4*B*H*Sq*Sk*D, half when causal; backward 2.5x the
-forward (the backward rows are derived as fwd+bwd minus fwd, see bench/__main__.py).
+GQA rows ("GQA ..." cases, :func:`gqa_cases`): k and v with Hkv < H heads, Llama's layout (separate
+q, k, v projections (B, S, heads, D) transposed to (B, heads, S, D)); "eager" and "compile" are
+SDPA with enable_gqa=True, ours gp.attention(..., enable_gqa=True).
+
+FLOPs (as FlashAttention counts them): forward 4*B*H*Sq*Sk*D (H the query heads), half when causal;
+backward 2.5x the forward (the backward rows are derived as fwd+bwd minus fwd, see bench/__main__.py).
 """
 from __future__ import annotations
 
@@ -138,6 +142,48 @@ def cases(device, shapes, dtype=torch.bfloat16, compile_=True, unfused=True, lay
     return out
 
 
+# ---- grouped k/v heads --------------------------------------------------------------
+
+def gqa_inputs(B, H, Hkv, S, D, dtype, device, grad=False):
+    """q (B, H, S, D), k and v (B, Hkv, S, D), each a (B, S, heads, D) tensor transposed (a Llama
+    model's separate projections viewed per head)."""
+    mk = lambda h: torch.randn(B, S, h, D, device=device, dtype=dtype, requires_grad=grad)  # noqa: E731
+    return tuple(t.transpose(1, 2) for t in (mk(H), mk(Hkv), mk(Hkv)))
+
+
+def gqa_cases(device, shapes, dtype=torch.bfloat16, compile_=True, prefix="GQA "):
+    """shapes: (B, H, Hkv, S, D, causal); ours and SDPA (enable_gqa=True), forward and fwd+bwd."""
+    dname = str(dtype).replace("torch.", "")
+    out = []
+    for (B, H, Hkv, S, D, causal) in shapes:
+        name = f"{prefix}({B},{H},{Hkv},{S},{D}){' causal' if causal else ''}"
+        flops = fwd_flops(B, H, S, S, D, causal)
+        params = dict(B=B, H=H, Hkv=Hkv, Sq=S, Sk=S, D=D, causal=causal, dtype=dname, bwd_flops=int(2.5 * flops),
+                      layout="llama views")
+
+        def fns(causal=causal):
+            f = {"ours": lambda q, k, v: gp.attention(q, k, v, causal=causal, enable_gqa=True),
+                 "eager": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)}
+            if compile_:
+                f["compile"] = torch.compile(f["eager"], dynamic=False)
+            return f
+
+        out.append(Case(OP, name, "fwd", lambda B=B, H=H, Hkv=Hkv, S=S, D=D: gqa_inputs(B, H, Hkv, S, D, dtype, device),
+                        fns(), flops=flops, params=params))
+
+        def make(B=B, H=H, Hkv=Hkv, S=S, D=D):
+            return (*gqa_inputs(B, H, Hkv, S, D, dtype, device, grad=True),
+                    torch.randn(B, S, H, D, device=device, dtype=dtype).transpose(1, 2))
+
+        out.append(Case(OP, name, "fwd+bwd", make, {k: backward_fn(f, 3) for k, f in fns().items()},
+                        flops=int(3.5 * flops), params=params))
+    return out
+
+
+# Llama-style attention (32 query heads, 8 kv heads), causal: the issue's shape at D = 64, and D = 128.
+GQA_BENCH_SHAPES = [(4, 32, 8, 2048, 64, True), (1, 32, 8, 4096, 128, True)]
+
+
 BENCH_SHAPES = [(4, 32, 4096, 4096, 128, False), (4, 32, 4096, 4096, 128, True), (8, 16, 2048, 2048, 64, False)]
 
 # GPT-2 124M's attention, batch 8 x 1024, causal: q/k/v as the model hands them over (views of its
@@ -154,7 +200,8 @@ def bench_cases(device):
         return cases(device, CPU_SHAPES, dtype=torch.float32, compile_=False, unfused=False)
     return (cases(device, BENCH_SHAPES)
             + cases(device, [GPT2_SHAPE], unfused=False, layout="qkv views", prefix="GPT-2 qkv views ")
-            + cases(device, [GPT2_SHAPE], unfused=False, prefix="GPT-2 contiguous "))
+            + cases(device, [GPT2_SHAPE], unfused=False, prefix="GPT-2 contiguous ")
+            + gqa_cases(device, GQA_BENCH_SHAPES))
 
 
 def tour_cases(device):

@@ -2,9 +2,11 @@
 
 attention(q, k, v) = softmax(q k^T * scale) v, scale = 1/sqrt(D) unless given,
 causal as SDPA's ``is_causal`` (key j visible to query i iff j <= i, aligned to the
-top-left corner also when Sq != Sk). The fused op returns ``(out, lse)``: lse is
-each query row's log-sum-exp, saved so the backward recomputes the probabilities
-instead of storing the S x S matrix; :func:`attention` hides it.
+top-left corner also when Sq != Sk), ``enable_gqa`` as SDPA's (k and v with fewer heads:
+query head h reads kv head h // (H // Hkv); the fused op never repeats them in memory).
+The fused op returns ``(out, lse)``: lse is each query row's log-sum-exp, saved so the
+backward recomputes the probabilities instead of storing the S x S matrix;
+:func:`attention` hides it.
 
 ``attention(..., algorithm="unfused")`` is the seed's chain: our tiled transpose, our
 tiled matmul, our softmax, our matmul; the S x S scores live in memory.
@@ -76,6 +78,7 @@ _matmul = torch.ops.gpu_puzzles.matmul.default
 
 # The defaults are written in the schemas only.
 _CAUSAL = schema_default(_attention, "causal")
+_ENABLE_GQA = schema_default(_attention, "enable_gqa")
 _ALPHA = schema_default(_matmul, "alpha")
 _CAUSAL_MASK = schema_default(_matmul, "causal_mask")
 
@@ -84,7 +87,7 @@ _CAUSAL_MASK = schema_default(_matmul, "causal_mask")
 # No op sees q, k and v together in the chain, so it checks them here, with the messages
 # of the fused op's C++ check (check_qkv in attention.cpp).
 
-def _check_qkv(q, k, v, op):
+def _check_qkv(q, k, v, op, enable_gqa=False):
     check_float(q, f"{op}: q")
     check_same(k, q, f"{op}: k", "q")
     check_same(v, q, f"{op}: v", "q")
@@ -98,11 +101,22 @@ def _check_qkv(q, k, v, op):
                                                  f"{tuple(k.shape)}")
         torch._check(v.dim() == q.dim(), lambda: f"{op}: v must have as many dims as q ({q.dim()}), got shape "
                                                  f"{tuple(v.shape)}")
-        for i in range(q.dim() - 2):
+        for i in range(q.dim() - 3):  # the batch dims; the heads (dim -3) below
             torch._check(k.shape[i] == q.shape[i], lambda: f"{op}: k has leading dims {tuple(k.shape[:-2])} but q "
                                                            f"has {tuple(q.shape[:-2])}; they must be equal")
             torch._check(v.shape[i] == q.shape[i], lambda: f"{op}: v has leading dims {tuple(v.shape[:-2])} but q "
                                                            f"has {tuple(q.shape[:-2])}; they must be equal")
+        if q.dim() >= 3:
+            H, Hkv = q.shape[-3], k.shape[-3]
+            torch._check(v.shape[-3] == Hkv, lambda: f"{op}: v has {v.shape[-3]} heads (dim -3) but k has {Hkv}; "
+                                                     f"they must be equal")
+            if enable_gqa:
+                torch._check(Hkv == H or (Hkv >= 1 and H % Hkv == 0),
+                             lambda: f"{op}: with enable_gqa, q's heads ({H}) must be a multiple of k's and v's "
+                                     f"heads ({Hkv}, dim -3)")
+            else:
+                torch._check(Hkv == H, lambda: f"{op}: k has {Hkv} heads (dim -3) but q has {H}; they must be "
+                                               f"equal, or pass enable_gqa=True for grouped k/v heads")
     torch._check(q.shape[-1] >= 1, lambda: f"{op}: q must have a head dim >= 1, got shape {tuple(q.shape)}")
     torch._check(k.shape[-1] == q.shape[-1],
                  lambda: f"{op}: k has head dim {k.shape[-1]} but q has head dim {q.shape[-1]}")
@@ -110,11 +124,17 @@ def _check_qkv(q, k, v, op):
                  lambda: f"{op}: v has sequence length {v.shape[-2]} but k has {k.shape[-2]}")
 
 
-def _attention_unfused(q, k, v, scale, causal):
+def _attention_unfused(q, k, v, scale, causal, enable_gqa):
     """``matmul(q, transpose(k)) -> softmax -> matmul(., v)``; the (..., Sq, Sk) scores and
-    probabilities are written to memory (O(S^2)). Differentiable through its ops."""
+    probabilities are written to memory (O(S^2)). Differentiable through its ops. Grouped k/v
+    heads are repeated here (this chain stores O(S^2) per head anyway; the fused op does not
+    repeat them)."""
     if not torch.compiler.is_compiling():  # dynamo cannot trace the message closures; the ops check again
-        _check_qkv(q, k, v, "attention")
+        _check_qkv(q, k, v, "attention", enable_gqa)
+    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
     vector = q.dim() == 1
     if vector:
         q = q.unsqueeze(0)
@@ -129,7 +149,7 @@ def _attention_unfused(q, k, v, scale, causal):
 # ---- public functions --------------------------------------------------------------
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, causal: bool = _CAUSAL,
-              algorithm: str = "auto") -> Tensor:
+              enable_gqa: bool = _ENABLE_GQA, algorithm: str = "auto") -> Tensor:
     """Scaled dot-product attention ``softmax(q k^T * scale) v``.
 
     Shapes: the seed's vector form ``q (D,)``, ``k (S, D)``, ``v (S, Dv)`` -> ``(Dv,)``;
@@ -137,6 +157,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
     -> ``(..., Sq, Dv)``. ``scale`` defaults to ``1/sqrt(D)`` like
     ``F.scaled_dot_product_attention`` (the seed uses ``scale=1.0``); ``causal`` matches
     SDPA's ``is_causal`` (query i sees keys ``j <= i``, also when Sq != Sk).
+    ``enable_gqa`` matches SDPA's: k and v may have ``Hkv`` heads (dim -3) where q has
+    ``H``, ``Hkv`` dividing ``H`` (grouped-query attention; ``Hkv = 1``: multi-query);
+    query head ``h`` attends with kv head ``h // (H // Hkv)``. The fused path reads k and v
+    as they are (no repeat); their gradients are summed over each group's query heads.
 
     ``algorithm="auto"``: fused (flash-style); the S x S scores never reach memory: online
     softmax in the forward, the row log-sum-exp saved for the backward. CPU:
@@ -149,8 +173,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
     if algorithm not in _ALGORITHMS:
         raise ValueError(f"attention: algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
     if algorithm == "unfused":
-        return _attention_unfused(q, k, v, scale, causal)
-    out, _ = _attention(q, k, v, scale, causal)
+        return _attention_unfused(q, k, v, scale, causal, enable_gqa)
+    out, _ = _attention(q, k, v, scale, causal, enable_gqa)
     return out
 
 
