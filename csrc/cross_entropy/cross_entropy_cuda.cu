@@ -51,6 +51,9 @@ template <typename A> struct Online {
     A mx = m;
 #pragma unroll
     for (int k = 0; k < N; ++k) mx = max_of(mx, v[k]);
+    // Only -inf so far (a thread past the row's head or tail, say): they add 0, and
+    // ex(-inf - -inf) would be NaN.
+    if (mx == neg_inf<A>()) return;
     if (mx > m) {  // a new max: rescale (m = -inf: s is 0, ex(-inf) = 0)
       s *= Domain<A>::ex(m - mx);
       m = mx;
