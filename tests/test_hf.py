@@ -4,6 +4,7 @@ report says, our ops counted under the profiler, torch.compile(fullgraph=True)."
 import collections
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -163,7 +164,11 @@ def test_cuda_bf16_as_close_as_stock(name):
     outs = [_step(m, ids) for m in (ref, stock, ours)]
     err = lambda x, y: (x.float() - y.float()).abs().max().item()  # noqa: E731
     assert err(outs[2].logits, outs[0].logits) <= 2 * err(outs[1].logits, outs[0].logits) + 1e-2
-    assert abs(outs[2].loss.item() - outs[0].loss.item()) <= 2 * abs(outs[1].loss.item() - outs[0].loss.item()) + 1e-2
+    # Our loss comes back in the logits' dtype (as F.cross_entropy on bf16 logits), stock's in
+    # float32 (it upcasts the logits): allow half a bf16 ulp of the loss on top.
+    loss0 = outs[0].loss.item()
+    half_ulp = 2.0 ** (math.floor(math.log2(abs(loss0))) - 8)
+    assert abs(outs[2].loss.item() - loss0) <= 2 * abs(outs[1].loss.item() - loss0) + half_ulp + 1e-3
     for (n, g0), g1, g2 in zip(_grads(ref).items(), _grads(stock).values(), _grads(ours).values()):
         scale = g0.abs().max().item() + 1e-6
         assert err(g2, g0) <= 2 * err(g1, g0) + 2e-2 * scale, n

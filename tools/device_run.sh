@@ -46,8 +46,8 @@ SANITIZE_K_DEFAULT="not cpu and not graph and not huge and not reduce_overhead a
 # The selfcheck step proves the filter still catches a deliberate race/bad barrier.
 SANITIZE_KERNELS=${SANITIZE_KERNELS-kns=gpu_puzzles}  # set empty to instrument every kernel
 # Filtered, racecheck dies with an internal sanitizer error inside the fused LayerNorm+Linear
-# forward (around the uninstrumented cuBLAS GEMM): these files run racecheck/synccheck unfiltered.
-SANITIZE_UNFILTERED=${SANITIZE_UNFILTERED-"tests/test_layernorm_linear.py tests/test_reliability.py"}
+# forward, RMSNorm+Linear and the fused linear cross-entropy (around the uninstrumented cuBLAS GEMMs): these files run racecheck/synccheck unfiltered.
+SANITIZE_UNFILTERED=${SANITIZE_UNFILTERED-"tests/test_layernorm_linear.py tests/test_rmsnorm_linear.py tests/test_cross_entropy.py tests/test_reliability.py"}
 sanitize() {  # $1 = memcheck | racecheck | synccheck; $2 = sanitizer steps running at once
   # tools/sanitize_queue.py: the selected test ids in small chunks (one sanitizer process
   # each, expensive tests first and spread over chunks) from one queue, SANITIZE_WORKERS

@@ -338,6 +338,10 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
       if (red == Reduction::Mean) scale.div_(count_of(t1, ignore));
     }
   }
+  // fp16: the per-element gradient (p - onehot) / count falls below fp16's range at large
+  // V and N (p ~ 1/V), so the chunk gradients are unscaled and the scale applied at the end.
+  const bool late_scale = any && dt == at::kHalf;
+  const Tensor kernel_scale = late_scale ? at::ones({1}, hidden.options().dtype(acc)) : scale;
   Tensor gh = want_h ? at::empty({N, H}, hidden.options()) : at::empty({0}, hidden.options());
   // Weight and bias gradients sum over every chunk: in the accumulate type.
   Tensor gw = want_w ? at::zeros({V, H}, weight.options().dtype(acc)) : at::empty({0}, weight.options());
@@ -352,9 +356,9 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
     const Tensor lse = at::empty({n}, hidden.options().dtype(acc));
     // d loss / d logits over the logits, in place: in the forward kernel on CUDA (the row
     // is still in L2), a second pass on the CPU.
-    forward_rows(logits, tc, ignore, loss_rows.narrow(0, s, n), lse, any && !cpu ? scale : Tensor());
+    forward_rows(logits, tc, ignore, loss_rows.narrow(0, s, n), lse, any && !cpu ? kernel_scale : Tensor());
     if (!any) continue;
-    if (cpu) backward_rows(logits, tc, lse, scale, false, ignore, logits);
+    if (cpu) backward_rows(logits, tc, lse, kernel_scale, false, ignore, logits);
     if (want_h) {
       Tensor ghc = gh.narrow(0, s, n);
       at::mm_out(ghc, logits, weight);
@@ -363,6 +367,12 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
     if (want_b) gb.add_(logits.sum(0, false, acc));
   }
   const Tensor loss = finalize(loss_rows, t1, ignore, red, dt);
+  if (late_scale) {
+    const Tensor s0 = scale.reshape({});
+    if (want_h) gh.mul_(s0);
+    if (want_w) gw.mul_(s0);
+    if (want_b) gb.mul_(s0);
+  }
   if (want_h) gh = gh.view(hidden.sizes());
   if (want_w && gw.scalar_type() != dt) gw = gw.to(dt);
   if (want_b && gb.scalar_type() != dt) gb = gb.to(dt);
