@@ -162,12 +162,16 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def _set_attention(model: nn.Module) -> None:
+def _set_attention(model: nn.Module, report: "PatchReport", dropout_attr: str, note: str) -> None:
     _register_attention()
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(ATTENTION_NAME)
     else:  # older transformers
         model.config._attn_implementation = ATTENTION_NAME
+    report.swapped["attention"] = f"attention (registry '{ATTENTION_NAME}'{note})"
+    p = getattr(model.config, dropout_attr, 0.0)
+    if p:
+        report.left["attention while training"] = f"{dropout_attr}={p}: dropout in attention is not supported (SDPA runs it)"
 
 
 # ---- the loss ------------------------------------------------------------------------
@@ -233,11 +237,7 @@ def _patch_gpt2(model, report, embeddings, norms, attention, loss):
         else:
             report.left["transformer.ln_f"] = "not an affine nn.LayerNorm"
     if attention:
-        p = getattr(model.config, "attn_pdrop", 0.0)
-        _set_attention(model)
-        report.swapped["attention"] = f"attention (registry '{ATTENTION_NAME}')"
-        if p:
-            report.left["attention while training"] = f"attn_pdrop={p}: dropout in attention is not supported (SDPA runs it)"
+        _set_attention(model, report, "attn_pdrop", "")
     if loss:
         _set_loss(model, report)
 
@@ -261,11 +261,7 @@ def _patch_llama(model, report, embeddings, norms, attention, loss):
             "transformers calls q/k/v (and gate/up) as separate Linear modules: fusing them means concatenating "
             "their weights on every step; the norms run on rms_norm and the projections on cuBLAS")
     if attention:
-        p = getattr(model.config, "attention_dropout", 0.0)
-        _set_attention(model)
-        report.swapped["attention"] = f"attention (registry '{ATTENTION_NAME}', GQA)"
-        if p:
-            report.left["attention while training"] = f"attention_dropout={p}: not supported (SDPA runs it)"
+        _set_attention(model, report, "attention_dropout", ", GQA")
     if loss:
         _set_loss(model, report)
 
