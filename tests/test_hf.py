@@ -184,3 +184,27 @@ def test_cpu_bf16_runs_stock():
     assert sum(counts.values()) == 0
     torch.testing.assert_close(ours(input_ids=ids, labels=ids).logits, stock(input_ids=ids, labels=ids).logits,
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_llama_family_variants(family):
+    """Mistral and Qwen2 (q/k/v with biases) take the Llama path: same modules, same checks."""
+    cfg_cls, model_cls = {"mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+    torch.manual_seed(0)
+    config = cfg_cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, vocab_size=211, max_position_embeddings=64, attention_dropout=0.0,
+                     bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "sdpa"
+    stock = model_cls(config).float()
+    stock.loss_type = "ForCausalLM"
+    ours = copy.deepcopy(stock)
+    report = hf.patch(ours)
+    assert report.model_type == family and "attention" in report.swapped and "model.norm" in report.swapped
+    ids = model_bench.batch("llama", "cpu", small=True)
+    a, b = _step(stock, ids), _step(ours, ids)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+    for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
+    assert counts["attention"] == 2 and counts["rms_norm"] == 5 and counts["cross_entropy"] == 1
