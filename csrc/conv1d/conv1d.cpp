@@ -11,6 +11,7 @@
 
 #include "common/checks.h"
 #include "common/register.h"
+#include "common/tensor_rows.h"
 #include "common/cuda_launch.h"
 #include "conv1d/conv1d.h"
 
@@ -69,16 +70,6 @@ Shape check_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::opt
 }
 
 #ifdef WITH_CUDA
-// x (or grad_out) as (B, C, L) rows read in place when each row is contiguous; any other
-// layout is copied once.
-std::pair<at::Tensor, RowStrides> rows_of(const at::Tensor& x) {
-  const at::Tensor t = x.size(-1) <= 1 || x.stride(-1) == 1 ? x : x.contiguous();
-  // Collapsed: a contiguous (B, C) is one level, and the kernels skip row_offset's division.
-  RowStrides rows;
-  collapse_rows(t.sizes().data(), t.strides().data(), t.dim() - 1, rows);
-  return {t, rows};
-}
-
 // weight (C, K) or (K,) with contiguous rows, and its row stride.
 std::pair<at::Tensor, int64_t> taps_of(const at::Tensor& w) {
   const at::Tensor t = w.size(-1) <= 1 || w.stride(-1) == 1 ? w : w.contiguous();
@@ -126,7 +117,7 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, const c10:
   const Conv1dAlgo algo = parse_algorithm(std::string(algorithm), s.K, /*on_cuda=*/true);
   TORCH_CHECK(x.is_cuda(), "conv1d: x must be a CUDA tensor for the CUDA kernel, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto [xc, xs] = rows_of(x);
+  const auto [xc, xs] = tensor_rows(x, true);
   const auto [wc, ws] = taps_of(weight);
   const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor out = at::empty(x.sizes(), x.options());
@@ -143,8 +134,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv1d_backward_cuda(const at::Te
   check_grad_out(grad_out, x);
   const Conv1dAlgo algo = parse_algorithm(std::string(algorithm), s.K, /*on_cuda=*/true);
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto [g, gs] = rows_of(grad_out);
-  const auto [xc, xs] = rows_of(x);
+  const auto [g, gs] = tensor_rows(grad_out, true);
+  const auto [xc, xs] = tensor_rows(x, true);
   at::Tensor dx = at::empty(x.sizes(), x.options());
   at::Tensor dw = at::empty(weight.sizes(), weight.options());
   at::Tensor db = at::empty({s.C}, weight.options());

@@ -19,6 +19,7 @@
 #include "common/cuda_launch.h"
 #include "common/kernel_choice.h"
 #include "common/register.h"
+#include "common/tensor_rows.h"
 #include "cross_entropy/cross_entropy.h"
 
 namespace gpu_puzzles {
@@ -89,18 +90,6 @@ void check_target_range(const Tensor& target, int64_t V, int64_t ignore, const c
               ", outside [0, ", V, ") and not ignore_index (", ignore, ")");
 }
 
-// t read in place when its leading dims (all of them, or all but a contiguous last with
-// rows = true) collapse to two levels of row strides; else a contiguous copy.
-std::pair<Tensor, RowStrides> rows_of(const Tensor& t, bool rows) {
-  const int64_t dims = rows ? t.dim() - 1 : t.dim();
-  const bool inner_ok = !rows || t.size(-1) <= 1 || t.stride(-1) == 1;
-  RowStrides s;
-  if (inner_ok && collapse_rows(t.sizes().data(), t.strides().data(), dims, s) >= 0) return {t, s};
-  const Tensor c = t.contiguous();
-  collapse_rows(c.sizes().data(), c.strides().data(), dims, s);
-  return {c, s};
-}
-
 void launch_forward(const CeFwdArgs& a, bool cpu) {
   if (a.rows == 0) return;
   if (cpu) {
@@ -135,8 +124,8 @@ void forward_rows(const Tensor& logits0, const Tensor& target, int64_t ignore, c
   const bool cpu = logits0.device().is_cpu();
   const Tensor logits = cpu && is_half(logits0.scalar_type()) ? logits0.to(at::kFloat) : logits0;
   const int64_t V = logits.size(-1), rows = loss.numel();
-  const auto [lt, ls] = rows_of(logits, true);
-  const auto [tt, ts] = rows_of(target, false);
+  const auto [lt, ls] = tensor_rows(logits, true);
+  const auto [tt, ts] = tensor_rows(target, false);
   const CrossEntropyPlan plan = cross_entropy_plan(rows, V, logits.element_size());
   CeFwdArgs a{lt.data_ptr(), ls, tt.data_ptr(), tt.scalar_type() == at::kLong, ts, loss.data_ptr(),
               lse.data_ptr(), rows, V, ignore, to_dtype(lt.scalar_type()), plan.threads};
@@ -153,8 +142,8 @@ void backward_rows(const Tensor& logits, const Tensor& target, const Tensor& lse
                    bool per_row, int64_t ignore, const Tensor& grad) {
   const bool cpu = logits.device().is_cpu();
   const int64_t V = logits.size(-1), rows = lse.numel();
-  const auto [lt, ls] = rows_of(logits, true);
-  const auto [tt, ts] = rows_of(target, false);
+  const auto [lt, ls] = tensor_rows(logits, true);
+  const auto [tt, ts] = tensor_rows(target, false);
   const CrossEntropyPlan plan = cross_entropy_plan(rows, V, logits.element_size());
   const CeBwdArgs a{lt.data_ptr(), ls, tt.data_ptr(), tt.scalar_type() == at::kLong, ts, lse.data_ptr(),
                     scale.data_ptr(), per_row, grad.data_ptr(), V, rows, V, ignore,
@@ -170,7 +159,7 @@ Tensor count_of(const Tensor& target, int64_t ignore) { return target.ne(ignore)
 // backward's scale.
 Tensor reduce_cuda(const Tensor& loss_rows, const Tensor& target, int64_t ignore, bool mean, const Tensor& grad_loss,
                    const at::TensorOptions& out_opts, at::ScalarType dtype) {
-  const auto [tt, ts] = rows_of(target, false);
+  const auto [tt, ts] = tensor_rows(target, false);
   Tensor out = at::empty({}, out_opts);
   const CeReduceArgs a{loss_rows.defined() ? loss_rows.data_ptr() : nullptr, tt.data_ptr(),
                        tt.scalar_type() == at::kLong, ts, target.numel(), ignore, mean,

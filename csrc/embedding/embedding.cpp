@@ -12,6 +12,7 @@
 
 #include "common/checks.h"
 #include "common/register.h"
+#include "common/tensor_rows.h"
 #include "common/cuda_launch.h"
 #include "embedding/embedding.h"
 
@@ -112,24 +113,12 @@ at::Tensor embedding_backward_cpu(const at::Tensor& grad_out, const at::Tensor& 
 }
 
 #ifdef WITH_CUDA
-// t read in place when its leading dims (all of them, or all but the contiguous last
-// with rows = true) collapse to two levels; else a contiguous copy.
-std::pair<at::Tensor, RowStrides> tokens_of(const at::Tensor& t, bool rows) {
-  const int64_t dims = rows ? t.dim() - 1 : t.dim();
-  const bool inner_ok = !rows || t.size(-1) <= 1 || t.stride(-1) == 1;
-  RowStrides s;
-  if (inner_ok && collapse_rows(t.sizes().data(), t.strides().data(), dims, s) >= 0) return {t, s};
-  const at::Tensor c = t.contiguous();
-  collapse_rows(c.sizes().data(), c.strides().data(), dims, s);
-  return {c, s};
-}
-
 at::Tensor forward_cuda_op(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx,
                            bool two_d, const char* op) {
   const Sizes s = check_forward(indices, weight, padding_idx, op);
   TORCH_CHECK(weight.is_cuda(), op, ": weight must be a CUDA tensor for the CUDA kernel, got ", weight.device());
   const c10::cuda::CUDAGuard guard(weight.device());
-  const auto [ic, is] = tokens_of(indices, false);
+  const auto [ic, is] = tensor_rows(indices, false);
   const at::Tensor wc = s.E <= 1 || weight.stride(1) == 1 ? weight : weight.contiguous();
   at::Tensor out = at::empty(out_shape(indices, s.E), weight.options());
   EmbeddingFwdArgs a{ic.data_ptr(), ic.scalar_type() == at::kLong, wc.data_ptr(), out.data_ptr(),
@@ -140,7 +129,7 @@ at::Tensor forward_cuda_op(const at::Tensor& indices, const at::Tensor& weight, 
 }
 
 at::Tensor backward_sorted_cuda(const at::Tensor& grad_out, const at::Tensor& ic, const Sizes& s, int64_t pad) {
-  const auto [gc, gs] = tokens_of(grad_out, true);
+  const auto [gc, gs] = tensor_rows(grad_out, true);
   // The sort needs one flat int64 key array: strided or int32 indices are gathered into it.
   const at::Tensor keys = ic.reshape({-1}).to(at::kLong);
   // Stable: equal keys keep token order, which fixes the summation order.
