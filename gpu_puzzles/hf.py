@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ops
+
 ATTENTION_NAME = "gpu_puzzles"
 _GPT2 = ("gpt2",)
 _LLAMA = ("llama", "mistral", "qwen2")
@@ -76,26 +78,23 @@ def _swap(module: nn.Module, mixin: type) -> None:
 
 class _Embedding:
     def forward(self, input):
-        from . import embedding
         if not _ours(self.weight):
             return super().forward(input)
-        return embedding(input, self.weight, padding_idx=self.padding_idx)
+        return ops.embedding(input, self.weight, padding_idx=self.padding_idx)
 
 
 class _LayerNorm:
     def forward(self, x):
-        from . import layer_norm
         if not _ours(x):
             return super().forward(x)
-        return layer_norm(x, self.weight, self.bias, eps=self.eps)
+        return ops.layer_norm(x, self.weight, self.bias, eps=self.eps)
 
 
 class _RMSNorm:
     def forward(self, x):
-        from . import rms_norm
         if not _ours(x):
             return super().forward(x)
-        return rms_norm(x, self.weight, eps=_rms_eps(self))
+        return ops.rms_norm(x, self.weight, eps=_rms_eps(self))
 
 
 class _Deferred:
@@ -110,11 +109,10 @@ class _NormConv1D:
     """GPT-2's Conv1D (weight (in, out)) with the LayerNorm before it fused in."""
 
     def forward(self, x):
-        from . import fused_layernorm_linear
         ln = self._gp_norm
         if not _ours(x):
             return super().forward(ln._gp_base.forward(ln, x))  # the stock norm, then the stock Conv1D
-        return fused_layernorm_linear(x, ln.weight, ln.bias, self.weight.t(), self.bias, eps=ln.eps)
+        return ops.fused_layernorm_linear(x, ln.weight, ln.bias, self.weight.t(), self.bias, eps=ln.eps)
 
 
 def _rms_eps(norm: nn.Module) -> float:
@@ -138,24 +136,29 @@ def _defer_into(norm: nn.Module, consumer: nn.Module, mixin: type) -> None:
 def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                        **kwargs):
     """transformers' attention interface: q (B, H, Sq, D), k/v (B, Hkv, Sk, D) -> ((B, Sq, H, D), None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from . import attention
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     ours = (_ours(query) and attention_mask is None and dropout == 0.0 and kwargs.get("softcap") is None
             and kwargs.get("position_bias") is None and query.shape[2] == key.shape[2]
             and query.shape[-1] == value.shape[-1])
     if not ours:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+        return _sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
-    out = attention(query, key, value, scale=scaling, causal=bool(causal), **gqa)
+    out = ops.attention(query, key, value, scale=scaling, causal=bool(causal),
+                        enable_gqa=key.shape[1] != query.shape[1])
     # out has q's memory order: for q viewed out of a (B, S, H*D) projection this is a view.
     return out.transpose(1, 2), None
 
 
+# transformers' SDPA attention, the fallback: looked up once, when the registry entry is made.
+_sdpa_forward = None
+
+
 def _register_attention() -> None:
+    global _sdpa_forward
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    _sdpa_forward = sdpa_attention_forward
     AttentionInterface.register(ATTENTION_NAME, _attention_forward)
     # Masks as for SDPA (None when causal without padding): without a registered mask
     # function transformers would pass no mask at all, and a padding mask would be lost.
@@ -183,14 +186,13 @@ def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ign
     if not _ours(logits):
         from transformers.loss.loss_utils import ForCausalLMLoss
         return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
-    from . import cross_entropy
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     logits = logits.reshape(-1, vocab_size)
     shift_labels = shift_labels.reshape(-1).to(logits.device)
     if num_items_in_batch is None:
-        return cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="mean")
-    loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum")
+        return ops.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="mean")
+    loss = ops.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum")
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
