@@ -149,20 +149,42 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2), None
 
 
-# transformers' SDPA attention, the fallback: looked up once, when the registry entry is made.
+# transformers' SDPA attention and mask, the fallbacks: looked up once, when the registry entry is made.
 _sdpa_forward = None
+_sdpa_mask = None
+_sdpa_mask_signature = None
+_causal_mask_function = None
+
+
+def _mask(*args, **kwargs):
+    """SDPA's mask, except that a plain causal mask without padding is None (our kernel's
+    ``causal=True``) under torch.compile too: ``sdpa_mask`` cannot tell, while tracing, that
+    no padding mask was given, so it builds the (B, 1, S, S) mask and attention goes to SDPA."""
+    a = _sdpa_mask_signature.bind(*args, **kwargs)
+    a.apply_defaults()
+    a = a.arguments
+    q_len, kv_len, q_off = a.get("q_length"), a.get("kv_length"), a.get("q_offset", 0)
+    if (a.get("attention_mask") is None and a.get("local_size") is None
+            and a.get("mask_function") is _causal_mask_function and a.get("allow_is_causal_skip", False)
+            and isinstance(q_len, int) and q_len == kv_len and isinstance(q_off, int) and q_off == 0
+            and a.get("kv_offset", 0) == 0):
+        return None
+    return _sdpa_mask(*args, **kwargs)
 
 
 def _register_attention() -> None:
-    global _sdpa_forward
+    global _sdpa_forward, _sdpa_mask, _sdpa_mask_signature, _causal_mask_function
+    import inspect
+
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    _sdpa_forward = sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+    _sdpa_forward, _sdpa_mask, _causal_mask_function = sdpa_attention_forward, sdpa_mask, causal_mask_function
+    _sdpa_mask_signature = inspect.signature(sdpa_mask)
     AttentionInterface.register(ATTENTION_NAME, _attention_forward)
     # Masks as for SDPA (None when causal without padding): without a registered mask
     # function transformers would pass no mask at all, and a padding mask would be lost.
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, _mask)
 
 
 def _set_attention(model: nn.Module, report: "PatchReport", dropout_attr: str, note: str) -> None:

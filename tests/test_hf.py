@@ -149,6 +149,25 @@ def test_compile_fullgraph(name):
     torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
     for (n, p), (_, q) in zip(eager.named_parameters(), ours.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    # Traced, transformers builds a causal mask even without padding; ours must still run.
+    counts = _op_counts(lambda: _step(compiled, ids))
+    assert counts["attention"] == 2 and counts["attention_backward"] == 2, counts
+    assert counts["cross_entropy"] == 1
+
+
+def test_compile_padding_mask_goes_to_sdpa():
+    stock, ours, _ = _pair("llama")
+    ids = model_bench.batch("llama", "cpu", small=True)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding on one row
+    a = stock(input_ids=ids, attention_mask=mask).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    b = compiled(input_ids=ids, attention_mask=mask).logits
+    counts = _op_counts(lambda: compiled(input_ids=ids, attention_mask=mask))
+    assert counts["attention"] == 0 and counts["rms_norm"] > 0
+    keep = mask.bool()  # rows of padded query positions are arbitrary in both
+    torch.testing.assert_close(b[keep], a[keep], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.cuda
