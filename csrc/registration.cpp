@@ -92,8 +92,12 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   // F.cross_entropy over logits (..., V) (classes last) and int64/int32 target (...).
   // Returns (loss, lse): lse is each row's log-sum-exp (float32, float64 for float64
   // logits; 0 at ignored rows), all the backward keeps besides the logits.
-  m.def("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, str reduction=\"mean\") -> (Tensor, Tensor)");
-  m.def("cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, int ignore_index, str reduction) -> Tensor");
+  // Both read strided logits rows in place, so inductor may hand over its padded layout of
+  // an odd-V GEMM output as it is (the default, exact eager strides, costs a copy each way).
+  m.def("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, str reduction=\"mean\") -> (Tensor, Tensor)",
+        {at::Tag::needs_fixed_stride_order});
+  m.def("cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, int ignore_index, str reduction) -> Tensor",
+        {at::Tag::needs_fixed_stride_order});
   // cross_entropy(hidden @ weight.T + bias, target) without storing the logits (row chunks).
   // output_mask (hidden, weight, bias): the gradients computed in the forward, for a
   // loss of 1 (the backward scales them); unrequested ones are empty. reduction mean|sum.

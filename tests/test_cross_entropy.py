@@ -146,6 +146,31 @@ def test_strided_logits_no_copy(dtype, reduction):
     assert_close_ref(gx.double() * n, gr * n, dtype, "grad")
 
 
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("V,Vp", [(13, 16), (50257, 50264)])
+def test_padded_rows_gradient_layout(device, dtype, V, Vp):
+    # Inductor pads an odd-V GEMM output's rows ((N, Vp)[:, :V]): the gradient keeps that
+    # layout (no copy on either side under torch.compile); unevenly spaced rows get a contiguous one.
+    B, S = 2, 3
+    full = _logits((B, S, Vp), device, dtype, seed=40)
+    labels = _targets((B, S), V, device, seed=41)
+    cases = {"(N, V) of (N, Vp)": (full.view(B * S, Vp)[:, :V], labels.reshape(-1), (Vp, 1)),
+             "(B, S, V) of (B, S, Vp)": (full[..., :V], labels, (S * Vp, Vp, 1)),
+             "shifted (B, S-1, V)": (full[:, :-1, :V], labels[:, 1:], None)}
+    for name, (x, t, want) in cases.items():
+        _, lse = OP(x, t, -100, "mean")
+        g = BWD_OP(torch.tensor(1.0, device=device, dtype=dtype), x, t, lse, -100, "mean")
+        assert g.stride() == (want or g.contiguous().stride()), (name, g.stride())
+        xr = x.double().requires_grad_()
+        (gr,) = torch.autograd.grad(_ref(xr, t, "mean"), xr)
+        n = (t != -100).sum().item()
+        assert_close_ref(g.double() * n, gr * n, dtype, f"{name} grad")
+        torch.library.opcheck(BWD_OP, (torch.tensor(0.5, device=device, dtype=dtype), x, t, lse, -100, "mean"))
+        if device == "cuda":
+            _, copies = copy_kernels(BWD_OP, torch.tensor(1.0, device=device, dtype=dtype), x, t, lse, -100, "mean")
+            assert not copies, (name, copies)
+
+
 @requires_cuda
 def test_out_of_range_target_cuda():
     # No error (that would need a host sync); the row's loss is NaN and nothing is read outside the row.

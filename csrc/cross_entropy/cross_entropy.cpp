@@ -137,16 +137,34 @@ void forward_rows(const Tensor& logits0, const Tensor& target, int64_t ignore, c
   launch_forward(a, cpu);
 }
 
-// grad (rows, V) contiguous, or the logits themselves (in place) when grad is logits.
+// The backward's gradient takes the logits' strides when their rows are evenly spaced
+// (one stride s >= V between rows, the last dim contiguous): padded rows, as inductor lays
+// out a (.., 50257) GEMM output, then need no copy on either side, and the kernel's vectors
+// see input and output rows at the same alignment. Otherwise contiguous. The fake kernel
+// (gpu_puzzles/ops/cross_entropy.py) applies the same rule.
+Tensor empty_grad_like(const Tensor& logits, const at::TensorOptions& opts) {
+  RowStrides s;
+  const int64_t V = logits.size(-1);
+  const bool spaced = logits.stride(-1) == 1 &&
+                      collapse_rows(logits.sizes().data(), logits.strides().data(), logits.dim() - 1, s) == 1 &&
+                      s.s0 >= V;
+  return spaced ? at::empty_strided(logits.sizes(), logits.strides(), opts) : at::empty(logits.sizes(), opts);
+}
+
+// grad: rows evenly spaced (empty_grad_like), or the logits themselves (in place) when grad is logits.
 void backward_rows(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& scale,
                    bool per_row, int64_t ignore, const Tensor& grad) {
   const bool cpu = logits.device().is_cpu();
   const int64_t V = logits.size(-1), rows = lse.numel();
   const auto [lt, ls] = tensor_rows(logits, true);
   const auto [tt, ts] = tensor_rows(target, false);
+  RowStrides gs;
+  const int levels = collapse_rows(grad.sizes().data(), grad.strides().data(), grad.dim() - 1, gs);
+  TORCH_INTERNAL_ASSERT(levels <= 1 && grad.stride(-1) == 1, "cross_entropy: gradient rows must be evenly spaced");
+  const int64_t grad_stride = levels == 1 ? gs.s0 : V;
   const CrossEntropyPlan plan = cross_entropy_plan(rows, V, logits.element_size());
   const CeBwdArgs a{lt.data_ptr(), ls, tt.data_ptr(), tt.scalar_type() == at::kLong, ts, lse.data_ptr(),
-                    scale.data_ptr(), per_row, grad.data_ptr(), V, rows, V, ignore,
+                    scale.data_ptr(), per_row, grad.data_ptr(), grad_stride, rows, V, ignore,
                     to_dtype(lt.scalar_type()), plan.threads};
   launch_backward(a, cpu);
 }
@@ -241,10 +259,16 @@ Tensor cross_entropy_backward_impl(const Tensor& grad_loss, const Tensor& logits
     scale = red == Reduction::Sum ? g.reshape({1}) : g.div(count_of(target, ignore)).reshape({1});
   }
   const bool cpu_half = logits.device().is_cpu() && is_half(logits.scalar_type());
-  const Tensor lg = cpu_half ? logits.to(at::kFloat) : logits;
-  Tensor grad = at::empty(lg.sizes(), lg.options());  // contiguous
-  backward_rows(lg, target, lse.contiguous(), scale, red == Reduction::None, ignore, grad);
-  return cpu_half ? grad.to(logits.scalar_type()) : grad;
+  Tensor grad = empty_grad_like(logits, logits.options());
+  if (!cpu_half) {
+    backward_rows(logits, target, lse.contiguous(), scale, red == Reduction::None, ignore, grad);
+    return grad;
+  }
+  const Tensor lg = logits.to(at::kFloat);
+  Tensor g32 = at::empty(lg.sizes(), lg.options());
+  backward_rows(lg, target, lse.contiguous(), scale, red == Reduction::None, ignore, g32);
+  grad.copy_(g32);
+  return grad;
 }
 
 // ---- fused_linear_cross_entropy -----------------------------------------------------

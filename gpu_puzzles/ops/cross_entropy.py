@@ -9,7 +9,8 @@ are read as they are. The forward keeps only each row's log-sum-exp for the back
 The fused op never stores the (N, V) logits: it runs the GEMM, the loss and the
 gradients chunk by chunk (rows), in the forward; the backward only scales them.
 Argument checks live in C++ (csrc/cross_entropy/cross_entropy.cpp); the fake kernels
-compute shapes only, with the real kernels' (contiguous) strides.
+compute shapes only, with the real kernels' strides: contiguous, except the backward's
+gradient, which keeps the logits' strides when their rows are evenly spaced (padded rows).
 """
 from typing import Optional
 
@@ -28,9 +29,28 @@ def _cross_entropy_fake(logits, target, ignore_index=-100, reduction="mean"):
     return loss, logits.new_empty(logits.shape[:-1], dtype=_acc(logits.dtype))
 
 
+def _grad_like(logits):
+    """The C++ empty_grad_like: the logits' strides when the rows (all dims but the last,
+    size-1 dims aside) collapse to one stride >= V and the last dim is contiguous."""
+    if logits.stride(-1) == 1:
+        rows = None  # (count, stride) of the rows merged so far, innermost first
+        for size, stride in zip(reversed(logits.shape[:-1]), reversed(logits.stride()[:-1])):
+            if size == 1:
+                continue
+            if rows is None:
+                rows = (size, stride)
+            elif stride == rows[0] * rows[1]:
+                rows = (rows[0] * size, rows[1])
+            else:
+                return logits.new_empty(logits.shape)
+        if rows is not None and rows[1] >= logits.shape[-1]:
+            return logits.new_empty_strided(logits.shape, logits.stride())
+    return logits.new_empty(logits.shape)
+
+
 @torch.library.register_fake("gpu_puzzles::cross_entropy_backward")
 def _cross_entropy_backward_fake(grad_loss, logits, target, lse, ignore_index, reduction):
-    return logits.new_empty(logits.shape)
+    return _grad_like(logits)
 
 
 @torch.library.register_fake("gpu_puzzles::fused_linear_cross_entropy")
