@@ -4,8 +4,8 @@ A training step (forward with the LM loss, backward, fused AdamW step, zero_grad
 built from ``transformers`` configs with random weights (never downloaded), bf16, timed as
 the median of CUDA-event-bracketed steps after warm-up, with the step's peak allocated
 memory. Variants: stock, patched with attention left to SDPA (``attention=False``), fully
-patched; each eager and under ``torch.compile``. ``--profile`` adds each variant's top CUDA
-kernels (one profiled step) as the per-op breakdown.
+patched; each eager and under ``torch.compile``. ``--profile`` adds the per-op breakdown: one
+profiled step's CUDA kernels, each and summed by group (``KERNEL_GROUPS``).
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ VARIANTS = {
     "ours, SDPA attention": dict(attention=False),
     "ours": dict(),
 }
+# Short names for --variants (the variant names themselves hold commas).
+VARIANT_ALIASES = {"stock": "stock", "sdpa": "ours, SDPA attention", "ours": "ours"}
 
 
 def build(name: str, device, dtype=torch.bfloat16, seed: int = 0, small: bool = False):
@@ -111,23 +113,61 @@ def run_variant(name, variant, compiled, device, steps=10, warmup=3, profile=Fal
                warmup_s=warm_s, first_losses=losses,
                swapped=len(report.swapped) if report else 0)
     if profile:
-        row["top_kernels"] = _top_kernels(step)
+        row["profile"] = _profile_step(step)
     del step, opt, model
     torch._dynamo.reset()
     return row
 
 
-def _top_kernels(step, k=25):
+# Kernel name -> the op it belongs to, first match wins (the per-op breakdown of --profile).
+KERNEL_GROUPS = [
+    ("ours: attention", r"gpu_puzzles.*::attn_"),
+    ("ours: norm(+linear)", r"gpu_puzzles.*::(ln_|layernorm_linear|fold_weight)"),
+    ("ours: cross_entropy", r"gpu_puzzles.*::ce_"),
+    ("ours: embedding", r"gpu_puzzles.*::emb_"),
+    ("ours: other", r"gpu_puzzles"),
+    ("SDPA (cuDNN / flash)", r"sdpa|flash|fmha|cudnn"),
+    ("GEMM (cuBLAS / CUTLASS)", r"nvjet|cutlass|gemm|xmma|cublas"),
+    ("inductor: norm", r"^triton_.*(layer_norm|rsqrt|mean_pow|pow_mean)"),
+    ("inductor: loss", r"^triton_.*(log_softmax|nll_loss|cross_entropy)"),
+    ("inductor: other", r"^triton_"),
+    ("optimizer", r"multi_tensor_apply|fused_adam"),
+    ("eager: norm", r"layer_norm|LayerNorm|RowwiseMoments|GammaBeta|rms"),
+    ("eager: loss", r"log_softmax|softmax|nll_loss"),
+    ("eager: embedding", r"embedding|index_select|indexSelect|indexing_backward|sort|radix"),
+    ("copies and fills", r"copy|Memcpy|Memset|Fill|elementwise_kernel.*(direct_copy|CopyKernel)"),
+    ("elementwise", r"elementwise|vectorized|unrolled"),
+    ("reductions", r"reduce"),
+]
+
+
+def kernel_group(name: str) -> str:
+    import re
+    for label, pattern in KERNEL_GROUPS:
+        if re.search(pattern, name):
+            return label
+    return "other"
+
+
+def _profile_step(step):
+    """One profiled step: every kernel's time (ms, summed over its launches) and the sums per group."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    by = {}
+    by, count = {}, {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             by[e.name] = by.get(e.name, 0.0) + e.device_time_total / 1000.0
-    top = sorted(by.items(), key=lambda kv: -kv[1])[:k]
-    return [dict(kernel=n[:120], ms=ms) for n, ms in top]
+            count[e.name] = count.get(e.name, 0) + 1
+    groups = {}
+    for n, ms in by.items():
+        g = kernel_group(n)
+        groups[g] = groups.get(g, 0.0) + ms
+    kernels = [dict(kernel=n[:160], ms=ms, launches=count[n], group=kernel_group(n))
+               for n, ms in sorted(by.items(), key=lambda kv: -kv[1])]
+    return dict(kernel_ms=sum(by.values()), launches=sum(count.values()),
+                groups=dict(sorted(groups.items(), key=lambda kv: -kv[1])), kernels=kernels)
 
 
 def run(models, device, variants=None, modes=("eager", "compile"), steps=10, profile=False, log=print):
@@ -157,6 +197,26 @@ def _fmt(r):
             f"{r['tokens_per_s']:10.0f} tok/s  peak {r['peak_GiB']:.2f} GiB  (warm-up {r['warmup_s']:.0f} s)")
 
 
+def print_breakdown(rows):
+    """Per model and mode: each variant's kernel time by group (ms), from --profile."""
+    from rich.console import Console
+    from rich.table import Table
+    for (model, mode) in dict.fromkeys((r["model"], r["mode"]) for r in rows if "profile" in r):
+        rs = [r for r in rows if r["model"] == model and r["mode"] == mode and "profile" in r]
+        groups = list(dict.fromkeys(g for r in rs for g in r["profile"]["groups"]))
+        t = Table(title=f"{model} {mode}: kernel ms per step, by op (one profiled step)")
+        t.add_column("group")
+        for r in rs:
+            t.add_column(r["variant"], justify="right")
+        for g in groups + ["all kernels", "launches"]:
+            def cell(r):
+                p = r["profile"]
+                v = p["kernel_ms"] if g == "all kernels" else p["launches"] if g == "launches" else p["groups"].get(g)
+                return "" if v is None else (f"{v}" if g == "launches" else f"{v:.3f}")
+            t.add_row(g, *[cell(r) for r in rs])
+        Console(width=140).print(t)
+
+
 def print_rows(rows):
     from rich.console import Console
     from rich.table import Table
@@ -181,18 +241,25 @@ def main(argv=None):
     from .common import device_name, git_commit
     p = argparse.ArgumentParser(prog="python -m gpu_puzzles.bench model", description=__doc__)
     p.add_argument("--models", default="gpt2,llama", help=f"comma-separated, of {list(MODELS)}")
-    p.add_argument("--variants", default=None, help=f"comma-separated, of {list(VARIANTS)} (default all)")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated, of {list(VARIANT_ALIASES)} ({VARIANT_ALIASES}; default all)")
     p.add_argument("--modes", default="eager,compile")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--profile", action="store_true", help="add each variant's top CUDA kernels")
+    p.add_argument("--profile", action="store_true", help="add the per-op breakdown (one profiled step's kernels)")
     p.add_argument("--json", help="write the rows and the run's metadata here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("the model bench needs a CUDA device")
     device = torch.device("cuda")
-    variants = args.variants.split(",") if args.variants else None
+    variants = None
+    if args.variants:
+        unknown = [v for v in args.variants.split(",") if v not in VARIANT_ALIASES]
+        if unknown:
+            p.error(f"--variants: unknown {unknown}; known: {list(VARIANT_ALIASES)}")
+        variants = [VARIANT_ALIASES[v] for v in args.variants.split(",")]
     rows = run(args.models.split(","), device, variants, tuple(args.modes.split(",")), args.steps, args.profile)
     print_rows(rows)
+    print_breakdown(rows)
     if args.json:
         import transformers
         meta = dict(device=device_name(device), torch=torch.__version__, cuda=torch.version.cuda,
