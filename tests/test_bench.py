@@ -154,3 +154,27 @@ def test_cpu_bench_runs_every_case_per_thread_count(monkeypatch, tmp_path):
     got = {(r["threads"], r["direction"], r["impl"]) for r in meta["rows"]}
     assert got == {(n, d, i) for n in (1, 2) for d in ("fwd", "fwd+bwd") for i in ("ours", "2d", "eager")}
     assert all(r["ms"] > 0 and r["case"].endswith(f"[{r['threads']} thr]") for r in meta["rows"])
+
+
+# Kernel names as the H100 profiles of the compiled GPT-2 step recorded them
+# (benchmarks/results/model_compile_profile_h100.json), and the group each belongs to.
+@pytest.mark.parametrize("name, group", [
+    ("void gpu_puzzles::(anonymous namespace)::attn_bwd_dkdv_tc<__nv_bfloat16, 64>(gpu_puzzles::", "ours: attention"),
+    ("void gpu_puzzles::(anonymous namespace)::ln_bwd_cached<__nv_bfloat16, 8, 1, 4, true, false", "ours: norm(+linear)"),
+    ("void gpu_puzzles::(anonymous namespace)::layernorm_linear_colsum<__nv_bfloat16, 8>(__nv_bf", "ours: norm(+linear)"),
+    ("void gpu_puzzles::(anonymous namespace)::ce_bwd_kernel<__nv_bfloat16>(gpu_puzzles::CeBwdAr", "ours: cross_entropy"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1_cga1x1x1", "SDPA (cuDNN / flash)"),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*", "SDPA (cuDNN / flash)"),
+    ("nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_TNT", "GEMM (cuBLAS / CUTLASS)"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_256x128_32x6_nt_align8>", "GEMM (cuBLAS / CUTLASS)"),
+    ("triton_per_fused_add_native_layer_norm_native_layer_norm_backward_view_10", "inductor: norm"),
+    ("triton_red_fused__log_softmax__log_softmax_backward_data__to_copy_add_arange_clone_eq_expand", "inductor: loss"),
+    ("triton_poi_fused_add_mul_pow_tanh_tanh_backward_view_7", "inductor: other"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous", "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::FillFunctor<c10::BFloat16>", "copies and fills"),
+    ("Memcpy DtoD (Device -> Device)", "copies and fills"),
+    ("void at::native::reduce_kernel<128, 4, at::native::ReduceOp<float, at::native::func_wrapper_t", "reductions"),
+])
+def test_model_bench_kernel_groups(name, group):
+    from gpu_puzzles.bench.model import kernel_group
+    assert kernel_group(name) == group
