@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from .common import Case, backward_fn, peak_extra_mib
+from .common import Case, backward_fn, peak_memory_rows
 
 OP = "attention"
 
@@ -218,17 +218,17 @@ def peak_memory(device, shapes=BENCH_SHAPES, dtype=torch.bfloat16, compile_=Fals
     for (B, H, Sq, Sk, D, causal) in shapes:
         for backward in (False, True):
             fns = impls(device, causal, B, H, Sq, Sk, dtype, backward, compile_)
-            for label, f in fns.items():
-                fn = backward_fn(f, 3) if backward else f
+            if backward:
+                fns = {label: backward_fn(f, 3) for label, f in fns.items()}
+
+            def make(B=B, H=H, Sq=Sq, Sk=Sk, D=D, backward=backward):
                 args = (*inputs(B, H, Sq, Sk, D, dtype, device, grad=backward),)
-                if backward:
-                    args += (torch.randn(B, H, Sq, D, device=device, dtype=dtype),)
-                peak = peak_extra_mib(fn, args, device)
-                del args
-                rows.append({"op": OP, "case": f"({B},{H},{Sq},{Sk},{D}){' causal' if causal else ''}",
-                             "direction": "fwd+bwd" if backward else "fwd", "impl": label,
-                             "peak_extra_MiB": peak, "B": B, "H": H, "Sq": Sq, "Sk": Sk, "D": D,
-                             "causal": causal, "dtype": str(dtype).replace("torch.", "")})
+                return args + ((torch.randn(B, H, Sq, D, device=device, dtype=dtype),) if backward else ())
+
+            rows += peak_memory_rows(fns, make, device, op=OP,
+                                     case=f"({B},{H},{Sq},{Sk},{D}){' causal' if causal else ''}",
+                                     direction="fwd+bwd" if backward else "fwd", B=B, H=H, Sq=Sq, Sk=Sk, D=D,
+                                     causal=causal, dtype=str(dtype).replace("torch.", ""))
     return rows
 
 

@@ -243,6 +243,21 @@ def peak_extra_mib(fn: Callable, args: tuple, device: torch.device) -> float:
     return peak / 2**20
 
 
+def peak_memory_rows(fns: dict, make_args: Callable[[], tuple], device: torch.device, **row) -> list:
+    """One row per implementation in ``fns`` (label -> fn): ``row``'s fields, the label as
+    ``impl`` and ``peak_extra_MiB`` (``peak_extra_mib``), each fn on fresh ``make_args()``
+    that are freed before the next."""
+    rows = []
+    for label, fn in fns.items():
+        args = make_args()
+        try:
+            peak = peak_extra_mib(fn, args, device)
+        finally:
+            del args
+        rows.append({**row, "impl": label, "peak_extra_MiB": peak})
+    return rows
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
     if device.type != "cuda":

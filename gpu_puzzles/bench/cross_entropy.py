@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from .common import Case, backward_fn, peak_extra_mib
+from .common import Case, backward_fn, peak_memory_rows
 
 OP = "cross_entropy"
 
@@ -106,15 +106,9 @@ def peak_memory(device, shapes=FUSED_SHAPES, dtype=torch.bfloat16):
         return []
     rows = []
     for N, H, V in shapes:
-        for label, fn in fused_impls(True).items():
-            args = _fused_inputs(device, N, H, V, dtype, True)
-            try:
-                peak = peak_extra_mib(fn, args, device)
-            finally:
-                del args
-            rows.append({"op": OP, "case": f"linear+ce ({N}, {H}) -> {V}", "direction": "fwd+bwd", "impl": label,
-                         "peak_extra_MiB": peak, "logits_MiB": N * V * 2 / 2**20,
-                         "dtype": str(dtype).replace("torch.", "")})
+        rows += peak_memory_rows(fused_impls(True), lambda N=N, H=H, V=V: _fused_inputs(device, N, H, V, dtype, True),
+                                 device, op=OP, case=f"linear+ce ({N}, {H}) -> {V}", direction="fwd+bwd",
+                                 logits_MiB=N * V * 2 / 2**20, dtype=str(dtype).replace("torch.", ""))
     return rows
 
 

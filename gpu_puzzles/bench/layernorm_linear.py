@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from .common import Case, backward_fn, copy_bandwidth, device_name, git_commit, peak_extra_mib, run_case
+from .common import Case, backward_fn, copy_bandwidth, device_name, git_commit, peak_memory_rows, run_case
 
 OP = "layernorm_linear"
 
@@ -137,13 +137,12 @@ def peak_memory(device, shapes=BENCH_SHAPES, dtype=torch.bfloat16, compile_=True
     for (M, H, N) in shapes:
         fns = {k: backward_fn(f, 5) for k, f in impls(compile_).items()}
         fns["F.linear alone"] = _linear_only_bwd
-        for label, fn in fns.items():
-            args = (*inputs(M, H, N, dtype, device, grad=True), torch.randn(M, N, device=device, dtype=dtype))
-            peak = peak_extra_mib(fn, args, device)
-            del args
-            rows.append({"op": OP, "case": f"M={M} H={H} N={N}", "direction": "fwd+bwd", "impl": label,
-                         "peak_extra_MiB": peak, "M": M, "H": H, "N": N,
-                         "dtype": str(dtype).replace("torch.", "")})
+
+        def make(M=M, H=H, N=N):
+            return (*inputs(M, H, N, dtype, device, grad=True), torch.randn(M, N, device=device, dtype=dtype))
+
+        rows += peak_memory_rows(fns, make, device, op=OP, case=f"M={M} H={H} N={N}", direction="fwd+bwd",
+                                 M=M, H=H, N=N, dtype=str(dtype).replace("torch.", ""))
     return rows
 
 

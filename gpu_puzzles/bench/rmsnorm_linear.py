@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from .common import Case, backward_fn, peak_extra_mib
+from .common import Case, backward_fn, peak_memory_rows
 
 OP = "rmsnorm_linear"
 EPS = 1e-6
@@ -105,13 +105,13 @@ def peak_memory(device, shapes=BENCH_SHAPES, dtype=torch.bfloat16, compile_=True
         return []
     rows = []
     for (M, H, N) in shapes:
-        for label, fn in impls(ours, reference, compile_).items():
-            args = (*inputs(M, H, N, dtype, device, grad=True), torch.randn(M, N, device=device, dtype=dtype))
-            peak = peak_extra_mib(backward_fn(fn, 3), args, device)
-            del args
-            rows.append({"op": OP, "case": f"M={M} H={H} N={N}", "direction": "fwd+bwd", "impl": label,
-                         "peak_extra_MiB": peak, "M": M, "H": H, "N": N,
-                         "dtype": str(dtype).replace("torch.", "")})
+        fns = {label: backward_fn(fn, 3) for label, fn in impls(ours, reference, compile_).items()}
+
+        def make(M=M, H=H, N=N):
+            return (*inputs(M, H, N, dtype, device, grad=True), torch.randn(M, N, device=device, dtype=dtype))
+
+        rows += peak_memory_rows(fns, make, device, op=OP, case=f"M={M} H={H} N={N}", direction="fwd+bwd",
+                                 M=M, H=H, N=N, dtype=str(dtype).replace("torch.", ""))
     return rows
 
 
