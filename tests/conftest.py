@@ -192,3 +192,18 @@ def copy_kernels(fn, *args, **kwargs):
     names = [e["name"] for e in events if e.get("cat") in ("kernel", "gpu_memcpy")
              and any(p in e["name"] for p in _COPY_PATTERNS)]
     return out, names
+
+
+def assert_compiled_matches_eager(f, cases, backend="inductor"):
+    """``torch.compile(f, fullgraph=True, dynamic=True)`` against eager ``f``: for each
+    ``(args, leaves)`` of ``cases`` (several sizes, which one dynamic graph must serve),
+    the outputs, and the gradients of ``sum(out**2)`` with respect to ``leaves``."""
+    torch._dynamo.reset()
+    fc = torch.compile(f, fullgraph=True, dynamic=True, backend=backend)
+    for args, leaves in cases:
+        y_c, y_e = fc(*args), f(*args)
+        torch.testing.assert_close(y_c, y_e)
+        gc = torch.autograd.grad(y_c.square().sum(), leaves)
+        ge = torch.autograd.grad(y_e.square().sum(), leaves)
+        for a, b in zip(gc, ge):
+            torch.testing.assert_close(a, b)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.bench.attention import forward_kernels
 
-from conftest import (DEVICES, HAS_CUDA, SANITIZE, copy_kernels, many, poison_allocator, requires_caching_allocator,
-                      requires_cuda)
+from conftest import (DEVICES, HAS_CUDA, SANITIZE, assert_compiled_matches_eager, copy_kernels, many, poison_allocator,
+                      requires_caching_allocator, requires_cuda)
 from strategies import OFFSET, make_tensor
 
 OPS = torch.ops.gpu_puzzles
@@ -228,22 +228,17 @@ def test_compile_forward_backward(algorithm):
     # fullgraph + dynamic: no graph break, one graph for both lengths. On the CPU the
     # chain runs under aot_eager (the same tracing: fake kernels, autograd) to keep CI short.
     device = "cuda" if HAS_CUDA else "cpu"
-    torch._dynamo.reset()
 
     def f(q, k, v):
         return (gp.attention(q, k, v, causal=True, algorithm=algorithm) * 2
                 + gp.attention(q, k, v, scale=0.5, algorithm=algorithm))
 
     backend = "aot_eager" if (algorithm == "unfused" and not HAS_CUDA) else "inductor"
-    fc = torch.compile(f, fullgraph=True, dynamic=True, backend=backend)
+    cases = []
     for S in (16, 23):
-        q, k, v = make_qkv((2, 2), S, S, 16, 16, device, torch.float32, grad=True, seed=S)
-        y_c, y_e = fc(q, k, v), f(q, k, v)
-        torch.testing.assert_close(y_c, y_e)
-        gc = torch.autograd.grad(y_c.square().sum(), (q, k, v))
-        ge = torch.autograd.grad(y_e.square().sum(), (q, k, v))
-        for a, b in zip(gc, ge):
-            torch.testing.assert_close(a, b)
+        qkv = make_qkv((2, 2), S, S, 16, 16, device, torch.float32, grad=True, seed=S)
+        cases.append((qkv, qkv))
+    assert_compiled_matches_eager(f, cases, backend=backend)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -909,7 +904,6 @@ def test_compile_strided_model_block():
     # attention, transpose back; the fakes' layout rule traces on symbolic strides, and values
     # and gradients match eager.
     device = "cuda" if HAS_CUDA else "cpu"
-    torch._dynamo.reset()
     H, D = 2, 16
 
     def block(x, w):
@@ -917,17 +911,13 @@ def test_compile_strided_model_block():
         q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in (x @ w).split(H * D, dim=2))
         return gp.attention(q, k, v, causal=True).transpose(1, 2).reshape(B, S, H * D)
 
-    fc = torch.compile(block, fullgraph=True, dynamic=True)
+    cases = []
     for S in (16, 23):
         g = torch.Generator().manual_seed(S)
         x = torch.randn(2, S, 24, generator=g).to(device).requires_grad_()
         w = torch.randn(24, 3 * H * D, generator=g).to(device).requires_grad_()
-        y_c, y_e = fc(x, w), block(x, w)
-        torch.testing.assert_close(y_c, y_e)
-        gc = torch.autograd.grad(y_c.square().sum(), (x, w))
-        ge = torch.autograd.grad(y_e.square().sum(), (x, w))
-        for a, b in zip(gc, ge):
-            torch.testing.assert_close(a, b)
+        cases.append(((x, w), (x, w)))
+    assert_compiled_matches_eager(block, cases)
 
 
 # ---- grouped k/v heads (GQA / MQA, enable_gqa) ---------------------------------------
@@ -1056,7 +1046,6 @@ def test_gqa_compile():
     # fullgraph + dynamic over the sequence length, a Llama-style block: separate projections,
     # grouped k/v views, transpose back; values and gradients match eager.
     device = "cuda" if HAS_CUDA else "cpu"
-    torch._dynamo.reset()
     H, Hkv, D = 4, 2, 16
 
     def block(x, wq, wkv):
@@ -1065,17 +1054,14 @@ def test_gqa_compile():
         k, v = ((x @ wkv).view(B, S, 2 * Hkv, D).transpose(1, 2)).split(Hkv, dim=1)
         return gp.attention(q, k, v, causal=True, enable_gqa=True).transpose(1, 2).reshape(B, S, H * D)
 
-    fc = torch.compile(block, fullgraph=True, dynamic=True)
+    cases = []
     for S in (16, 23):
         g = torch.Generator().manual_seed(S)
         x = torch.randn(2, S, 24, generator=g).to(device).requires_grad_()
         wq = torch.randn(24, H * D, generator=g).to(device).requires_grad_()
         wkv = torch.randn(24, 2 * Hkv * D, generator=g).to(device).requires_grad_()
-        y_c, y_e = fc(x, wq, wkv), block(x, wq, wkv)
-        torch.testing.assert_close(y_c, y_e)
-        for a, b in zip(torch.autograd.grad(y_c.square().sum(), (x, wq, wkv)),
-                        torch.autograd.grad(y_e.square().sum(), (x, wq, wkv))):
-            torch.testing.assert_close(a, b)
+        cases.append(((x, wq, wkv), (x, wq, wkv)))
+    assert_compiled_matches_eager(block, cases)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.ops._common import schema_default
 
-from conftest import DEVICES, TOL, assert_close_ref, device_dtypes, many, poison_allocator, requires_caching_allocator, requires_cuda
+from conftest import (DEVICES, TOL, assert_close_ref, assert_compiled_matches_eager, device_dtypes, many,
+                      poison_allocator, requires_caching_allocator, requires_cuda)
 
 unfused = functools.partial(gp.fused_layernorm_linear, algorithm="unfused")
 PLANS = ("fold", "normalize")  # the fused forward's plans (knob layernorm_linear_plan); "auto" picks one
@@ -255,7 +256,6 @@ def test_opcheck(device, requires_grad):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_forward_backward(device):
-    torch._dynamo.reset()
     torch.manual_seed(0)
     fused = gp.nn.LayerNormLinear(16, 12, device=device)
     with torch.no_grad():
@@ -265,16 +265,9 @@ def test_compile_forward_backward(device):
     def f(x):  # both ops in one graph: the fused op and our layer_norm (the unfused path)
         return fused(x) + unfused(x, fused.ln_weight, fused.ln_bias, fused.weight, fused.bias)
 
-    fc = torch.compile(f, fullgraph=True, dynamic=True)
     params = (fused.ln_weight, fused.ln_bias, fused.weight, fused.bias)
-    for M in (5, 9):
-        x = torch.randn(M, 16, device=device, requires_grad=True)
-        y_c, y_e = fc(x), f(x)
-        torch.testing.assert_close(y_c, y_e)
-        gc = torch.autograd.grad(y_c.square().sum(), (x, *params))
-        ge = torch.autograd.grad(y_e.square().sum(), (x, *params))
-        for a, b in zip(gc, ge):
-            torch.testing.assert_close(a, b)
+    xs = [torch.randn(M, 16, device=device, requires_grad=True) for M in (5, 9)]
+    assert_compiled_matches_eager(f, [((x,), (x, *params)) for x in xs])
 
 
 # ---- module ---------------------------------------------------------------------------
