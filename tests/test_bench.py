@@ -178,3 +178,19 @@ def test_cpu_bench_runs_every_case_per_thread_count(monkeypatch, tmp_path):
 def test_model_bench_kernel_groups(name, group):
     from gpu_puzzles.bench.model import kernel_group
     assert kernel_group(name) == group
+
+
+def test_peak_memory_rows_fresh_args_per_implementation(monkeypatch):
+    # Each implementation is measured on its own fresh inputs, and every row carries the
+    # shared fields, its label and its peak (peak_extra_mib needs CUDA: stubbed here).
+    made, seen = [], []
+    monkeypatch.setattr(common, "peak_extra_mib", lambda fn, args, device: seen.append(args) or 1.5 * len(seen))
+
+    def make():
+        made.append((torch.randn(3),))
+        return made[-1]
+
+    rows = common.peak_memory_rows({"a": None, "b": None}, make, torch.device("cpu"), op="x", M=4)
+    assert rows == [{"op": "x", "M": 4, "impl": "a", "peak_extra_MiB": 1.5},
+                    {"op": "x", "M": 4, "impl": "b", "peak_extra_MiB": 3.0}]
+    assert len(made) == 2 and seen[0] is made[0] and seen[1] is made[1]
