@@ -241,6 +241,87 @@ def test_compile_fullgraph(device):
         torch.testing.assert_close(a, r)
 
 
+def _backward_graphs(f, *args):
+    """Compiles ``f`` (fullgraph, aot_eager) and runs it and its backward on ``args``; returns
+    (outputs, input grads, the backward graphs' call targets as strings)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+    targets = []
+
+    def bw(gm, _):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    fw = lambda gm, _: make_boxed_func(gm.forward)  # noqa: E731
+    cf = torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw))
+    out = cf(*args)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    total = out[0] + out[1].float().square().sum() if isinstance(out, tuple) else out
+    return out, torch.autograd.grad(total, leaves), targets
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("knob", ["inductor", "kernel"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_compiled_backward_choice(device, knob, reduction):
+    # Under torch.compile the backward is ATen math (knob "inductor", the default) or our
+    # backward op ("kernel"); both give eager's gradients, ignored and all-ignored rows included.
+    x = _logits((3, 5, 11), device, torch.float32, seed=60).requires_grad_()
+    for t in (_targets((3, 5), 11, device, seed=61, frac=0.3), torch.full((3, 5), -100, device=device)):
+
+        def f(x, t):
+            loss = gp.cross_entropy(x, t, reduction=reduction)
+            return loss.sum() if reduction == "none" else loss
+
+        with tuning.override(cross_entropy_compiled_backward=knob):
+            out, (g,), targets = _backward_graphs(f, x, t)
+        ref = f(x, t)
+        (rg,) = torch.autograd.grad(ref, x)
+        torch.testing.assert_close(out, ref, equal_nan=True)
+        torch.testing.assert_close(g, rg)
+        ours = [n for n in targets if "gpu_puzzles" in n]
+        assert ours == ([] if knob == "inductor" else ["gpu_puzzles.cross_entropy_backward.default"]), targets
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_backward_with_returned_logits(device):
+    # A causal LM returns its logits beside the loss, so their gradient is the loss's plus the
+    # logits' own (zeros when unused): with the ATen backward both are in one graph of ATen
+    # ops, where inductor can fuse the addition into the gradient's pass; values as eager.
+    h = _logits((2, 7, 6), device, torch.float32, seed=62).requires_grad_()
+    w = _logits((13, 6), device, torch.float32, seed=63).requires_grad_()
+    t = _targets((2, 7), 13, device, seed=64)
+
+    def f(h, w, t):
+        logits = h @ w.t()
+        return gp.cross_entropy(logits[:, :-1], t[:, 1:]), logits
+
+    (loss, logits), grads, targets = _backward_graphs(f, h, w, t)
+    rl, rlogits = f(h, w, t)
+    rgrads = torch.autograd.grad(rl + rlogits.float().square().sum(), (h, w))
+    torch.testing.assert_close(loss, rl)
+    for a, b in zip(grads, rgrads):
+        torch.testing.assert_close(a, b)
+    assert not [n for n in targets if "gpu_puzzles" in n], targets
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_backward_inductor_matches_reference(device):
+    # The real compiler (inductor), bf16 logits as a model hands them, vs float64.
+    x = _logits((4, 9, 37), device, torch.bfloat16 if device == "cuda" else torch.float32, seed=65)
+    x = x.requires_grad_()
+    t = _targets((4, 9), 37, device, seed=66)
+    torch._dynamo.reset()
+    cf = torch.compile(lambda x, t: gp.cross_entropy(x, t), fullgraph=True)
+    (g,) = torch.autograd.grad(cf(x, t), x)
+    xr = x.detach().double().requires_grad_()
+    (gr,) = torch.autograd.grad(_ref(xr, t, "mean"), xr)
+    n = (t != -100).sum().item()
+    assert g.dtype == x.dtype and g.shape == x.shape
+    assert_close_ref(g.double() * n, gr * n, x.dtype, "grad")
+
+
 # ---- fused linear cross-entropy ---------------------------------------------------
 
 def _fused_ref(h, w, t, b, reduction, ignore=-100):

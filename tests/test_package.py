@@ -57,3 +57,17 @@ def test_bad_knobs_name_the_problem():
             pass
     # A failed override leaves every knob as it was.
     assert all(cur is None for _, cur in gp.tuning.knobs().values())
+
+
+def test_python_layer_knobs():
+    # Knobs read while torch.compile traces live in Python; listed and overridden like the others.
+    values, current = gp.tuning.knobs()["cross_entropy_compiled_backward"]
+    assert values == ("inductor", "kernel") and current is None
+    assert gp.tuning.py_knob("cross_entropy_compiled_backward") == "inductor"
+    with gp.tuning.override(cross_entropy_compiled_backward="kernel"):
+        assert gp.tuning.knobs()["cross_entropy_compiled_backward"][1] == "kernel"
+        assert gp.tuning.py_knob("cross_entropy_compiled_backward") == "kernel"
+    assert gp.tuning.knobs()["cross_entropy_compiled_backward"][1] is None
+    with pytest.raises(RuntimeError, match="knob cross_entropy_compiled_backward takes one of auto, inductor, kernel"):
+        with gp.tuning.override(cross_entropy_compiled_backward="bogus"):
+            pass

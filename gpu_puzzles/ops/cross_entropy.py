@@ -8,6 +8,12 @@ are read as they are. The forward keeps only each row's log-sum-exp for the back
 
 The fused op never stores the (N, V) logits: it runs the GEMM, the loss and the
 gradients chunk by chunk (rows), in the forward; the backward only scales them.
+Under torch.compile, ``cross_entropy`` runs our forward kernel and hands inductor its
+backward as ATen math (knob ``cross_entropy_compiled_backward``): the gradient
+(exp(logits - lse) - onehot(target)) * scale is then one pointwise kernel that inductor
+fuses with its neighbours, such as the addition of the logits' own gradient when a model
+returns them besides the loss (an opaque backward op would leave that addition, a
+further pass over the (N, V) gradient, to a kernel of its own).
 Argument checks live in C++ (csrc/cross_entropy/cross_entropy.cpp); the fake kernels
 compute shapes only, with the real kernels' strides: contiguous, except the backward's
 gradient, which keeps the logits' strides when their rows are evenly spaced (padded rows).
@@ -16,6 +22,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from ..tuning import py_knob
 
 
 def _acc(dtype):
@@ -68,6 +76,31 @@ _cross_entropy = torch.ops.gpu_puzzles.cross_entropy.default
 _fused = torch.ops.gpu_puzzles.fused_linear_cross_entropy.default
 
 
+class _CrossEntropyTraced(torch.autograd.Function):
+    """cross_entropy as torch.compile traces it: our forward op, the backward in ATen ops."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction):
+        loss, lse = _cross_entropy(logits, target, ignore_index, reduction)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.ignore_index, ctx.reduction = ignore_index, reduction
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, target, lse = ctx.saved_tensors
+        acc = _acc(logits.dtype)
+        valid = target != ctx.ignore_index
+        scale = grad_loss.to(acc)
+        if ctx.reduction == "mean":
+            scale = scale / valid.sum().to(acc)  # no valid target: every row below is 0
+        # As the backward op: ignored rows 0; a target outside [0, V) has no one-hot term.
+        scale = torch.where(valid, scale, 0.0).unsqueeze(-1)
+        onehot = torch.arange(logits.shape[-1], device=logits.device) == target.unsqueeze(-1)
+        grad = (torch.exp(logits.to(acc) - lse.unsqueeze(-1)) - onehot.to(acc)) * scale
+        return grad.to(logits.dtype), None, None, None
+
+
 def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
     """``F.cross_entropy(logits, target, ignore_index=..., reduction=...)`` with the
     classes in the **last** dim: ``logits`` ``(..., V)``, ``target`` ``(...)`` int64 or int32.
@@ -79,6 +112,8 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
     Strided logits such as ``logits[:, :-1]`` are read in place when the last dim is
     contiguous.
     """
+    if torch.compiler.is_compiling() and py_knob("cross_entropy_compiled_backward") == "inductor":
+        return _CrossEntropyTraced.apply(logits, target, ignore_index, reduction)
     return _cross_entropy(logits, target, ignore_index, reduction)[0]
 
 
