@@ -227,3 +227,27 @@ def test_llama_family_variants(family):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
     counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
     assert counts["attention"] == 2 and counts["rms_norm"] == 5 and counts["cross_entropy"] == 1
+
+
+@pytest.mark.parametrize("window, ours_runs", [(8, False), (64, True)])
+def test_sliding_window(window, ours_runs):
+    """Mistral's sliding window: narrower than the sequence, its mask sends attention to SDPA;
+    as wide as the sequence, it is plain causal attention and ours runs. Either way as stock."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, vocab_size=211,
+                                        max_position_embeddings=64, attention_dropout=0.0, sliding_window=window,
+                                        bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "sdpa"
+    stock = transformers.MistralForCausalLM(config).float()
+    stock.loss_type = "ForCausalLM"
+    ours = copy.deepcopy(stock)
+    hf.patch(ours)
+    ids = model_bench.batch("llama", "cpu", small=True)  # 32 tokens
+    assert ids.shape[1] > 8
+    a, b = _step(stock, ids), _step(ours, ids)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+    for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
+    assert counts["attention"] == (2 if ours_runs else 0), counts
