@@ -118,6 +118,94 @@ template <class Elem> __device__ __forceinline__ uint32_t pack2(float lo, float 
   return r;
 }
 
+// The pieces both forward kernels run per key tile, on one warpgroup's 64 query rows.
+
+// S = Q K^T (SS wgmma, both K-major), completed on return.
+template <int D, class Mma, class TQ, class TK, class TS>
+__device__ __forceinline__ void gemm_qk(Mma& mma_s, const TQ& tSrQ, const TK& tSrK, TS& tSrS) {
+  warpgroup_fence_operand(tSrS);
+  warpgroup_arrive();
+  mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+  for (int kb2 = 0; kb2 < D / 16; ++kb2) {
+    cute::gemm(mma_s, tSrQ(_, _, kb2), tSrK(_, _, kb2), tSrS);
+    mma_s.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tSrS);
+}
+
+// Scale to the log2 domain and mask. Key c (tile-relative) is visible to tile row r
+// iff c < kv_lim and (!causal || c <= r + diag).
+template <int BN, class TS, class TC>
+__device__ __forceinline__ void scale_mask(TS& tSrS, const TC& tScS, float scale_log2, int64_t n0, int64_t Sk,
+                                           int64_t wrow0, bool causal) {
+  const bool need_mask = (n0 + BN > Sk) || (causal && n0 + BN - 1 > wrow0);
+  const int kv_lim = static_cast<int>(std::min<int64_t>(Sk - n0, BN));
+  const int diag = static_cast<int>(std::max<int64_t>(std::min<int64_t>(wrow0 - n0, BN), -2 * BN));
+#pragma unroll
+  for (int i = 0; i < size(tSrS); ++i) {
+    float x = tSrS(i) * scale_log2;
+    if (need_mask) {
+      const int r = get<0>(tScS(i)), c = get<1>(tScS(i));
+      if (c >= kv_lim || (causal && c > r + diag)) x = -INFINITY;
+    }
+    tSrS(i) = x;
+  }
+}
+
+// Online softmax (value i is in row half h = (i >> 1) & 1, n-tile i / 4), then P to
+// 16-bit pairs (value 2i low half, 2i + 1 high half: one A register each).
+template <int BN, int D, class Elem, class TS, class TO, class TP>
+__device__ __forceinline__ void softmax_to_p(TS& tSrS, TO& tOrO, TP& tOrP, float (&m_r)[2], float (&l_r)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    online_softmax_step<true, false, BN / 8, D / 8>(
+        [&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
+        [&](int nb, int e) -> float& { return tOrO(4 * nb + e); }, m_r[h], l_r[h], h);
+  Tensor tOrP32 = recast<uint32_t>(tOrP);
+#pragma unroll
+  for (int i = 0; i < size(tOrP32); ++i) tOrP32(i) = pack2<Elem>(tSrS(2 * i), tSrS(2 * i + 1));
+}
+
+// O += P V (RS wgmma: P from registers), completed on return.
+template <int BN, class Mma, class TP, class TV, class TO>
+__device__ __forceinline__ void gemm_pv(Mma& mma_o, TP& tOrP, const TV& tOrV, TO& tOrO) {
+  warpgroup_fence_operand(tOrP);
+  warpgroup_fence_operand(tOrO);
+  warpgroup_arrive();
+#pragma unroll
+  for (int kb2 = 0; kb2 < BN / 16; ++kb2) cute::gemm(mma_o, tOrP(_, _, kb2), tOrV(_, _, kb2), tOrO);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tOrO);
+  warpgroup_fence_operand(tOrP);
+}
+
+// Epilogue: O / l, lse = (m + log2 l) * ln2 (natural log); l == 0 only when Sk == 0.
+template <int D, class Elem, class TO, class TC>
+__device__ __forceinline__ void store_rows(TO& tOrO, const TC& tOcO, const float (&m_r)[2], const float (&l_r)[2],
+                                           const Rows<Elem>& o, float* __restrict__ lse, const HeadIdx& hd,
+                                           int64_t bh, int64_t wrow0, int64_t Sq) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_sum(l_r[h]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int64_t row = wrow0 + get<0>(tOcO(2 * h));
+    if (row < Sq) {
+      Elem* orow = o.row(hd.b, hd.h, row);
+#pragma unroll
+      for (int nb = 0; nb < D / 8; ++nb) {
+        const int i = 4 * nb + 2 * h;
+        const int c = get<1>(tOcO(i));  // even; value i + 1 is column c + 1
+        *reinterpret_cast<uint32_t*>(orow + c) = pack2<Elem>(tOrO(i) * inv, tOrO(i + 1) * inv);
+      }
+      if (get<1>(tOcO(0)) == 0) lse[bh * Sq + row] = l > 0.f ? (m_r[h] + log2f(l)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
 template <class Cfg, class Elem>
 __device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Rows<const Elem> k,
                                               const Rows<const Elem> v, const Rows<Elem> o,
@@ -198,74 +286,13 @@ __device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Ro
     Tensor tSrK = thr_s.partition_fragment_B(sK);   // (1, 1, D/16)
     Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (1, 1, BN/16)
 
-    // S = Q K^T
-    warpgroup_fence_operand(tSrS);
-    warpgroup_arrive();
-    mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-    for (int kb2 = 0; kb2 < D / 16; ++kb2) {
-      cute::gemm(mma_s, tSrQ(_, _, kb2), tSrK(_, _, kb2), tSrS);
-      mma_s.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tSrS);
-
-    // Scale to the log2 domain and mask. Key c (tile-relative) is visible to tile row r
-    // iff c < kv_lim and (!causal || c <= r + diag).
-    const bool need_mask = (n0 + BN > Sk) || (causal && n0 + BN - 1 > wrow0);
-    const int kv_lim = static_cast<int>(std::min<int64_t>(Sk - n0, BN));
-    const int diag = static_cast<int>(std::max<int64_t>(std::min<int64_t>(wrow0 - n0, BN), -2 * BN));
-#pragma unroll
-    for (int i = 0; i < size(tSrS); ++i) {
-      float x = tSrS(i) * scale_log2;
-      if (need_mask) {
-        const int r = get<0>(tScS(i)), c = get<1>(tScS(i));
-        if (c >= kv_lim || (causal && c > r + diag)) x = -INFINITY;
-      }
-      tSrS(i) = x;
-    }
-    // Online softmax; value i is in row half h = (i >> 1) & 1, n-tile i / 4.
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      online_softmax_step<true, false, BN / 8, D / 8>(
-          [&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
-          [&](int nb, int e) -> float& { return tOrO(4 * nb + e); }, m_r[h], l_r[h], h);
-    // P to 16-bit pairs (value 2i low half, 2i + 1 high half: one A register each).
-    Tensor tOrP32 = recast<uint32_t>(tOrP);
-#pragma unroll
-    for (int i = 0; i < size(tOrP32); ++i) tOrP32(i) = pack2<Elem>(tSrS(2 * i), tSrS(2 * i + 1));
-
-    // O += P V
-    warpgroup_fence_operand(tOrP);
-    warpgroup_fence_operand(tOrO);
-    warpgroup_arrive();
-#pragma unroll
-    for (int kb2 = 0; kb2 < BN / 16; ++kb2) cute::gemm(mma_o, tOrP(_, _, kb2), tOrV(_, _, kb2), tOrO);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tOrO);
-    warpgroup_fence_operand(tOrP);
+    gemm_qk<D>(mma_s, tSrQ, tSrK, tSrS);
+    scale_mask<BN>(tSrS, tScS, scale_log2, n0, Sk, wrow0, causal);
+    softmax_to_p<BN, D, Elem>(tSrS, tOrO, tOrP, m_r, l_r);
+    gemm_pv<BN>(mma_o, tOrP, tOrV, tOrO);
   }
   cp_async_wait<0>();  // no copy may outlive the CTA (the last group is empty)
-
-  // Epilogue: O / l, lse = (m + log2 l) * ln2 (natural log); l == 0 only when Sk == 0.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = quad_sum(l_r[h]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int64_t row = wrow0 + get<0>(tOcO(2 * h));
-    if (row < Sq) {
-      Elem* orow = o.row(hd.b, hd.h, row);
-#pragma unroll
-      for (int nb = 0; nb < D / 8; ++nb) {
-        const int i = 4 * nb + 2 * h;
-        const int c = get<1>(tOcO(i));  // even; value i + 1 is column c + 1
-        *reinterpret_cast<uint32_t*>(orow + c) = pack2<Elem>(tOrO(i) * inv, tOrO(i + 1) * inv);
-      }
-      if (get<1>(tOcO(0)) == 0) lse[bh * Sq + row] = l > 0.f ? (m_r[h] + log2f(l)) * kLn2 : -INFINITY;
-    }
-  }
+  store_rows<D>(tOrO, tOcO, m_r, l_r, o, lse, hd, bh, wrow0, Sq);
 }
 
 #endif  // sm_90a device code
