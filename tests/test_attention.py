@@ -605,11 +605,14 @@ def test_cuda_online_softmax_rescaling(dtype):
 # The knob forces a kernel for fp16/bf16 at D = Dv in {64, 128} (gpu_puzzles.tuning.override);
 # torch.profiler's kernel names show which one ran (gpu_puzzles.bench.attention.forward_kernels;
 # that check is left out where the profiler records no kernels, as under compute-sanitizer).
-# "wgmma" / "wgmma3": the sm_90a kernel (attention_fwd_sm90.cu) with 2 / 3 warpgroups.
+# "wgmma" / "wgmma3": the sm_90a kernel (attention_fwd_sm90.cu) with 2 / 3 warpgroups; "ws" its
+# warp-specialised, TMA-fed variant (same file), "ws2" that with each consumer's GEMMs overlapping
+# its softmax.
 # (attention_fwd, attention_fwd_warps) -> the label forward_kernel gives the kernel that runs.
-FWD_KNOBS = [("mma", "4"), ("mma", "8"), ("mma_r32", None), ("wgmma", None), ("wgmma3", None)]
+FWD_KNOBS = [("mma", "4"), ("mma", "8"), ("mma_r32", None), ("wgmma", None), ("wgmma3", None), ("ws", None),
+             ("ws2", None)]
 _FWD_LABEL = {("mma", "4"): "mma/w4", ("mma", "8"): "mma/w8", ("mma_r32", None): "mma_r32",
-              ("wgmma", None): "wgmma", ("wgmma3", None): "wgmma3"}
+              ("wgmma", None): "wgmma", ("wgmma3", None): "wgmma3", ("ws", None): "ws", ("ws2", None): "ws2"}
 # (lead, Sq, Sk, D): S < BN (32/64), lengths not multiples of BM (64/128/256) or BN, exact
 # multiples, Sq != Sk both ways (causal stays top-left aligned), one query, one key.
 CFG_SHAPES = [((1,), 1, 1, 64), ((2,), 5, 17, 128), ((2, 3), 31, 33, 64), ((2,), 33, 129, 128),
@@ -649,7 +652,7 @@ def test_cuda_forward_configs(knobs, dtype):
     # with the forward forced to one kernel; every call must have run that kernel.
     fwd, warps = knobs
     want = _FWD_LABEL[knobs]
-    wgmma = fwd.startswith("wgmma")
+    wgmma = fwd.startswith("wgmma") or fwd.startswith("ws")
     if wgmma:
         _skip_unless_wgmma()
 
@@ -883,6 +886,44 @@ def test_cuda_strided_layouts(layout, D):
                 refs = torch.autograd.grad(ref_attention(*leaves, causal=causal), leaves, g.double())
                 for name, a, r in zip("qkv", grads, refs):
                     _assert_close(a, r, dtype, f"{what} d{name}", grad=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fwd", ["ws", "ws2"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_ws_strided_layouts(layout, D, fwd):
+    # The warp-specialised forward reads the views through its TMA descriptors' strides: no
+    # copy, the ws kernel ran, out/lse bitwise equal to the ws call on contiguous copies, values
+    # vs float64; sequence lengths off the 128-row tiles.
+    _skip_unless_wgmma()
+    for S, causal in ((100, False), (300, True), (257, False)):
+        what = f"{fwd} {layout} D={D} S={S} causal={causal}"
+        q, k, v, want = _layout_qkv(layout, 2, 3, S, D, "cuda", torch.bfloat16, seed=D + S)
+        with gp.tuning.override(attention_fwd=fwd):
+            _poison_cache()
+            (out, lse), copies = copy_kernels(OPS.attention.default, q, k, v, None, causal)
+            assert copies == [], f"{what}: forward copies {copies}"
+            _assert_forward_kernel(lambda: OPS.attention(q, k, v, None, causal), fwd, what)
+            _assert_layout(out, want, f"{what} out")
+            out_c, lse_c = OPS.attention(*(t.contiguous() for t in (q, k, v)), None, causal)
+        assert torch.equal(out, out_c) and torch.equal(lse, lse_c), f"{what}: out/lse differ from contiguous"
+        _assert_close(out, ref_attention(q, k, v, causal=causal), torch.bfloat16, f"{what} out")
+
+
+@requires_cuda
+def test_cuda_ws_expanded_heads_fall_back():
+    # k and v expanded over the heads (stride 0): no TMA descriptor takes that, so a forced
+    # "ws" / "ws2" runs another tensor-core kernel, with the right values.
+    _skip_unless_wgmma()
+    q = torch.randn(2, 4, 150, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1, 150, 128, device="cuda", dtype=torch.bfloat16).expand(2, 4, 150, 128) for _ in range(2))
+    for fwd in ("ws", "ws2"):
+        with gp.tuning.override(attention_fwd=fwd):
+            ran = forward_kernels(lambda: OPS.attention(q, k, v, None, True))
+            out, _ = OPS.attention(q, k, v, None, True)
+        assert ran is None or (len(ran) == 1 and not ran[0].startswith("ws")), ran
+        _assert_close(out, ref_attention(q, k, v, causal=True), torch.bfloat16, f"expanded k/v, {fwd}")
 
 
 @requires_cuda
@@ -1152,7 +1193,7 @@ def test_gqa_cuda_forward_backward(shape, dtype, causal):
 def test_gqa_cuda_forward_configs(knobs, dtype):
     # Each forward kernel reads the group's kv head (the knob forces it; the label checks it ran).
     fwd, warps = knobs
-    if fwd.startswith("wgmma"):
+    if fwd.startswith("wgmma") or fwd.startswith("ws"):
         _skip_unless_wgmma()
     with gp.tuning.override(attention_fwd=fwd, attention_fwd_warps=warps):
         for (H, Hkv), (Sq, Sk), D in many([((4, 2), (129, 200), 64), ((8, 1), (257, 257), 128),

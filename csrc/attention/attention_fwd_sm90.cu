@@ -50,9 +50,12 @@
 #include <cstring>
 #include <type_traits>
 
+#include <cute/tensor.hpp>  // first: the atom headers below build on it
 #include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
-#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 
 #include "attention/attention_common.cuh"
@@ -103,6 +106,71 @@ template <class Elem, int D_, int BN_, int NWG_> struct Sm90FwdCfg {
   static_assert((BM * D * sizeof(Elem)) % 1024 == 0 && (kTileElems * sizeof(Elem)) % 1024 == 0,
                 "every tile starts 1024-byte aligned (128-byte swizzle phase)");
 };
+
+
+// ---- The warp-specialised forward (knob attention_fwd=ws) --------------------------------
+//
+// Why: above, every thread issues K/V copies and a CTA-wide barrier per tile keeps the
+// warpgroups in lockstep, so their softmax phases coincide while the tensor cores idle.
+// Here (the layout of FlashAttention-3's forward):
+//  * warpgroup 0 is the producer: one thread issues TMA bulk-tensor loads of the Q tile
+//    (once) and of each K and V tile into a kStages-deep ring. Each stage has a "full"
+//    mbarrier, where the copy engine completes the tile's bytes, and an "empty" one, where
+//    each consumer warpgroup arrives once it is done with the stage. The producer gives
+//    its registers to the consumers (setmaxnreg).
+//  * warpgroups 1 and 2 are the consumers, 64 query rows each, with the per-tile math of
+//    the kernel above; they wait only on the stage barriers, so they drift apart and one
+//    warpgroup's softmax runs under the other's GEMMs.
+//  * The TMA reads (row, head, batch) through the tensors' own strides, so q/k/v views
+//    of a fused projection are read in place, and zero-fills rows past Sq / Sk.
+//  * V's tile lands as K's does (keys x D, 128-byte swizzle): that is the MN-major
+//    (D x keys) layout the PV GEMM reads (ws_layouts_agree below).
+//  * kOverlap (knob "ws2"): each consumer also overlaps its own GEMMs with its softmax
+//    (S of the next tile is issued before P V of the last one; see the loop).
+template <class Elem, int D_, int BN_, int Stages_, bool Overlap_> struct WsFwdCfg {
+  using Base = Sm90FwdCfg<Elem, D_, BN_, 2>;  // tiles, MMAs and register layouts of the kernel above
+  static constexpr int D = D_, BN = BN_, kStages = Stages_, BM = Base::BM, kConsumers = 2;
+  static constexpr bool kOverlap = Overlap_;  // the consumers' loop: see attn_fwd_ws_sm90
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  // setmaxnreg: 128 x 24 + 256 x 240 registers fit the SM's 64 K.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  using LayoutQ = typename Base::LayoutQ;                        // (BM, D)
+  using LayoutK = typename Base::LayoutK;                        // (BN, D), one stage
+  using LayoutVt = typename Base::LayoutVt;                      // (D, BN), one stage
+  using LayoutKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                          Shape<Int<BN>, Int<D>, Int<kStages>>{}));  // the TMA's view of the ring
+  using MmaS = typename Base::MmaS;
+  using MmaO = typename Base::MmaO;
+  static constexpr int kTileElems = BN * D;
+  static constexpr uint32_t kQBytes = BM * D * sizeof(Elem), kTileBytes = kTileElems * sizeof(Elem);
+  struct Smem {
+    alignas(1024) Elem q[BM * D];
+    alignas(1024) Elem k[kStages * kTileElems];
+    alignas(1024) Elem v[kStages * kTileElems];
+    alignas(8) uint64_t q_full;
+    uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem));
+};
+
+// The ring's stage s, element (key r, dim c), sits where a one-stage K tile and the PV
+// GEMM's V^T view put it. Checked (constexpr) on rows and columns that set every bit the
+// 128-byte swizzle reads and crosses each atom edge.
+template <class Cfg> constexpr bool ws_layouts_agree() {
+  constexpr typename Cfg::LayoutKV kv{};
+  constexpr typename Cfg::LayoutK k{};
+  constexpr typename Cfg::LayoutVt vt{};
+  constexpr int rows[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 63, 64, Cfg::BN - 1};
+  constexpr int cols[] = {0, 1, 7, 8, 9, 16, 24, 31, 32, 56, 63, Cfg::D / 2 + 1, Cfg::D - 8, Cfg::D - 1};
+  for (int s = 0; s < Cfg::kStages; ++s)
+    for (int r : rows)
+      for (int c : cols) {
+        const int at = static_cast<int>(k(r, c));
+        if (static_cast<int>(kv(r, c, s)) != s * Cfg::kTileElems + at || static_cast<int>(vt(c, r)) != at)
+          return false;
+      }
+  return true;
+}
 
 // Device code below is compiled for sm_90a only (the other targets get the trap stub).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -204,6 +272,62 @@ __device__ __forceinline__ void store_rows(TO& tOrO, const TC& tOcO, const float
       if (get<1>(tOcO(0)) == 0) lse[bh * Sq + row] = l > 0.f ? (m_r[h] + log2f(l)) * kLn2 : -INFINITY;
     }
   }
+}
+
+// For the overlapped consumer loop of the warp-specialised kernel: the two GEMMs issued
+// without waiting, the softmax without the O rescale (done once the running P V product
+// is complete), and the P packing alone.
+template <int D, class Mma, class TQ, class TK, class TS>
+__device__ __forceinline__ void issue_qk(Mma& mma_s, const TQ& tSrQ, const TK& tSrK, TS& tSrS) {
+  warpgroup_fence_operand(tSrS);
+  warpgroup_arrive();
+  mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+  for (int kb2 = 0; kb2 < D / 16; ++kb2) {
+    cute::gemm(mma_s, tSrQ(_, _, kb2), tSrK(_, _, kb2), tSrS);
+    mma_s.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+template <int BN, class Mma, class TP, class TV, class TO>
+__device__ __forceinline__ void issue_pv(Mma& mma_o, TP& tOrP, const TV& tOrV, TO& tOrO) {
+  warpgroup_fence_operand(tOrP);
+  warpgroup_fence_operand(tOrO);
+  warpgroup_arrive();
+#pragma unroll
+  for (int kb2 = 0; kb2 < BN / 16; ++kb2) cute::gemm(mma_o, tOrP(_, _, kb2), tOrV(_, _, kb2), tOrO);
+  warpgroup_commit_batch();
+}
+
+// online_softmax_step with no output fragment: m, l and the probabilities only.
+template <int BN, class TS>
+__device__ __forceinline__ void softmax_rows(TS& tSrS, float (&m_r)[2], float (&l_r)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)  // with no output n-tiles the second accessor is never called
+    online_softmax_step<true, false, BN / 8, 0>([&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
+                                                [&](int nb, int e) -> float& { return tSrS(4 * nb + e); }, m_r[h],
+                                                l_r[h], h);
+}
+
+// O *= alpha, alpha = 2^(m_prev - m) as online_softmax_step computes it.
+template <int D, class TO>
+__device__ __forceinline__ void rescale_o(TO& tOrO, const float (&m_prev)[2], const float (&m_r)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float alpha = exp2_ftz(m_prev[h] - (m_r[h] == -INFINITY ? 0.f : m_r[h]));
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      tOrO(4 * dt + 2 * h) *= alpha;
+      tOrO(4 * dt + 2 * h + 1) *= alpha;
+    }
+  }
+}
+
+template <class Elem, class TS, class TP> __device__ __forceinline__ void pack_p(const TS& tSrS, TP& tOrP) {
+  Tensor tOrP32 = recast<uint32_t>(tOrP);
+#pragma unroll
+  for (int i = 0; i < size(tOrP32); ++i) tOrP32(i) = pack2<Elem>(tSrS(2 * i), tSrS(2 * i + 1));
 }
 
 template <class Cfg, class Elem>
@@ -309,6 +433,186 @@ attn_fwd_sm90(const Rows<const Elem> q, const Rows<const Elem> k, const Rows<con
 #endif
 }
 
+
+template <class Cfg, class Elem, class TmaQ, class TmaKV>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const TmaKV tma_k,
+                 CUTE_GRID_CONSTANT const TmaKV tma_v, const Rows<Elem> o, float* __restrict__ lse, int H, int Hkv,
+                 int B, int64_t bh0, int Sq, int Sk, float scale_log2, bool causal) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int D = Cfg::D, BN = Cfg::BN, BM = Cfg::BM, ST = Cfg::kStages;
+  static_assert(ws_layouts_agree<Cfg>(), "V's tile must land in the layout the PV GEMM reads");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  typename Cfg::Smem& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
+
+  const int tid = threadIdx.x;
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform by construction; tell the compiler
+  const int64_t bh = bh0 + blockIdx.y;
+  const HeadIdx hd(bh, H, H / Hkv);
+  const int mblk = static_cast<int>(causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x);  // heaviest first
+  const int64_t m0 = static_cast<int64_t>(mblk) * BM;
+  const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
+  const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
+  const int n_tiles = static_cast<int>((n_end + BN - 1) / BN);
+
+  if (tid == 0) {
+    TxBarrier::init(&sm.q_full, 1);
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      TxBarrier::init(&sm.k_full[s], 1);
+      TxBarrier::init(&sm.v_full[s], 1);
+      Barrier::init(&sm.k_empty[s], Cfg::kConsumers);
+      Barrier::init(&sm.v_empty[s], Cfg::kConsumers);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // Producer. Stage s's j-th fill (tile j * ST + s) first waits for the consumers'
+    // release of fill j - 1, the empty barrier's completion of parity (j - 1) & 1.
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (tid == 0) {
+      const int h = static_cast<int>(hd.h), hk = static_cast<int>(hd.hk), b = static_cast<int>(hd.b);
+      Tensor mQ = tma_q.get_tma_tensor(make_shape(Sq, Int<D>{}, H, B));
+      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(mblk, _0{}));  // (BM, D)
+      Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename Cfg::LayoutQ{});
+      auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      TxBarrier::arrive_and_expect_tx(&sm.q_full, Cfg::kQBytes);
+      copy(tma_q.with(sm.q_full), tQg, tQs);
+
+      Tensor mK = tma_k.get_tma_tensor(make_shape(Sk, Int<D>{}, Hkv, B));
+      Tensor mV = tma_v.get_tma_tensor(make_shape(Sk, Int<D>{}, Hkv, B));
+      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));  // (BN, D, tiles)
+      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+      Tensor sK = make_tensor(make_smem_ptr(sm.k), typename Cfg::LayoutKV{});  // (BN, D, ST)
+      Tensor sV = make_tensor(make_smem_ptr(sm.v), typename Cfg::LayoutKV{});
+      auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      for (int j = 0; j < n_tiles; ++j) {
+        const int st = j % ST;
+        const uint32_t parity = static_cast<uint32_t>((j / ST) & 1);
+        if (j >= ST) Barrier::wait(&sm.k_empty[st], parity ^ 1u);
+        TxBarrier::arrive_and_expect_tx(&sm.k_full[st], Cfg::kTileBytes);
+        copy(tma_k.with(sm.k_full[st]), tKg(_, j), tKs(_, st));
+        if (j >= ST) Barrier::wait(&sm.v_empty[st], parity ^ 1u);
+        TxBarrier::arrive_and_expect_tx(&sm.v_full[st], Cfg::kTileBytes);
+        copy(tma_v.with(sm.v_full[st]), tVg(_, j), tVs(_, st));
+      }
+    }
+  } else {
+    // Consumers: warpgroup cw owns query rows [m0 + 64 cw, m0 + 64 cw + 64). Every stage
+    // is waited for and released by both, also where a warpgroup skips the math.
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    const int cw = wg - 1, wtid = tid % 128;
+    const int64_t wrow0 = m0 + 64 * cw;
+    Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename Cfg::LayoutQ{});
+    typename Cfg::MmaS mma_s;
+    typename Cfg::MmaO mma_o;
+    auto thr_s = mma_s.get_thread_slice(wtid);
+    auto thr_o = mma_o.get_thread_slice(wtid);
+    Tensor sQw = local_tile(sQ, Shape<_64, Int<D>>{}, make_coord(cw, 0));  // (64, D)
+    Tensor tSrQ = thr_s.partition_fragment_A(sQw);
+    Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<BN>>{});
+    Tensor tOrO = partition_fragment_C(mma_o, Shape<_64, Int<D>>{});
+    Tensor tOrP = make_tensor<Elem>(Shape<Shape<_2, _2, _2>, _1, Int<BN / 16>>{});
+    Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<_64, Int<BN>>{}));
+    Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<_64, Int<D>>{}));
+    clear(tOrO);
+    float m_r[2] = {-INFINITY, -INFINITY};
+    float l_r[2] = {0.f, 0.f};
+
+    TxBarrier::wait(&sm.q_full, 0);
+    if constexpr (Cfg::kOverlap) {
+      // Intra-warpgroup overlap (FlashAttention-3): step j issues S(j) = Q K(j)^T, then
+      // O += P(j-1) V(j-1), runs tile j's softmax while that product is in flight, and
+      // rescales O by tile j's alpha once it is done. With BM = 2 x 64 and BN = 128 no
+      // tile lies above a consumer's diagonal (causal), so a warpgroup does the math of
+      // every tile or, with its rows all past Sq, of none. The first and the last step
+      // are peeled, so that no wgmma is in flight across a branch (ptxas would serialise).
+      static_assert(BM == 128 && BN == 128, "an active warpgroup is active on every tile");
+      const auto sk_at = [&](int st) {
+        return make_tensor(make_smem_ptr(sm.k + st * Cfg::kTileElems), typename Cfg::LayoutK{});
+      };
+      const auto svt_at = [&](int st) {
+        return make_tensor(make_smem_ptr(sm.v + st * Cfg::kTileElems), typename Cfg::LayoutVt{});
+      };
+      if (wrow0 < Sq) {
+        TxBarrier::wait(&sm.k_full[0], 0);
+        gemm_qk<D>(mma_s, tSrQ, thr_s.partition_fragment_B(sk_at(0)), tSrS);
+        if (wtid == 0) Barrier::arrive(&sm.k_empty[0]);
+        scale_mask<BN>(tSrS, tScS, scale_log2, 0, Sk, wrow0, causal);
+        softmax_rows<BN>(tSrS, m_r, l_r);  // O is still 0: nothing to rescale
+        pack_p<Elem>(tSrS, tOrP);
+        for (int j = 1; j < n_tiles; ++j) {
+          const int st = j % ST, pst = (j - 1) % ST;
+          TxBarrier::wait(&sm.k_full[st], static_cast<uint32_t>((j / ST) & 1));
+          issue_qk<D>(mma_s, tSrQ, thr_s.partition_fragment_B(sk_at(st)), tSrS);
+          TxBarrier::wait(&sm.v_full[pst], static_cast<uint32_t>(((j - 1) / ST) & 1));
+          issue_pv<BN>(mma_o, tOrP, thr_o.partition_fragment_B(svt_at(pst)), tOrO);
+          warpgroup_wait<1>();  // S(j) done; P(j-1) V(j-1) may still run
+          warpgroup_fence_operand(tSrS);
+          if (wtid == 0) Barrier::arrive(&sm.k_empty[st]);
+          const float m_prev[2] = {m_r[0], m_r[1]};
+          scale_mask<BN>(tSrS, tScS, scale_log2, static_cast<int64_t>(j) * BN, Sk, wrow0, causal);
+          softmax_rows<BN>(tSrS, m_r, l_r);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          warpgroup_fence_operand(tOrP);
+          if (wtid == 0) Barrier::arrive(&sm.v_empty[pst]);
+          rescale_o<D>(tOrO, m_prev, m_r);
+          pack_p<Elem>(tSrS, tOrP);
+        }
+        const int lst = (n_tiles - 1) % ST;
+        TxBarrier::wait(&sm.v_full[lst], static_cast<uint32_t>(((n_tiles - 1) / ST) & 1));
+        gemm_pv<BN>(mma_o, tOrP, thr_o.partition_fragment_B(svt_at(lst)), tOrO);
+        if (wtid == 0) Barrier::arrive(&sm.v_empty[lst]);
+      } else {
+        for (int j = 0; j < n_tiles; ++j) {  // rows all past Sq: only release the stages
+          const int st = j % ST;
+          const uint32_t parity = static_cast<uint32_t>((j / ST) & 1);
+          TxBarrier::wait(&sm.k_full[st], parity);
+          if (wtid == 0) Barrier::arrive(&sm.k_empty[st]);
+          TxBarrier::wait(&sm.v_full[st], parity);
+          if (wtid == 0) Barrier::arrive(&sm.v_empty[st]);
+        }
+      }
+    } else {
+      for (int j = 0; j < n_tiles; ++j) {
+        const int st = j % ST;
+        const uint32_t parity = static_cast<uint32_t>((j / ST) & 1);
+        const int64_t n0 = static_cast<int64_t>(j) * BN;
+        // Warpgroup-uniform: rows all past Sq (never stored) or all above this tile's keys.
+        const bool active = wrow0 < Sq && !(causal && n0 > wrow0 + 63);
+        Tensor sK = make_tensor(make_smem_ptr(sm.k + st * Cfg::kTileElems), typename Cfg::LayoutK{});
+        Tensor sVt = make_tensor(make_smem_ptr(sm.v + st * Cfg::kTileElems), typename Cfg::LayoutVt{});
+        TxBarrier::wait(&sm.k_full[st], parity);
+        if (active) {
+          Tensor tSrK = thr_s.partition_fragment_B(sK);
+          gemm_qk<D>(mma_s, tSrQ, tSrK, tSrS);  // completed: the stage's K may be refilled
+        }
+        if (wtid == 0) Barrier::arrive(&sm.k_empty[st]);
+        if (active) {
+          scale_mask<BN>(tSrS, tScS, scale_log2, n0, Sk, wrow0, causal);
+          softmax_to_p<BN, D, Elem>(tSrS, tOrO, tOrP, m_r, l_r);
+        }
+        TxBarrier::wait(&sm.v_full[st], parity);
+        if (active) {
+          Tensor tOrV = thr_o.partition_fragment_B(sVt);
+          gemm_pv<BN>(mma_o, tOrP, tOrV, tOrO);
+        }
+        if (wtid == 0) Barrier::arrive(&sm.v_empty[st]);
+      }
+    }
+    store_rows<D>(tOrO, tOcO, m_r, l_r, o, lse, hd, bh, wrow0, Sq);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // not sm_90a: the host never launches this image (attention_forward_sm90_available)
+#endif
+}
+
 // Tilings (registers per thread are fp32 O D/2 + S BN/2 + 16-bit P BN/4; nvcc 13.0, no spills):
 //  2 warpgroups ("wgmma"): BM = 128, BN = 128; 221 regs / 160 KiB smem (D = 128), 166 / 80 KiB (D = 64).
 //  3 warpgroups ("wgmma3"): BM = 192 (a third less K/V traffic from L2 per FLOP, 12 warps to hide
@@ -337,6 +641,64 @@ cudaError_t launch_sm90_d(const AttentionFwdArgs& a, int warpgroups, int dev, cu
                      : launch_sm90<FwdCfgSm90W3<Elem, 128>, Elem>(a, dev, stream);
   return a.D == 64 ? launch_sm90<FwdCfgSm90<Elem, 64>, Elem>(a, dev, stream)
                    : launch_sm90<FwdCfgSm90<Elem, 128>, Elem>(a, dev, stream);
+}
+
+
+// The warp-specialised kernel: BN = 128 keys a tile, 2 stages (160 KiB of shared memory at
+// D = 128, 80 KiB at D = 64).
+template <class Elem, int D, bool Overlap> using FwdCfgWs = WsFwdCfg<Elem, D, 128, 2, Overlap>;
+
+// A (S, D, heads, batch) view of one operand for the TMA. The host gives a dim of extent 1
+// stride 0 (attention.cpp: kernel_strides); the descriptor gets 16 bytes there instead (its
+// coordinate is always 0).
+template <int D, class Elem>
+auto tma_view(const void* p, int64_t S, int64_t heads, int64_t batch, const AttnStrides& st) {
+  const auto nz = [](int64_t stride, int64_t extent) { return extent == 1 ? int64_t{8} : stride; };
+  return make_tensor(make_gmem_ptr(static_cast<const Elem*>(p)),
+                     make_shape(static_cast<int>(S), Int<D>{}, static_cast<int>(heads), static_cast<int>(batch)),
+                     make_stride(nz(st.s, S), Int<1>{}, nz(st.h, heads), nz(st.b, batch)));
+}
+
+template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+  constexpr int D = Cfg::D;
+  const auto tma_q = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.q, a.Sq, a.H, a.B, a.sq),
+                                   typename Cfg::LayoutQ{}, Shape<Int<Cfg::BM>, Int<D>>{});
+  const auto tma_k = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.k, a.Sk, a.Hkv, a.B, a.sk),
+                                   typename Cfg::LayoutK{}, Shape<Int<Cfg::BN>, Int<D>>{});
+  const auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.v, a.Sk, a.Hkv, a.B, a.sv),
+                                   typename Cfg::LayoutK{}, Shape<Int<Cfg::BN>, Int<D>>{});
+  constexpr auto kern = attn_fwd_ws_sm90<Cfg, Elem, std::remove_const_t<decltype(tma_q)>,
+                                         std::remove_const_t<decltype(tma_k)>>;
+  cudaError_t e = set_smem<kern>(dev, Cfg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const unsigned gx = static_cast<unsigned>((a.Sq + Cfg::BM - 1) / Cfg::BM);
+  const float sl = a.scale * kLog2e;
+  return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
+    kern<<<dim3(gx, nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+        tma_q, tma_k, tma_v, rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse), static_cast<int>(a.H),
+        static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, static_cast<int>(a.Sq), static_cast<int>(a.Sk), sl,
+        a.causal);
+  });
+}
+
+template <class Elem, bool Overlap>
+cudaError_t launch_ws_d(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+  return a.D == 64 ? launch_ws<FwdCfgWs<Elem, 64, Overlap>, Elem>(a, dev, stream)
+                   : launch_ws<FwdCfgWs<Elem, 128, Overlap>, Elem>(a, dev, stream);
+}
+
+template <class Elem> cudaError_t launch_ws_o(const AttentionFwdArgs& a, bool overlap, int dev, cudaStream_t stream) {
+  return overlap ? launch_ws_d<Elem, true>(a, dev, stream) : launch_ws_d<Elem, false>(a, dev, stream);
+}
+
+// The TMA's limits on an operand: strides multiples of 16 bytes below 2^40 bytes, none 0
+// on a dim of extent > 1 (an expanded tensor), extents below 2^31.
+bool tma_operand_ok(const AttnStrides& st, int64_t S, int64_t heads, int64_t batch) {
+  const auto ok = [](int64_t stride, int64_t extent) {
+    return extent == 1 || (stride > 0 && (stride * 2) % 16 == 0 && stride * 2 < (int64_t{1} << 40));
+  };
+  const int64_t lim = int64_t{1} << 31;
+  return ok(st.s, S) && ok(st.h, heads) && ok(st.b, batch) && S < lim && heads < lim && batch < lim;
 }
 
 }  // namespace
@@ -373,6 +735,16 @@ cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, in
   warpgroups = warpgroups == 3 ? 3 : 2;
   return a.dtype == DType::BFloat16 ? launch_sm90_d<cutlass::bfloat16_t>(a, warpgroups, dev, stream)
                                     : launch_sm90_d<cutlass::half_t>(a, warpgroups, dev, stream);
+}
+
+bool attention_forward_ws_supported(const AttentionFwdArgs& a) {
+  return tma_operand_ok(a.sq, a.Sq, a.H, a.B) && tma_operand_ok(a.sk, a.Sk, a.Hkv, a.B) &&
+         tma_operand_ok(a.sv, a.Sk, a.Hkv, a.B) && a.Sk > 0;
+}
+
+cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, bool overlap, int dev, cudaStream_t stream) {
+  return a.dtype == DType::BFloat16 ? launch_ws_o<cutlass::bfloat16_t>(a, overlap, dev, stream)
+                                    : launch_ws_o<cutlass::half_t>(a, overlap, dev, stream);
 }
 
 }  // namespace gpu_puzzles

@@ -80,6 +80,11 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
   const char* forced = knob_value(Knob::AttentionFwd);  // nullptr: the heuristic
   const auto is = [forced](const char* v) { return forced != nullptr && std::strcmp(forced, v) == 0; };
 #if defined(GPU_PUZZLES_WITH_SM90A)
+  // The warp-specialised kernels only when forced, until measured against the others.
+  if ((is("ws") || is("ws2")) && attention_forward_ws_supported(a)) {
+    if (attention_forward_sm90_available(dev, err)) return {AttnFwdKernel::WgmmaWs, 0, 3, is("ws2")};
+    if (err != cudaSuccess) return simt;
+  }
   int wg = is("wgmma") ? 2 : is("wgmma3") ? 3 : 0;
   if (forced == nullptr && a.D == 128) {
     const int sms = device_sm_count(dev, err);
@@ -125,6 +130,8 @@ LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stre
   switch (p.kernel) {
 #if defined(GPU_PUZZLES_WITH_SM90A)
     case AttnFwdKernel::Wgmma: return static_cast<LaunchStatus>(attention_forward_sm90(a, p.warpgroups, dev, stream));
+    case AttnFwdKernel::WgmmaWs:
+      return static_cast<LaunchStatus>(attention_forward_sm90_ws(a, p.overlap, dev, stream));
 #endif
     case AttnFwdKernel::Mma:
     case AttnFwdKernel::MmaR32: return static_cast<LaunchStatus>(attention_fwd_mma(a, p, dev, stream));
