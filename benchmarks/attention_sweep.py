@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.bench.attention import forward_kernels
 
-CONFIGS = ["auto", "mma", "mma_r32", "wgmma", "wgmma3", "ws", "ws2"]
+CONFIGS = ["auto", "mma", "mma_r32", "wgmma", "wgmma3", "ws", "ws2", "ws3"]
 ALIASES = {"old": "mma", "r32_bn32_w4_s2": "mma_r32"}
 # (label, B, H, S, D, causal)
 SHAPES = [("4x32x4096x128", 4, 32, 4096, 128, False), ("4x32x4096x128 causal", 4, 32, 4096, 128, True),

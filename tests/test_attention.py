@@ -607,12 +607,13 @@ def test_cuda_online_softmax_rescaling(dtype):
 # that check is left out where the profiler records no kernels, as under compute-sanitizer).
 # "wgmma" / "wgmma3": the sm_90a kernel (attention_fwd_sm90.cu) with 2 / 3 warpgroups; "ws" its
 # warp-specialised, TMA-fed variant (same file), "ws2" that with each consumer's GEMMs overlapping
-# its softmax.
+# its softmax, "ws3" ws2 with the consumers taking turns to issue their GEMMs.
 # (attention_fwd, attention_fwd_warps) -> the label forward_kernel gives the kernel that runs.
 FWD_KNOBS = [("mma", "4"), ("mma", "8"), ("mma_r32", None), ("wgmma", None), ("wgmma3", None), ("ws", None),
-             ("ws2", None)]
+             ("ws2", None), ("ws3", None)]
 _FWD_LABEL = {("mma", "4"): "mma/w4", ("mma", "8"): "mma/w8", ("mma_r32", None): "mma_r32",
-              ("wgmma", None): "wgmma", ("wgmma3", None): "wgmma3", ("ws", None): "ws", ("ws2", None): "ws2"}
+              ("wgmma", None): "wgmma", ("wgmma3", None): "wgmma3", ("ws", None): "ws", ("ws2", None): "ws2",
+              ("ws3", None): "ws3"}
 # (lead, Sq, Sk, D): S < BN (32/64), lengths not multiples of BM (64/128/256) or BN, exact
 # multiples, Sq != Sk both ways (causal stays top-left aligned), one query, one key.
 CFG_SHAPES = [((1,), 1, 1, 64), ((2,), 5, 17, 128), ((2, 3), 31, 33, 64), ((2,), 33, 129, 128),
@@ -889,7 +890,7 @@ def test_cuda_strided_layouts(layout, D):
 
 
 @requires_cuda
-@pytest.mark.parametrize("fwd", ["ws", "ws2"])
+@pytest.mark.parametrize("fwd", ["ws", "ws2", "ws3"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cuda_ws_strided_layouts(layout, D, fwd):
@@ -914,11 +915,11 @@ def test_cuda_ws_strided_layouts(layout, D, fwd):
 @requires_cuda
 def test_cuda_ws_expanded_heads_fall_back():
     # k and v expanded over the heads (stride 0): no TMA descriptor takes that, so a forced
-    # "ws" / "ws2" runs another tensor-core kernel, with the right values.
+    # "ws*" runs another tensor-core kernel, with the right values.
     _skip_unless_wgmma()
     q = torch.randn(2, 4, 150, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 1, 150, 128, device="cuda", dtype=torch.bfloat16).expand(2, 4, 150, 128) for _ in range(2))
-    for fwd in ("ws", "ws2"):
+    for fwd in ("ws", "ws2", "ws3"):
         with gp.tuning.override(attention_fwd=fwd):
             ran = forward_kernels(lambda: OPS.attention(q, k, v, None, True))
             out, _ = OPS.attention(q, k, v, None, True)

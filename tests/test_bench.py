@@ -194,3 +194,27 @@ def test_peak_memory_rows_fresh_args_per_implementation(monkeypatch):
     assert rows == [{"op": "x", "M": 4, "impl": "a", "peak_extra_MiB": 1.5},
                     {"op": "x", "M": 4, "impl": "b", "peak_extra_MiB": 3.0}]
     assert len(made) == 2 and seen[0] is made[0] and seen[1] is made[1]
+
+
+# Demangled names of the attention forward kernels (as torch.profiler reports them) and their
+# labels, the attention_fwd knob's values.
+_NS = "gpu_puzzles::(anonymous namespace)::"
+
+
+@pytest.mark.parametrize("name, label", [
+    (f"void {_NS}attn_fwd_sm90<{_NS}Sm90FwdCfg<cutlass::bfloat16_t, 128, 128, 2>, cutlass::bfloat16_t>(...)", "wgmma"),
+    (f"void {_NS}attn_fwd_sm90<{_NS}Sm90FwdCfg<cutlass::half_t, 128, 64, 3>, cutlass::half_t>(...)", "wgmma3"),
+    (f"void {_NS}attn_fwd_ws_sm90<{_NS}WsFwdCfg<cutlass::bfloat16_t, 128, 128, 2, false, false>, "
+     f"cutlass::bfloat16_t, cute::Copy_Atom<cute::Copy_Traits<cute::SM90_TMA_LOAD>>>(...)", "ws"),
+    (f"void {_NS}attn_fwd_ws_sm90<{_NS}WsFwdCfg<cutlass::half_t, 64, 128, 2, true, false>, cutlass::half_t>(...)",
+     "ws2"),
+    (f"void {_NS}attn_fwd_ws_sm90<{_NS}WsFwdCfg<cutlass::bfloat16_t, 64, 128, 2, true, true>, "
+     f"cutlass::bfloat16_t>(...)", "ws3"),
+    (f"void {_NS}attn_fwd_tc2<__nv_bfloat16, 128>(...)", "mma_r32"),
+    (f"void {_NS}attn_fwd_tc<__nv_bfloat16, 64, 8>(...)", "mma/w8"),
+    (f"void {_NS}attn_fwd_simt<float, 64>(...)", "simt"),
+    (f"void {_NS}attn_bwd_dq_tc<__nv_bfloat16, 64>(...)", None),
+])
+def test_attention_forward_kernel_labels(name, label):
+    from gpu_puzzles.bench.attention import forward_kernel
+    assert forward_kernel(name) == label

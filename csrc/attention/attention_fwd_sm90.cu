@@ -126,11 +126,14 @@ template <class Elem, int D_, int BN_, int NWG_> struct Sm90FwdCfg {
 //  * V's tile lands as K's does (keys x D, 128-byte swizzle): that is the MN-major
 //    (D x keys) layout the PV GEMM reads (ws_layouts_agree below).
 //  * kOverlap (knob "ws2"): each consumer also overlaps its own GEMMs with its softmax
-//    (S of the next tile is issued before P V of the last one; see the loop).
-template <class Elem, int D_, int BN_, int Stages_, bool Overlap_> struct WsFwdCfg {
+//    (S of the next tile is issued before P V of the last one; see the loop); kPingpong
+//    ("ws3") on top makes the two consumers take turns to issue their GEMMs.
+template <class Elem, int D_, int BN_, int Stages_, bool Overlap_, bool Pingpong_> struct WsFwdCfg {
   using Base = Sm90FwdCfg<Elem, D_, BN_, 2>;  // tiles, MMAs and register layouts of the kernel above
   static constexpr int D = D_, BN = BN_, kStages = Stages_, BM = Base::BM, kConsumers = 2;
-  static constexpr bool kOverlap = Overlap_;  // the consumers' loop: see attn_fwd_ws_sm90
+  // The consumers' loop (see attn_fwd_ws_sm90): overlapped GEMMs and softmax, and turns.
+  static constexpr bool kOverlap = Overlap_, kPingpong = Pingpong_;
+  static_assert(kOverlap || !kPingpong, "pingpong is built on the overlapped loop");
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // setmaxnreg: 128 x 24 + 256 x 240 registers fit the SM's 64 K.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
@@ -539,9 +542,29 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
       const auto svt_at = [&](int st) {
         return make_tensor(make_smem_ptr(sm.v + st * Cfg::kTileElems), typename Cfg::LayoutVt{});
       };
+      // Pingpong (kPingpong): the two consumers take turns to issue their GEMMs, so that
+      // one's softmax runs under the other's GEMMs. Each step, consumer cw waits on named
+      // barrier 1 + cw, issues, then arrives on the other's (0 is __syncthreads'). Each
+      // takes n_tiles + 1 turns (the first and the last step peeled); consumer 1 lets 0
+      // start, so its last turn passes on nothing.
+      const auto sched_sync = [&] {
+        if constexpr (Cfg::kPingpong) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + cw) : "memory");
+      };
+      const auto sched_arrive = [&](bool last) {
+        if constexpr (Cfg::kPingpong) {
+          if (!(last && cw == 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - cw) : "memory");
+        }
+      };
+      if constexpr (Cfg::kPingpong) {
+        if (cw == 1) asm volatile("bar.arrive %0, 256;\n" ::"r"(1) : "memory");
+      }
       if (wrow0 < Sq) {
         TxBarrier::wait(&sm.k_full[0], 0);
-        gemm_qk<D>(mma_s, tSrQ, thr_s.partition_fragment_B(sk_at(0)), tSrS);
+        sched_sync();
+        issue_qk<D>(mma_s, tSrQ, thr_s.partition_fragment_B(sk_at(0)), tSrS);
+        sched_arrive(false);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
         if (wtid == 0) Barrier::arrive(&sm.k_empty[0]);
         scale_mask<BN>(tSrS, tScS, scale_log2, 0, Sk, wrow0, causal);
         softmax_rows<BN>(tSrS, m_r, l_r);  // O is still 0: nothing to rescale
@@ -549,9 +572,11 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
         for (int j = 1; j < n_tiles; ++j) {
           const int st = j % ST, pst = (j - 1) % ST;
           TxBarrier::wait(&sm.k_full[st], static_cast<uint32_t>((j / ST) & 1));
+          sched_sync();
           issue_qk<D>(mma_s, tSrQ, thr_s.partition_fragment_B(sk_at(st)), tSrS);
           TxBarrier::wait(&sm.v_full[pst], static_cast<uint32_t>(((j - 1) / ST) & 1));
           issue_pv<BN>(mma_o, tOrP, thr_o.partition_fragment_B(svt_at(pst)), tOrO);
+          sched_arrive(false);
           warpgroup_wait<1>();  // S(j) done; P(j-1) V(j-1) may still run
           warpgroup_fence_operand(tSrS);
           if (wtid == 0) Barrier::arrive(&sm.k_empty[st]);
@@ -567,16 +592,23 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
         }
         const int lst = (n_tiles - 1) % ST;
         TxBarrier::wait(&sm.v_full[lst], static_cast<uint32_t>(((n_tiles - 1) / ST) & 1));
-        gemm_pv<BN>(mma_o, tOrP, thr_o.partition_fragment_B(svt_at(lst)), tOrO);
+        sched_sync();
+        issue_pv<BN>(mma_o, tOrP, thr_o.partition_fragment_B(svt_at(lst)), tOrO);
+        sched_arrive(true);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        warpgroup_fence_operand(tOrP);
         if (wtid == 0) Barrier::arrive(&sm.v_empty[lst]);
       } else {
-        for (int j = 0; j < n_tiles; ++j) {  // rows all past Sq: only release the stages
-          const int st = j % ST;
-          const uint32_t parity = static_cast<uint32_t>((j / ST) & 1);
-          TxBarrier::wait(&sm.k_full[st], parity);
-          if (wtid == 0) Barrier::arrive(&sm.k_empty[st]);
-          TxBarrier::wait(&sm.v_full[st], parity);
-          if (wtid == 0) Barrier::arrive(&sm.v_empty[st]);
+        // Rows all past Sq: the same waits, turns and releases, without the math.
+        for (int j = 0; j <= n_tiles; ++j) {
+          const int st = j % ST, pst = (j + ST - 1) % ST;
+          if (j < n_tiles) TxBarrier::wait(&sm.k_full[st], static_cast<uint32_t>((j / ST) & 1));
+          sched_sync();
+          if (j > 0) TxBarrier::wait(&sm.v_full[pst], static_cast<uint32_t>(((j - 1) / ST) & 1));
+          sched_arrive(j == n_tiles);
+          if (j < n_tiles && wtid == 0) Barrier::arrive(&sm.k_empty[st]);
+          if (j > 0 && wtid == 0) Barrier::arrive(&sm.v_empty[pst]);
         }
       }
     } else {
@@ -646,7 +678,8 @@ cudaError_t launch_sm90_d(const AttentionFwdArgs& a, int warpgroups, int dev, cu
 
 // The warp-specialised kernel: BN = 128 keys a tile, 2 stages (160 KiB of shared memory at
 // D = 128, 80 KiB at D = 64).
-template <class Elem, int D, bool Overlap> using FwdCfgWs = WsFwdCfg<Elem, D, 128, 2, Overlap>;
+// Variant 0: plain ("ws"); 1: overlapped ("ws2"); 2: overlapped with pingpong ("ws3").
+template <class Elem, int D, int Variant> using FwdCfgWs = WsFwdCfg<Elem, D, 128, 2, Variant >= 1, Variant == 2>;
 
 // A (S, D, heads, batch) view of one operand for the TMA. The host gives a dim of extent 1
 // stride 0 (attention.cpp: kernel_strides); the descriptor gets 16 bytes there instead (its
@@ -681,14 +714,16 @@ template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a
   });
 }
 
-template <class Elem, bool Overlap>
+template <class Elem, int Variant>
 cudaError_t launch_ws_d(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
-  return a.D == 64 ? launch_ws<FwdCfgWs<Elem, 64, Overlap>, Elem>(a, dev, stream)
-                   : launch_ws<FwdCfgWs<Elem, 128, Overlap>, Elem>(a, dev, stream);
+  return a.D == 64 ? launch_ws<FwdCfgWs<Elem, 64, Variant>, Elem>(a, dev, stream)
+                   : launch_ws<FwdCfgWs<Elem, 128, Variant>, Elem>(a, dev, stream);
 }
 
-template <class Elem> cudaError_t launch_ws_o(const AttentionFwdArgs& a, bool overlap, int dev, cudaStream_t stream) {
-  return overlap ? launch_ws_d<Elem, true>(a, dev, stream) : launch_ws_d<Elem, false>(a, dev, stream);
+template <class Elem> cudaError_t launch_ws_v(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream) {
+  return variant == 2   ? launch_ws_d<Elem, 2>(a, dev, stream)
+         : variant == 1 ? launch_ws_d<Elem, 1>(a, dev, stream)
+                        : launch_ws_d<Elem, 0>(a, dev, stream);
 }
 
 // The TMA's limits on an operand: strides multiples of 16 bytes below 2^40 bytes, none 0
@@ -742,9 +777,9 @@ bool attention_forward_ws_supported(const AttentionFwdArgs& a) {
          tma_operand_ok(a.sv, a.Sk, a.Hkv, a.B) && a.Sk > 0;
 }
 
-cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, bool overlap, int dev, cudaStream_t stream) {
-  return a.dtype == DType::BFloat16 ? launch_ws_o<cutlass::bfloat16_t>(a, overlap, dev, stream)
-                                    : launch_ws_o<cutlass::half_t>(a, overlap, dev, stream);
+cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream) {
+  return a.dtype == DType::BFloat16 ? launch_ws_v<cutlass::bfloat16_t>(a, variant, dev, stream)
+                                    : launch_ws_v<cutlass::half_t>(a, variant, dev, stream);
 }
 
 }  // namespace gpu_puzzles

@@ -20,10 +20,11 @@ bool attention_forward_sm90_available(int dev, cudaError_t& err);
 // query rows per CTA) or 3 (BM = 192); see the .cu for the tilings.
 cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, int dev, cudaStream_t stream);
 
-// The warp-specialised, TMA-fed variant (knob attention_fwd=ws; ws2 with `overlap`, each
-// consumer's GEMMs overlapping its softmax), for the same calls where ws_supported(a) also
-// holds (strides the TMA takes, Sk > 0); same image as above.
+// The warp-specialised, TMA-fed variant (knob attention_fwd=ws; variant 1 = ws2, each
+// consumer's GEMMs overlapping its softmax; 2 = ws3, ws2 with the consumers taking turns),
+// for the same calls where ws_supported(a) also holds (strides the TMA takes, Sk > 0); same
+// image as above.
 bool attention_forward_ws_supported(const AttentionFwdArgs& a);
-cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, bool overlap, int dev, cudaStream_t stream);
+cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream);
 
 }  // namespace gpu_puzzles

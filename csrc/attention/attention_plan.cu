@@ -81,8 +81,9 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
   const auto is = [forced](const char* v) { return forced != nullptr && std::strcmp(forced, v) == 0; };
 #if defined(GPU_PUZZLES_WITH_SM90A)
   // The warp-specialised kernels only when forced, until measured against the others.
-  if ((is("ws") || is("ws2")) && attention_forward_ws_supported(a)) {
-    if (attention_forward_sm90_available(dev, err)) return {AttnFwdKernel::WgmmaWs, 0, 3, is("ws2")};
+  const int ws = is("ws") ? 0 : is("ws2") ? 1 : is("ws3") ? 2 : -1;
+  if (ws >= 0 && attention_forward_ws_supported(a)) {
+    if (attention_forward_sm90_available(dev, err)) return {AttnFwdKernel::WgmmaWs, 0, 3, ws};
     if (err != cudaSuccess) return simt;
   }
   int wg = is("wgmma") ? 2 : is("wgmma3") ? 3 : 0;
@@ -131,7 +132,7 @@ LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stre
 #if defined(GPU_PUZZLES_WITH_SM90A)
     case AttnFwdKernel::Wgmma: return static_cast<LaunchStatus>(attention_forward_sm90(a, p.warpgroups, dev, stream));
     case AttnFwdKernel::WgmmaWs:
-      return static_cast<LaunchStatus>(attention_forward_sm90_ws(a, p.overlap, dev, stream));
+      return static_cast<LaunchStatus>(attention_forward_sm90_ws(a, p.variant, dev, stream));
 #endif
     case AttnFwdKernel::Mma:
     case AttnFwdKernel::MmaR32: return static_cast<LaunchStatus>(attention_fwd_mma(a, p, dev, stream));

@@ -28,7 +28,7 @@ const std::array<KnobSpec, static_cast<int>(Knob::Count)>& knob_table() {
       {"softmax_col_rows_bwd", {"4", "8", "16"}},
       {"softmax_grid", {"1", "4"}},
       {"softmax_smem_align", {"aligned", "same", "shifted"}},
-      {"attention_fwd", {"mma", "mma_r32", "wgmma", "wgmma3", "ws", "ws2"}},
+      {"attention_fwd", {"mma", "mma_r32", "wgmma", "wgmma3", "ws", "ws2", "ws3"}},
       {"attention_fwd_warps", {"4", "8"}},
       {"layernorm_linear_evt", {"evt", "cublas"}},
       {"layernorm_linear_pdl", {"pdl", "plain"}},

@@ -16,7 +16,7 @@ enum class Knob : int {
   SoftmaxColRowsBwd,   // 4 | 8 | 16
   SoftmaxGrid,         // 1 | 4
   SoftmaxSmemAlign,    // smem/bulk rows, the most specialised kernel allowed: aligned | same | shifted
-  AttentionFwd,        // forward kernel: mma | mma_r32 | wgmma | wgmma3 | ws | ws2
+  AttentionFwd,        // forward kernel: mma | mma_r32 | wgmma | wgmma3 | ws | ws2 | ws3
   AttentionFwdWarps,   // mma kernel's warps per block: 4 | 8
   LayerNormLinearEvt,  // sm_90 fused forward: evt (CUTLASS epilogue) | cublas
   LayerNormLinearPdl,  // EVT launches: pdl (programmatic dependent) | plain
