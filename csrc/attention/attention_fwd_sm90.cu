@@ -474,8 +474,9 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
   __syncthreads();
 
   if (wg == 0) {
-    // Producer. Stage s's j-th fill (tile j * ST + s) first waits for the consumers'
-    // release of fill j - 1, the empty barrier's completion of parity (j - 1) & 1.
+    // Producer. Tile j goes to stage j % ST; from the stage's second use on, it first waits
+    // until both consumers released the stage's previous tile (the empty barrier's
+    // completion of parity (j / ST - 1) & 1).
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (tid == 0) {
       const int h = static_cast<int>(hd.h), hk = static_cast<int>(hd.hk), b = static_cast<int>(hd.b);
