@@ -32,6 +32,35 @@ namespace {
 constexpr int kTcWarps = 4;
 constexpr int kTcThreads = kTcWarps * 32;
 
+// s += a1 X^T and d += a2 Y^T at k-step kk, X and Y row-major [NT * 8][LDS] tiles (their
+// rows the n-tiles): S and dP of both kernels, one B read per operand.
+template <typename Mma, int LDS, int NT, typename T>
+__device__ __forceinline__ void mma_bt2(float (&s)[NT][4], float (&d)[NT][4], const uint32_t (&a1)[4],
+                                        const uint32_t (&a2)[4], const T* X, const T* Y, int kk, int lane) {
+#pragma unroll
+  for (int np = 0; np < NT / 2; ++np) {
+    const int brow = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+    const int bcol = kk * 16 + ((lane >> 3) & 1) * 8;
+    uint32_t b[4];
+    ldsm_x4(b, smem_addr(X + brow * LDS + bcol));
+    Mma::run(s[2 * np], a1, b[0], b[1]);
+    Mma::run(s[2 * np + 1], a1, b[2], b[3]);
+    ldsm_x4(b, smem_addr(Y + brow * LDS + bcol));
+    Mma::run(d[2 * np], a2, b[0], b[1]);
+    Mma::run(d[2 * np + 1], a2, b[2], b[3]);
+  }
+}
+
+// c0, c1 (two n-tiles) += a X for the 16 x 16 block of row-major X whose ldmatrix .trans
+// address for this lane is p.
+template <typename Mma, typename T>
+__device__ __forceinline__ void mma_bn_pair(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4], const T* p) {
+  uint32_t b[4];
+  ldsm_x4_trans(b, smem_addr(p));
+  Mma::run(c0, a, b[0], b[1]);
+  Mma::run(c1, a, b[2], b[3]);
+}
+
 // ---- backward: dK, dV -------------------------------------------------------
 constexpr int kBwdKN = 64;  // keys per block (16 per warp)
 constexpr int kBwdKQ = 32;  // queries per tile
@@ -128,18 +157,7 @@ attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T
       uint32_t ka[4], va[4];
       ldsm_x4(ka, smem_addr(Ks + (kw + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8));
       ldsm_x4(va, smem_addr(Vs + (kw + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8));
-#pragma unroll
-      for (int np = 0; np < NQT / 2; ++np) {
-        const int brow = np * 16 + (lane & 7) + ((lane >> 4) << 3);
-        const int bcol = kk * 16 + ((lane >> 3) & 1) * 8;
-        uint32_t b[4];
-        ldsm_x4(b, smem_addr(Qb + brow * LDS + bcol));
-        Mma::run(st[2 * np], ka, b[0], b[1]);
-        Mma::run(st[2 * np + 1], ka, b[2], b[3]);
-        ldsm_x4(b, smem_addr(dOb + brow * LDS + bcol));
-        Mma::run(dpt[2 * np], va, b[0], b[1]);
-        Mma::run(dpt[2 * np + 1], va, b[2], b[3]);
-      }
+      mma_bt2<Mma, LDS>(st, dpt, ka, va, Qb, dOb, kk, lane);
     }
 
     // P^T = exp2(S^T * scale * log2e - lse * log2e); dS^T = P^T (dP^T - delta).
@@ -163,25 +181,14 @@ attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T
 #pragma unroll
     for (int kk = 0; kk < NQT / 2; ++kk) {
       uint32_t pa[4], sa[4];
-      pa[0] = Mma::pack(st[2 * kk][0], st[2 * kk][1]);
-      pa[1] = Mma::pack(st[2 * kk][2], st[2 * kk][3]);
-      pa[2] = Mma::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-      pa[3] = Mma::pack(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-      sa[0] = Mma::pack(dpt[2 * kk][0], dpt[2 * kk][1]);
-      sa[1] = Mma::pack(dpt[2 * kk][2], dpt[2 * kk][3]);
-      sa[2] = Mma::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-      sa[3] = Mma::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+      Mma::pack_a(pa, st, kk);
+      Mma::pack_a(sa, dpt, kk);
       const int brow = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int dp = 0; dp < NDT / 2; ++dp) {
         const int bcol = dp * 16 + (lane >> 4) * 8;
-        uint32_t b[4];
-        ldsm_x4_trans(b, smem_addr(dOb + brow * LDS + bcol));
-        Mma::run(dv_acc[2 * dp], pa, b[0], b[1]);
-        Mma::run(dv_acc[2 * dp + 1], pa, b[2], b[3]);
-        ldsm_x4_trans(b, smem_addr(Qb + brow * LDS + bcol));
-        Mma::run(dk_acc[2 * dp], sa, b[0], b[1]);
-        Mma::run(dk_acc[2 * dp + 1], sa, b[2], b[3]);
+        mma_bn_pair<Mma>(dv_acc[2 * dp], dv_acc[2 * dp + 1], pa, dOb + brow * LDS + bcol);
+        mma_bn_pair<Mma>(dk_acc[2 * dp], dk_acc[2 * dp + 1], sa, Qb + brow * LDS + bcol);
       }
     }
   }
@@ -229,18 +236,13 @@ attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> 
   const int64_t bh = bh0 + blockIdx.y;
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int64_t m0 = mblk * kBwdQM;
-  const HeadIdx hd(bh, H, G);
-  const T* qb = q.head(hd.b, hd.h);
+  const auto [hd, qb, kb, vb] = qkv_heads(q, k, v, bh, H, G);
   const T* dob = dout.head(hd.b, hd.h);
-  const T* kb = k.head(hd.b, hd.hk);
-  const T* vb = v.head(hd.b, hd.hk);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const float scale_log2 = scale * kLog2e;
 
-  const int64_t row_end = std::min<int64_t>(m0 + kBwdQM, Sq);
-  const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
-  const int n_tiles = static_cast<int>((n_end + kBwdQN - 1) / kBwdQN);
+  const int n_tiles = key_tiles<kBwdQM, kBwdQN>(m0, Sq, Sk, causal);
 
   const int64_t row_g[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
   float lse2[2], dl[2];
@@ -296,18 +298,7 @@ attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> 
       for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
-#pragma unroll
-      for (int np = 0; np < NKT / 2; ++np) {
-        const int brow = np * 16 + (lane & 7) + ((lane >> 4) << 3);
-        const int bcol = kk * 16 + ((lane >> 3) & 1) * 8;
-        uint32_t b[4];
-        ldsm_x4(b, smem_addr(Kb + brow * LDS + bcol));
-        Mma::run(s[2 * np], qf[kk], b[0], b[1]);
-        Mma::run(s[2 * np + 1], qf[kk], b[2], b[3]);
-        ldsm_x4(b, smem_addr(Vb + brow * LDS + bcol));
-        Mma::run(dp[2 * np], df[kk], b[0], b[1]);
-        Mma::run(dp[2 * np + 1], df[kk], b[2], b[3]);
-      }
+      mma_bt2<Mma, LDS>(s, dp, qf[kk], df[kk], Kb, Vb, kk, lane);
     }
 
     // dS = P (dP - delta); element e of n-tile nt: row g + 8 (e >> 1), key nt*8 + 2t + (e & 1).
@@ -329,18 +320,11 @@ attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> 
 #pragma unroll
     for (int kk = 0; kk < NKT / 2; ++kk) {
       uint32_t sa[4];
-      sa[0] = Mma::pack(s[2 * kk][0], s[2 * kk][1]);
-      sa[1] = Mma::pack(s[2 * kk][2], s[2 * kk][3]);
-      sa[2] = Mma::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      sa[3] = Mma::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      Mma::pack_a(sa, s, kk);
       const int brow = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
-      for (int dt2 = 0; dt2 < NDT / 2; ++dt2) {
-        uint32_t b[4];
-        ldsm_x4_trans(b, smem_addr(Kb + brow * LDS + dt2 * 16 + (lane >> 4) * 8));
-        Mma::run(acc[2 * dt2], sa, b[0], b[1]);
-        Mma::run(acc[2 * dt2 + 1], sa, b[2], b[3]);
-      }
+      for (int dt2 = 0; dt2 < NDT / 2; ++dt2)
+        mma_bn_pair<Mma>(acc[2 * dt2], acc[2 * dt2 + 1], sa, Kb + brow * LDS + dt2 * 16 + (lane >> 4) * 8);
     }
   }
   cp_async_wait<0>();

@@ -55,16 +55,11 @@ attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float*
   // Causal: heaviest query tiles (largest m0) first, for a better tail.
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int64_t m0 = mblk * BM;
-  const HeadIdx hd(bh, H, G);
-  const T* qb = q.head(hd.b, hd.h);
-  const T* kb = k.head(hd.b, hd.hk);
-  const T* vb = v.head(hd.b, hd.hk);
+  const auto [hd, qb, kb, vb] = qkv_heads(q, k, v, bh, H, G);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
 
-  const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
-  const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
-  const int n_tiles = static_cast<int>((n_end + kFwdBN - 1) / kFwdBN);
+  const int n_tiles = key_tiles<BM, kFwdBN>(m0, Sq, Sk, causal);
 
   load_tile_async<BM, D, LDS, NT>(Qs, qb, q.ss, m0, Sq, tid);
   if (n_tiles > 0) load_tile_async<kFwdBN, D, LDS, NT>(Ks, kb, k.ss, 0, Sk, tid);
@@ -136,10 +131,7 @@ attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float*
 #pragma unroll
     for (int kk = 0; kk < NKT / 2; ++kk) {
       uint32_t pa[4];
-      pa[0] = Mma::pack(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = Mma::pack(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = Mma::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = Mma::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      Mma::pack_a(pa, s, kk);
 #pragma unroll
       for (int dp = 0; dp < NDT / 2; ++dp) {
         uint32_t b[4];
@@ -215,17 +207,12 @@ attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float
   const int64_t bh = bh0 + blockIdx.y;
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heaviest first
   const int64_t m0 = mblk * BM;
-  const HeadIdx hd(bh, H, G);
-  const T* qb = q.head(hd.b, hd.h);
-  const T* kb = k.head(hd.b, hd.hk);
-  const T* vb = v.head(hd.b, hd.hk);
+  const auto [hd, qb, kb, vb] = qkv_heads(q, k, v, bh, H, G);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int64_t wrow0 = m0 + warp * RPW;  // this warp's first query row
 
-  const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
-  const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
-  const int n_tiles = static_cast<int>((n_end + BN - 1) / BN);
+  const int n_tiles = key_tiles<BM, BN>(m0, Sq, Sk, causal);
 
   load_tile_async<BM, D, LDS, NT>(Qs, qb, q.ss, m0, Sq, tid);
   if (n_tiles > 0) {
@@ -321,12 +308,7 @@ attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float
     for (int kk = 0; kk < BN / 16; ++kk) {
       uint32_t pa[MT][4];
 #pragma unroll
-      for (int mi = 0; mi < MT; ++mi) {
-        pa[mi][0] = Mma::pack(s[mi][2 * kk][0], s[mi][2 * kk][1]);
-        pa[mi][1] = Mma::pack(s[mi][2 * kk][2], s[mi][2 * kk][3]);
-        pa[mi][2] = Mma::pack(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
-        pa[mi][3] = Mma::pack(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
-      }
+      for (int mi = 0; mi < MT; ++mi) Mma::pack_a(pa[mi], s[mi], kk);
 #pragma unroll
       for (int dp = 0; dp < NDT / 2; ++dp) {
         uint32_t b[4];

@@ -102,9 +102,36 @@ template <typename T> struct MmaOp {
       return *reinterpret_cast<uint32_t*>(&h);
     }
   }
+  // The A operand of k-step kk from fp32 accumulator n-tiles c[2kk], c[2kk + 1] (above).
+  template <int NT> static __device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&c)[NT][4], int kk) {
+    a[0] = pack(c[2 * kk][0], c[2 * kk][1]);
+    a[1] = pack(c[2 * kk][2], c[2 * kk][3]);
+    a[2] = pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[3] = pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+  }
 };
 
 #undef GP_ATTN_MMA_16816
+
+// The key tiles of BN that query rows [m0, m0 + BM) see: up to Sk, causal up to their last row.
+template <int BM, int BN> __device__ __forceinline__ int key_tiles(int64_t m0, int64_t Sq, int64_t Sk, bool causal) {
+  const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
+  const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
+  return static_cast<int>((n_end + BN - 1) / BN);
+}
+
+// Grid row bh's heads hd and the first rows of q's head hd.h (qb) and of k's and v's head
+// hd.hk (kb, vb).
+template <typename T> struct QkvHeads {
+  HeadIdx hd;
+  const T *qb, *kb, *vb;
+};
+template <typename T>
+__device__ __forceinline__ QkvHeads<T> qkv_heads(const Rows<const T>& q, const Rows<const T>& k, const Rows<const T>& v,
+                                                 int64_t bh, int64_t H, int64_t G) {
+  const HeadIdx hd(bh, H, G);
+  return {hd, q.head(hd.b, hd.h), k.head(hd.b, hd.hk), v.head(hd.b, hd.hk)};
+}
 
 // Copy rows [row0, row0 + ROWS) of an (S, D) matrix whose rows are ld elements apart into
 // smem with row stride LDS elements; rows >= S are zero-filled. NT threads cooperate.

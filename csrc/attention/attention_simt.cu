@@ -29,6 +29,18 @@ template <typename A> __device__ __forceinline__ A neg_inf() { return -static_ca
 constexpr int kSimtWarps = 4;
 constexpr int kSimtT = 32;
 
+// Rows [r0, r0 + R) of an (n x W) slice whose rows are ss elements apart, as A, to a
+// dense R x W tile in shared memory; rows past n are zero.
+template <int R, typename A, typename T>
+__device__ __forceinline__ void load_rows_acc(A* dst, const T* __restrict__ src, int64_t ss, int64_t r0, int64_t n,
+                                              int W, int tid) {
+  for (int idx = tid; idx < R * W; idx += blockDim.x) {
+    const int r = idx / W, c = idx - r * W;
+    const int64_t row = r0 + r;
+    dst[idx] = row < n ? to_acc<A>(src[row * ss + c]) : A(0);
+  }
+}
+
 template <typename T, typename A, int NC, int RPW>
 __global__ void __launch_bounds__(kSimtWarps * 32)
 attn_fwd_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, A* __restrict__ lse, int64_t H,
@@ -47,11 +59,7 @@ attn_fwd_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, A* _
   const T* __restrict__ vb = v.head(hd.b, hd.hk);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  for (int idx = tid; idx < BM * D; idx += blockDim.x) {
-    const int r = idx / D, c = idx - r * D;
-    const int64_t row = m0 + r;
-    Qs[idx] = row < Sq ? to_acc<A>(qb[row * q.ss + c]) : A(0);
-  }
+  load_rows_acc<BM>(Qs, qb, q.ss, m0, Sq, D, tid);
 
   A m[RPW], l[RPW], acc[RPW][NC];
 #pragma unroll
@@ -71,11 +79,7 @@ attn_fwd_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, A* _
       const int64_t key = n0 + j;
       Ks[j * (D + 1) + c] = key < Sk ? to_acc<A>(kb[key * k.ss + c]) : A(0);
     }
-    for (int idx = tid; idx < kSimtT * Dv; idx += blockDim.x) {
-      const int j = idx / Dv;
-      const int64_t key = n0 + j;
-      Vs[idx] = key < Sk ? to_acc<A>(vb[key * v.ss + (idx - j * Dv)]) : A(0);
-    }
+    load_rows_acc<kSimtT>(Vs, vb, v.ss, n0, Sk, Dv, tid);
     __syncthreads();
 #pragma unroll
     for (int rr = 0; rr < RPW; ++rr) {
@@ -163,16 +167,8 @@ attn_bwd_dq_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T
   const T* __restrict__ vb = v.head(hd.b, hd.hk);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  for (int idx = tid; idx < BM * D; idx += blockDim.x) {
-    const int r = idx / D;
-    const int64_t row = m0 + r;
-    Qs[idx] = row < Sq ? to_acc<A>(qb[row * q.ss + (idx - r * D)]) : A(0);
-  }
-  for (int idx = tid; idx < BM * Dv; idx += blockDim.x) {
-    const int r = idx / Dv;
-    const int64_t row = m0 + r;
-    dOs[idx] = row < Sq ? to_acc<A>(dob[row * dout.ss + (idx - r * Dv)]) : A(0);
-  }
+  load_rows_acc<BM>(Qs, qb, q.ss, m0, Sq, D, tid);
+  load_rows_acc<BM>(dOs, dob, dout.ss, m0, Sq, Dv, tid);
   A lse_r[RPW], dl_r[RPW], acc[RPW][NC];
 #pragma unroll
   for (int rr = 0; rr < RPW; ++rr) {
@@ -261,16 +257,8 @@ attn_bwd_dkdv_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const
   const T* __restrict__ vb = v.head(hd.b, hd.hk);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  for (int idx = tid; idx < BN * D; idx += blockDim.x) {
-    const int r = idx / D;
-    const int64_t key = n0 + r;
-    Ks[idx] = key < Sk ? to_acc<A>(kb[key * k.ss + (idx - r * D)]) : A(0);
-  }
-  for (int idx = tid; idx < BN * Dv; idx += blockDim.x) {
-    const int r = idx / Dv;
-    const int64_t key = n0 + r;
-    Vs[idx] = key < Sk ? to_acc<A>(vb[key * v.ss + (idx - r * Dv)]) : A(0);
-  }
+  load_rows_acc<BN>(Ks, kb, k.ss, n0, Sk, D, tid);
+  load_rows_acc<BN>(Vs, vb, v.ss, n0, Sk, Dv, tid);
   A dk_acc[RPW][NC], dv_acc[RPW][NC];
 #pragma unroll
   for (int rr = 0; rr < RPW; ++rr)

@@ -73,6 +73,20 @@ __device__ __forceinline__ void publish_block_sum(const A (&wred)[NW][2], A (&pa
   }
 }
 
+// The row's (M, S) from this warp's pair (shift, s): the block's nw warp pairs merged,
+// then the cluster's block pairs. The cluster barrier is a release/acquire across the
+// cluster (every block's pair visible after it) and orders this row's wred reads before
+// the next row's wred writes.
+template <typename Cluster, int NW, typename A>
+__device__ __forceinline__ void exchange_pair(Cluster& cluster, A (&wred)[NW][2], A (&part)[2], int CS, int lane, int w,
+                                              int nw, A shift, A s, A& M, A& S) {
+  if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
+  __syncthreads();
+  publish_block_pair(wred, part, lane, w, nw);
+  cluster.sync();
+  cluster_pair(cluster, part, CS, M, S);
+}
+
 // This thread's values from the row's (M, S): log_softmax keeps x and writes
 // (x - M) - log S; softmax keeps e = exp(x - shift) and scales it by
 // exp(shift - M) / S. S == 0 only for a row of all -inf: NaN there, as torch.
@@ -123,62 +137,26 @@ cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restr
     const T* ar = row_ptr(a, la, row);
     T* outr = out + row * N;
     A v[CH][V];
-    A s = A(0);
     if constexpr (!BWD) {
-      A m = neg_inf<A>();
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, N, vec, neg_inf<A>());
-#pragma unroll
-        for (int k = 0; k < V; ++k) m = max_a(m, v[c][k]);
-      }
-      m = block_max(m, red);
+      A m = block_max(regs_load_max<T>(v, ar, G, t, N, vec), red);
       if (threadIdx.x == 0) part[parity][0] = m;
       cluster.sync();
       for (int r = 0; r < CS; ++r) m = max_a(m, *cluster.map_shared_rank(&part[parity][0], r));
-#pragma unroll
-      for (int c = 0; c < CH; ++c)
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          const A d = v[c][k] - m;
-          const A e = exp_a(d);
-          s += e;
-          v[c][k] = log ? d : e;
-        }
-      s = block_sum(s, red);
+      A s = block_sum(regs_exp_sum(v, m, log), red);
       if (threadIdx.x == 0) part[parity][1] = s;
       cluster.sync();
       s = A(0);
       for (int r = 0; r < CS; ++r) s += *cluster.map_shared_rank(&part[parity][1], r);  // same order everywhere
-      const A sub = log ? log_a(s) : A(0);
-      const A mul = log ? A(1) : A(1) / s;
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) v[c][k] = log ? v[c][k] - sub : v[c][k] * mul;
-        store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, N, vec);
-      }
+      regs_store_fwd(outr, v, s, log, G, t, N, vec);
     } else {
       const T* br = row_ptr(b, lb, row);
       A g[CH][V];
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, N, vec, A(0));
-        load_chunk<T, V>(g[c], br, (int64_t(c) * G + t) * V, N, vec, A(0));
-#pragma unroll
-        for (int k = 0; k < V; ++k) s += log ? g[c][k] : g[c][k] * v[c][k];
-      }
-      s = block_sum(s, red);
+      A s = block_sum(regs_load_dot<T>(v, g, ar, br, G, t, N, log, vec), red);
       if (threadIdx.x == 0) part[parity][1] = s;
       cluster.sync();
       s = A(0);
       for (int r = 0; r < CS; ++r) s += *cluster.map_shared_rank(&part[parity][1], r);
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) v[c][k] = log ? g[c][k] - exp_a(v[c][k]) * s : v[c][k] * (g[c][k] - s);
-        store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, N, vec);
-      }
+      regs_store_bwd(outr, v, g, s, log, G, t, N, vec);
     }
   }
   cluster.sync();  // no block exits while another may still read its `part`
@@ -222,14 +200,8 @@ cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, i
     for (int c = 0; c < CH; ++c) load_chunk<T, V>(v[c], ar, int64_t(c * G * V), rem, vec, neg_inf<A>());
     A shift;
     const A s = warp_pair<LOG, T>(v, shift);
-    if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
-    __syncthreads();
-    publish_block_pair(wred, part[parity], lane, w, nw);
-    // Release/acquire across the cluster: every block's pair is visible after it;
-    // also orders this row's wred reads before the next row's wred writes.
-    cluster.sync();
     A M, S;
-    cluster_pair(cluster, part[parity], CS, M, S);
+    exchange_pair(cluster, wred, part[parity], CS, lane, w, nw, shift, s, M, S);
     finish_row<LOG>(v, M, S, s, shift);
 #pragma unroll
     for (int c = 0; c < CH; ++c) store_chunk<T, V>(outr, v[c], int64_t(c * G * V), rem, vec);
@@ -486,12 +458,7 @@ smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
 #pragma unroll
         for (int k = 0; k < V; ++k) s += ex(v[k]);  // outside the row: exp(-inf) = 0
       }
-      s = warp_sum(s);
-      if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
-      __syncthreads();
-      publish_block_pair(wred, part[parity], lane, w, kSmThreads / 32);
-      cluster.sync();  // every block's pair visible; this row's wred reads done
-      cluster_pair(cluster, part[parity], CS, M, S);
+      exchange_pair(cluster, wred, part[parity], CS, lane, w, kSmThreads / 32, shift, warp_sum(s), M, S);
       const A nan = A(NAN);
       const A mul = S == A(0) ? nan : (LOG ? log_a(S) : A(1) / S);  // an all -inf row: NaN, as torch
       const ExpShift<T> exm(M);
@@ -682,13 +649,8 @@ smem_own_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __rest
 #pragma unroll
         for (int k = 0; k < V; ++k) s += ex(v[k]);  // outside the row: exp(-inf) = 0
       });
-      s = warp_sum(s);
-      if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
-      __syncthreads();
-      publish_block_pair(wred, part[parity], lane, w, kSmThreads / 32);
-      cluster.sync();  // every block's pair visible; this row's wred reads done
       A M, S;
-      cluster_pair(cluster, part[parity], CS, M, S);
+      exchange_pair(cluster, wred, part[parity], CS, lane, w, kSmThreads / 32, shift, warp_sum(s), M, S);
       const A nan = A(NAN);
       const A mul = S == A(0) ? nan : (LOG ? log_a(S) : A(1) / S);  // an all -inf row: NaN, as torch
       const ExpShift<T> exm(M);

@@ -173,6 +173,81 @@ template <bool BLOCK, int LANES, typename A> __device__ __forceinline__ A group_
   }
 }
 
+// ---- a row in registers (rows_regs_kernel, cluster_rows_kernel) -----------------
+// Thread t of a G-thread group holds chunks c < CH of V elements at (c G + t) V of
+// its row; the group's reductions between these steps are the caller's.
+
+// Loads the thread's chunks (-inf past N) and returns their maximum.
+template <typename T, int CH, int V, typename A>
+__device__ __forceinline__ A regs_load_max(A (&v)[CH][V], const T* ar, int G, int t, int64_t N, bool vec) {
+  A m = neg_inf<A>();
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, N, vec, neg_inf<A>());
+#pragma unroll
+    for (int k = 0; k < V; ++k) m = max_a(m, v[c][k]);
+  }
+  return m;
+}
+
+// With the row's maximum m: v becomes x - m (log) or exp(x - m); returns the thread's
+// sum of exp(x - m).
+template <int CH, int V, typename A> __device__ __forceinline__ A regs_exp_sum(A (&v)[CH][V], A m, bool log) {
+  A s = A(0);
+#pragma unroll
+  for (int c = 0; c < CH; ++c)
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const A d = v[c][k] - m;  // padding: -inf - m, exp 0
+      const A e = exp_a(d);
+      s += e;
+      v[c][k] = log ? d : e;
+    }
+  return s;
+}
+
+// With the row's sum s: stores (x - m) - log s (log) or exp(x - m) / s.
+template <typename T, int CH, int V, typename A>
+__device__ __forceinline__ void regs_store_fwd(T* outr, A (&v)[CH][V], A s, bool log, int G, int t, int64_t N,
+                                               bool vec) {
+  const A sub = log ? log_a(s) : A(0);
+  const A mul = log ? A(1) : A(1) / s;
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[c][k] = log ? v[c][k] - sub : v[c][k] * mul;
+    store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, N, vec);
+  }
+}
+
+// Backward (a = y, b = dy): loads the thread's chunks of both (0 past N) and returns
+// its part of sum(dy y) (softmax) or sum(dy) (log_softmax).
+template <typename T, int CH, int V, typename A>
+__device__ __forceinline__ A regs_load_dot(A (&v)[CH][V], A (&g)[CH][V], const T* ar, const T* br, int G, int t,
+                                           int64_t N, bool log, bool vec) {
+  A s = A(0);
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, N, vec, A(0));
+    load_chunk<T, V>(g[c], br, (int64_t(c) * G + t) * V, N, vec, A(0));
+#pragma unroll
+    for (int k = 0; k < V; ++k) s += log ? g[c][k] : g[c][k] * v[c][k];
+  }
+  return s;
+}
+
+// With the row's sum s: stores dx = y (dy - s) (softmax) or dy - exp(y) s (log_softmax).
+template <typename T, int CH, int V, typename A>
+__device__ __forceinline__ void regs_store_bwd(T* outr, A (&v)[CH][V], const A (&g)[CH][V], A s, bool log, int G,
+                                               int t, int64_t N, bool vec) {
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[c][k] = log ? g[c][k] - exp_a(v[c][k]) * s : v[c][k] * (g[c][k] - s);
+    store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, N, vec);
+  }
+}
+
 // ---- the fast forward kernels' helpers -------------------------------------------
 // Shared pieces: exp(x - m) and stores that do not linger in L2.
 //

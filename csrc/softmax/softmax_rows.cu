@@ -38,52 +38,15 @@ rows_regs_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
     T* outr = out + (valid ? row : 0) * N;
     A v[CH][V];
     if constexpr (!BWD) {
-      A m = neg_inf<A>();
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, Nr, vec, neg_inf<A>());
-#pragma unroll
-        for (int k = 0; k < V; ++k) m = max_a(m, v[c][k]);
-      }
-      m = group_max<BLOCK, LANES>(m, red);
-      A s = A(0);
-#pragma unroll
-      for (int c = 0; c < CH; ++c)
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          const A d = v[c][k] - m;  // padding: -inf - m, exp 0
-          const A e = exp_a(d);
-          s += e;
-          v[c][k] = log ? d : e;
-        }
-      s = group_sum<BLOCK, LANES>(s, red);
-      const A sub = log ? log_a(s) : A(0);
-      const A mul = log ? A(1) : A(1) / s;
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) v[c][k] = log ? v[c][k] - sub : v[c][k] * mul;
-        store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, Nr, vec);
-      }
+      const A m = group_max<BLOCK, LANES>(regs_load_max<T>(v, ar, G, t, Nr, vec), red);
+      const A s = group_sum<BLOCK, LANES>(regs_exp_sum(v, m, log), red);
+      regs_store_fwd(outr, v, s, log, G, t, Nr, vec);
     } else {
       // softmax: dx = y (dy - sum(dy y));  log_softmax: dx = dy - exp(y) sum(dy)
       const T* br = row_ptr(b, lb, valid ? row : 0);
       A g[CH][V];
-      A s = A(0);
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        load_chunk<T, V>(v[c], ar, (int64_t(c) * G + t) * V, Nr, vec, A(0));
-        load_chunk<T, V>(g[c], br, (int64_t(c) * G + t) * V, Nr, vec, A(0));
-#pragma unroll
-        for (int k = 0; k < V; ++k) s += log ? g[c][k] : g[c][k] * v[c][k];
-      }
-      s = group_sum<BLOCK, LANES>(s, red);
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) v[c][k] = log ? g[c][k] - exp_a(v[c][k]) * s : v[c][k] * (g[c][k] - s);
-        store_chunk<T, V>(outr, v[c], (int64_t(c) * G + t) * V, Nr, vec);
-      }
+      const A s = group_sum<BLOCK, LANES>(regs_load_dot<T>(v, g, ar, br, G, t, Nr, log, vec), red);
+      regs_store_bwd(outr, v, g, s, log, G, t, Nr, vec);
     }
   }
 }
