@@ -191,9 +191,9 @@ template <class Elem> __device__ __forceinline__ uint32_t pack2(float lo, float 
 
 // The pieces both forward kernels run per key tile, on one warpgroup's 64 query rows.
 
-// S = Q K^T (SS wgmma, both K-major), completed on return.
+// S = Q K^T (SS wgmma, both K-major): issued; completed on return of gemm_qk.
 template <int D, class Mma, class TQ, class TK, class TS>
-__device__ __forceinline__ void gemm_qk(Mma& mma_s, const TQ& tSrQ, const TK& tSrK, TS& tSrS) {
+__device__ __forceinline__ void issue_qk(Mma& mma_s, const TQ& tSrQ, const TK& tSrK, TS& tSrS) {
   warpgroup_fence_operand(tSrS);
   warpgroup_arrive();
   mma_s.accumulate_ = GMMA::ScaleOut::Zero;
@@ -203,6 +203,11 @@ __device__ __forceinline__ void gemm_qk(Mma& mma_s, const TQ& tSrQ, const TK& tS
     mma_s.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
+}
+
+template <int D, class Mma, class TQ, class TK, class TS>
+__device__ __forceinline__ void gemm_qk(Mma& mma_s, const TQ& tSrQ, const TK& tSrK, TS& tSrS) {
+  issue_qk<D>(mma_s, tSrQ, tSrK, tSrS);
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
 }
@@ -226,8 +231,14 @@ __device__ __forceinline__ void scale_mask(TS& tSrS, const TC& tScS, float scale
   }
 }
 
-// Online softmax (value i is in row half h = (i >> 1) & 1, n-tile i / 4), then P to
-// 16-bit pairs (value 2i low half, 2i + 1 high half: one A register each).
+// P to 16-bit pairs (value 2i low half, 2i + 1 high half: one A register each).
+template <class Elem, class TS, class TP> __device__ __forceinline__ void pack_p(const TS& tSrS, TP& tOrP) {
+  Tensor tOrP32 = recast<uint32_t>(tOrP);
+#pragma unroll
+  for (int i = 0; i < size(tOrP32); ++i) tOrP32(i) = pack2<Elem>(tSrS(2 * i), tSrS(2 * i + 1));
+}
+
+// Online softmax (value i is in row half h = (i >> 1) & 1, n-tile i / 4), then P.
 template <int BN, int D, class Elem, class TS, class TO, class TP>
 __device__ __forceinline__ void softmax_to_p(TS& tSrS, TO& tOrO, TP& tOrP, float (&m_r)[2], float (&l_r)[2]) {
 #pragma unroll
@@ -235,20 +246,23 @@ __device__ __forceinline__ void softmax_to_p(TS& tSrS, TO& tOrO, TP& tOrP, float
     online_softmax_step<true, false, BN / 8, D / 8>(
         [&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
         [&](int nb, int e) -> float& { return tOrO(4 * nb + e); }, m_r[h], l_r[h], h);
-  Tensor tOrP32 = recast<uint32_t>(tOrP);
-#pragma unroll
-  for (int i = 0; i < size(tOrP32); ++i) tOrP32(i) = pack2<Elem>(tSrS(2 * i), tSrS(2 * i + 1));
+  pack_p<Elem>(tSrS, tOrP);
 }
 
-// O += P V (RS wgmma: P from registers), completed on return.
+// O += P V (RS wgmma: P from registers): issued; completed on return of gemm_pv.
 template <int BN, class Mma, class TP, class TV, class TO>
-__device__ __forceinline__ void gemm_pv(Mma& mma_o, TP& tOrP, const TV& tOrV, TO& tOrO) {
+__device__ __forceinline__ void issue_pv(Mma& mma_o, TP& tOrP, const TV& tOrV, TO& tOrO) {
   warpgroup_fence_operand(tOrP);
   warpgroup_fence_operand(tOrO);
   warpgroup_arrive();
 #pragma unroll
   for (int kb2 = 0; kb2 < BN / 16; ++kb2) cute::gemm(mma_o, tOrP(_, _, kb2), tOrV(_, _, kb2), tOrO);
   warpgroup_commit_batch();
+}
+
+template <int BN, class Mma, class TP, class TV, class TO>
+__device__ __forceinline__ void gemm_pv(Mma& mma_o, TP& tOrP, const TV& tOrV, TO& tOrO) {
+  issue_pv<BN>(mma_o, tOrP, tOrV, tOrO);
   warpgroup_wait<0>();
   warpgroup_fence_operand(tOrO);
   warpgroup_fence_operand(tOrP);
@@ -277,31 +291,8 @@ __device__ __forceinline__ void store_rows(TO& tOrO, const TC& tOcO, const float
   }
 }
 
-// For the overlapped consumer loop of the warp-specialised kernel: the two GEMMs issued
-// without waiting, the softmax without the O rescale (done once the running P V product
-// is complete), and the P packing alone.
-template <int D, class Mma, class TQ, class TK, class TS>
-__device__ __forceinline__ void issue_qk(Mma& mma_s, const TQ& tSrQ, const TK& tSrK, TS& tSrS) {
-  warpgroup_fence_operand(tSrS);
-  warpgroup_arrive();
-  mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-  for (int kb2 = 0; kb2 < D / 16; ++kb2) {
-    cute::gemm(mma_s, tSrQ(_, _, kb2), tSrK(_, _, kb2), tSrS);
-    mma_s.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-}
-
-template <int BN, class Mma, class TP, class TV, class TO>
-__device__ __forceinline__ void issue_pv(Mma& mma_o, TP& tOrP, const TV& tOrV, TO& tOrO) {
-  warpgroup_fence_operand(tOrP);
-  warpgroup_fence_operand(tOrO);
-  warpgroup_arrive();
-#pragma unroll
-  for (int kb2 = 0; kb2 < BN / 16; ++kb2) cute::gemm(mma_o, tOrP(_, _, kb2), tOrV(_, _, kb2), tOrO);
-  warpgroup_commit_batch();
-}
+// For the overlapped consumer loop of the warp-specialised kernel: the softmax without the
+// O rescale (done once the running P V product is complete).
 
 // online_softmax_step with no output fragment: m, l and the probabilities only.
 template <int BN, class TS>
@@ -327,11 +318,6 @@ __device__ __forceinline__ void rescale_o(TO& tOrO, const float (&m_prev)[2], co
   }
 }
 
-template <class Elem, class TS, class TP> __device__ __forceinline__ void pack_p(const TS& tSrS, TP& tOrP) {
-  Tensor tOrP32 = recast<uint32_t>(tOrP);
-#pragma unroll
-  for (int i = 0; i < size(tOrP32); ++i) tOrP32(i) = pack2<Elem>(tSrS(2 * i), tSrS(2 * i + 1));
-}
 
 template <class Cfg, class Elem>
 __device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Rows<const Elem> k,
