@@ -662,7 +662,6 @@ cudaError_t launch_sm90_d(const AttentionFwdArgs& a, int warpgroups, int dev, cu
                    : launch_sm90<FwdCfgSm90<Elem, 128>, Elem>(a, dev, stream);
 }
 
-
 // The warp-specialised kernel: BN = 128 keys a tile, 2 stages (160 KiB of shared memory at
 // D = 128, 80 KiB at D = 64).
 // Variant 0: plain ("ws"); 1: overlapped ("ws2"); 2: overlapped with pingpong ("ws3").
