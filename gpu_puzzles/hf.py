@@ -20,6 +20,11 @@ Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
 mask, attention dropout while training, soft-capping, Sq != Sk) is handed to SDPA.
 The loss reads the logits in their dtype (no float32 copy) through ``cross_entropy``.
+
+``fused_loss=True`` (opt-in): in training with labels, the LM head and the loss run as one
+``fused_linear_cross_entropy``, so the (batch, seq, vocab) logits are never stored; the
+output's ``logits`` is then None. Evaluation, and calls without labels, return the logits
+as stock does.
 """
 from __future__ import annotations
 
@@ -220,6 +225,58 @@ def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ign
     return loss / num_items_in_batch
 
 
+def _fused_lm_loss(hidden, lm_head, labels, shift_labels=None, num_items_in_batch=None, ignore_index: int = -100):
+    """``causal_lm_loss(lm_head(hidden), labels)`` through ``fused_linear_cross_entropy``."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = shift_labels.reshape(-1).to(hidden.device)
+    bias = getattr(lm_head, "bias", None)
+    if num_items_in_batch is None:
+        return ops.fused_linear_cross_entropy(h, lm_head.weight, t, bias, ignore_index=ignore_index, reduction="mean")
+    loss = ops.fused_linear_cross_entropy(h, lm_head.weight, t, bias, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _fused_loss_forward(self, *args, **kwargs):
+    """A causal LM's forward (set on the instance by ``patch(fused_loss=True)``): in training
+    with labels, the base model, then the LM head and the loss fused; otherwise the stock
+    forward. Arguments are named as the stock forward names them (``_gp_forward_params``)."""
+    bound = dict(zip(self._gp_forward_params, args))
+    bound.update(kwargs)
+    labels, keep = bound.get("labels"), bound.get("logits_to_keep", 0)
+    if (labels is None or not self.training or not (isinstance(keep, int) and keep == 0)
+            or bound.get("return_dict") is False or not _ours(self.lm_head.weight)):
+        return type(self).forward(self, *args, **kwargs)
+    # The stock forward hands the base model every argument but these two (loss kwargs too).
+    inner = {k: v for k, v in bound.items() if k not in ("labels", "logits_to_keep")}
+    out = getattr(self, self.base_model_prefix)(**inner)
+    loss = _fused_lm_loss(out.last_hidden_state, self.lm_head, labels, bound.get("shift_labels"),
+                          bound.get("num_items_in_batch"), bound.get("ignore_index", -100))
+    fields = dict(loss=loss, logits=None, past_key_values=out.past_key_values, hidden_states=out.hidden_states,
+                  attentions=out.attentions)
+    if "cross_attentions" in self._gp_output_cls.__dataclass_fields__:
+        fields["cross_attentions"] = getattr(out, "cross_attentions", None)
+    return self._gp_output_cls(**fields)
+
+
+def _set_fused_loss(model, report, output_cls):
+    import inspect
+    if not hasattr(model, "lm_head") or not isinstance(model.lm_head, nn.Linear):
+        report.left["lm_head+loss"] = "no nn.Linear LM head (not a *ForCausalLM model)"
+        return
+    params = inspect.signature(type(model).forward).parameters.values()
+    names = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)[1:]  # not self
+    object.__setattr__(model, "_gp_forward_params", names)
+    object.__setattr__(model, "_gp_output_cls", output_cls)
+    # On the instance, not by a class swap: save_pretrained records the class name.
+    object.__setattr__(model, "forward", _fused_loss_forward.__get__(model))
+    report.swapped["lm_head+loss"] = ("fused_linear_cross_entropy (training with labels: the logits are never "
+                                      "stored, outputs.logits is None)")
+
+
 # ---- the families --------------------------------------------------------------------
 
 def _embedding_ok(emb: nn.Module) -> Optional[str]:
@@ -239,7 +296,7 @@ def _patch_embedding(emb, name, report):
         report.swapped[name] = "embedding"
 
 
-def _patch_gpt2(model, report, embeddings, norms, attention, loss):
+def _patch_gpt2(model, report, embeddings, norms, attention, loss, fused_loss):
     from transformers.pytorch_utils import Conv1D
     base = getattr(model, "transformer", model)
     if embeddings:
@@ -264,9 +321,12 @@ def _patch_gpt2(model, report, embeddings, norms, attention, loss):
         _set_attention(model, report, "attn_pdrop", "")
     if loss:
         _set_loss(model, report)
+    if loss and fused_loss:
+        from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+        _set_fused_loss(model, report, CausalLMOutputWithCrossAttentions)
 
 
-def _patch_llama(model, report, embeddings, norms, attention, loss):
+def _patch_llama(model, report, embeddings, norms, attention, loss, fused_loss):
     base = getattr(model, "model", model)
     if embeddings:
         _patch_embedding(base.embed_tokens, "model.embed_tokens", report)
@@ -288,6 +348,9 @@ def _patch_llama(model, report, embeddings, norms, attention, loss):
         _set_attention(model, report, "attention_dropout", ", GQA")
     if loss:
         _set_loss(model, report)
+    if loss and fused_loss:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        _set_fused_loss(model, report, CausalLMOutputWithPast)
 
 
 def _set_loss(model, report):
@@ -299,12 +362,14 @@ def _set_loss(model, report):
 
 
 def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, attention: bool = True,
-          loss: bool = True) -> PatchReport:
+          loss: bool = True, fused_loss: bool = False) -> PatchReport:
     """Route ``model``'s compute through gpu_puzzles ops in place; returns a :class:`PatchReport`.
 
     ``embeddings``, ``norms`` (norms and the norm+linear fusions), ``attention`` and ``loss``
-    pick what is patched. An architecture it does not know is left untouched (the report
-    says so). Patching a model twice is a no-op for what is already patched.
+    pick what is patched. ``fused_loss`` (with ``loss``): in training with labels, the LM
+    head and the loss run fused and ``outputs.logits`` is None (the logits are never stored).
+    An architecture it does not know is left untouched (the report says so). Patching a
+    model twice is a no-op for what is already patched.
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None) or type(model).__name__
@@ -313,9 +378,9 @@ def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, atte
         report.left["model"] = "already patched by gpu_puzzles.hf.patch"
         return report
     if model_type in _GPT2:
-        _patch_gpt2(model, report, embeddings, norms, attention, loss)
+        _patch_gpt2(model, report, embeddings, norms, attention, loss, fused_loss)
     elif model_type in _LLAMA:
-        _patch_llama(model, report, embeddings, norms, attention, loss)
+        _patch_llama(model, report, embeddings, norms, attention, loss, fused_loss)
     else:
         report.left["model"] = (f"architecture '{model_type}' is not one gpu_puzzles.hf knows "
                                 f"(known: {', '.join(_GPT2 + _LLAMA)})")

@@ -195,6 +195,28 @@ def test_cuda_bf16_as_close_as_stock(name):
     assert counts["attention"] == 2 and counts["cross_entropy"] == 1
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cuda_bf16_fused_loss_as_close_as_stock(name):
+    """bf16 on the GPU with the fused LM head + loss: loss and gradients as close to the fp32
+    model as stock bf16 is (within 2x + a floor)."""
+    ref = model_bench.build(name, "cuda", dtype=torch.float32, small=True)
+    stock = copy.deepcopy(ref).to(torch.bfloat16)
+    ours = copy.deepcopy(stock)
+    hf.patch(ours, fused_loss=True)
+    ids = model_bench.batch(name, "cuda", small=True)
+    outs = [_step(m, ids) for m in (ref, stock, ours)]
+    assert outs[2].logits is None
+    loss0 = outs[0].loss.item()
+    half_ulp = 2.0 ** (math.floor(math.log2(abs(loss0))) - 8)
+    assert abs(outs[2].loss.item() - loss0) <= 2 * abs(outs[1].loss.item() - loss0) + half_ulp + 1e-3
+    err = lambda x, y: (x.float() - y.float()).abs().max().item()  # noqa: E731
+    for (n, g0), g1, g2 in zip(_grads(ref).items(), _grads(stock).values(), _grads(ours).values()):
+        scale = g0.abs().max().item() + 1e-6
+        assert err(g2, g0) <= 2 * err(g1, g0) + 2e-2 * scale, n
+
+
 def test_cpu_bf16_runs_stock():
     """Our CPU kernels are fp32/fp64: a bf16 model on the CPU runs transformers' own paths."""
     stock, ours, _ = _pair("gpt2", dtype=torch.bfloat16)
@@ -251,3 +273,50 @@ def test_sliding_window(window, ours_runs):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
     counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
     assert counts["attention"] == (2 if ours_runs else 0), counts
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fused_loss_matches_stock(name):
+    """patch(fused_loss=True): in training with labels the LM head and the loss are one fused op
+    (logits not returned), with stock's loss and gradients; in eval the logits come back."""
+    stock, ours, report = _pair(name, fused_loss=True)
+    assert "lm_head+loss" in report.swapped
+    ids = model_bench.batch(name, "cpu", small=True)
+    stock.train()
+    ours.train()
+    a, b = _step(stock, ids), _step(ours, ids)
+    assert b.logits is None
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
+    for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
+    assert counts["fused_linear_cross_entropy"] == 1 and counts["cross_entropy"] == 0
+    # Sum over the items instead of the mean (what Trainer passes with gradient accumulation).
+    n_items = torch.tensor(float((ids[:, 1:] != -100).sum()))
+    torch.testing.assert_close(ours(input_ids=ids, labels=ids, num_items_in_batch=n_items).loss,
+                               stock(input_ids=ids, labels=ids, num_items_in_batch=n_items).loss, rtol=1e-6, atol=1e-6)
+    # Evaluation and calls without labels: the stock forward, logits included.
+    stock.eval()
+    ours.eval()
+    with torch.no_grad():
+        e_a, e_b = stock(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
+        torch.testing.assert_close(e_b.logits, e_a.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(e_b.loss, e_a.loss, rtol=1e-6, atol=1e-6)
+        ours.train()
+        torch.testing.assert_close(ours(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_loss_keeps_model_class_and_compiles():
+    stock, ours, _ = _pair("llama", fused_loss=True)
+    assert type(ours) is type(stock)  # save_pretrained records the class name
+    ids = model_bench.batch("llama", "cpu", small=True)
+    ours.train()
+    eager = copy.deepcopy(ours)
+    a = _step(eager, ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    b = _step(compiled, ids)
+    assert b.logits is None
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
+    for (n, p), (_, q) in zip(eager.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")

@@ -4,7 +4,8 @@ A training step (forward with the LM loss, backward, fused AdamW step, zero_grad
 built from ``transformers`` configs with random weights (never downloaded), bf16, timed as
 the median of CUDA-event-bracketed steps after warm-up, with the step's peak allocated
 memory. Variants: stock, patched with attention left to SDPA (``attention=False``), fully
-patched; each eager and under ``torch.compile``. ``--profile`` adds the per-op breakdown: one
+patched, and fully patched with the fused LM head + loss (``fused_loss=True``); each eager and
+under ``torch.compile``. ``--profile`` adds the per-op breakdown: one
 profiled step's CUDA kernels, each and summed by group (``KERNEL_GROUPS``).
 """
 from __future__ import annotations
@@ -29,9 +30,11 @@ VARIANTS = {
     "stock": None,
     "ours, SDPA attention": dict(attention=False),
     "ours": dict(),
+    "ours, fused LM head + loss": dict(fused_loss=True),
 }
 # Short names for --variants (the variant names themselves hold commas).
-VARIANT_ALIASES = {"stock": "stock", "sdpa": "ours, SDPA attention", "ours": "ours"}
+VARIANT_ALIASES = {"stock": "stock", "sdpa": "ours, SDPA attention", "ours": "ours",
+                   "fused": "ours, fused LM head + loss"}
 
 
 def build(name: str, device, dtype=torch.bfloat16, seed: int = 0, small: bool = False):
