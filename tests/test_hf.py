@@ -295,6 +295,11 @@ def test_fused_loss_matches_stock(name):
     n_items = torch.tensor(float((ids[:, 1:] != -100).sum()))
     torch.testing.assert_close(ours(input_ids=ids, labels=ids, num_items_in_batch=n_items).loss,
                                stock(input_ids=ids, labels=ids, num_items_in_batch=n_items).loss, rtol=1e-6, atol=1e-6)
+    # Labels already shifted by the caller (shift_labels), some ignored.
+    shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[..., 1:].clone()
+    shift[0, :3] = -100
+    torch.testing.assert_close(ours(input_ids=ids, labels=ids, shift_labels=shift).loss,
+                               stock(input_ids=ids, labels=ids, shift_labels=shift).loss, rtol=1e-6, atol=1e-6)
     # Evaluation and calls without labels: the stock forward, logits included.
     stock.eval()
     ours.eval()
