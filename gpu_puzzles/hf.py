@@ -206,6 +206,21 @@ def _set_attention(model: nn.Module, report: "PatchReport", dropout_attr: str, n
 
 # ---- the loss ------------------------------------------------------------------------
 
+def _causal_loss(loss_of, labels, shift_labels, num_items_in_batch, ignore_index, device):
+    """transformers' ``ForCausalLMLoss`` around ``loss_of(targets, reduction)``: the labels
+    shifted one to the left (unless given shifted), the mean, or the sum over
+    ``num_items_in_batch`` (gradient accumulation)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(device)
+    if num_items_in_batch is None:
+        return loss_of(targets, "mean")
+    loss = loss_of(targets, "sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
 def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
                    shift_labels=None, **kwargs):
     """transformers' ``ForCausalLMLoss`` on ``cross_entropy``: the logits are read in their
@@ -213,31 +228,18 @@ def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ign
     if not _ours(logits):
         from transformers.loss.loss_utils import ForCausalLMLoss
         return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     logits = logits.reshape(-1, vocab_size)
-    shift_labels = shift_labels.reshape(-1).to(logits.device)
-    if num_items_in_batch is None:
-        return ops.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="mean")
-    loss = ops.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum")
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+    return _causal_loss(lambda t, r: ops.cross_entropy(logits, t, ignore_index=ignore_index, reduction=r),
+                        labels, shift_labels, num_items_in_batch, ignore_index, logits.device)
 
 
 def _fused_lm_loss(hidden, lm_head, labels, shift_labels=None, num_items_in_batch=None, ignore_index: int = -100):
     """``causal_lm_loss(lm_head(hidden), labels)`` through ``fused_linear_cross_entropy``."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     h = hidden.reshape(-1, hidden.shape[-1])
-    t = shift_labels.reshape(-1).to(hidden.device)
     bias = getattr(lm_head, "bias", None)
-    if num_items_in_batch is None:
-        return ops.fused_linear_cross_entropy(h, lm_head.weight, t, bias, ignore_index=ignore_index, reduction="mean")
-    loss = ops.fused_linear_cross_entropy(h, lm_head.weight, t, bias, ignore_index=ignore_index, reduction="sum")
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+    return _causal_loss(lambda t, r: ops.fused_linear_cross_entropy(h, lm_head.weight, t, bias,
+                                                                    ignore_index=ignore_index, reduction=r),
+                        labels, shift_labels, num_items_in_batch, ignore_index, hidden.device)
 
 
 def _fused_loss_forward(self, *args, **kwargs):
