@@ -640,14 +640,20 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
 template <class Elem, int D> using FwdCfgSm90 = Sm90FwdCfg<Elem, D, 128, 2>;
 template <class Elem, int D> using FwdCfgSm90W3 = Sm90FwdCfg<Elem, D, D == 128 ? 64 : 128, 3>;
 
-template <class Cfg, class Elem> cudaError_t launch_sm90(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
-  constexpr auto kern = attn_fwd_sm90<Cfg, Elem>;
-  cudaError_t e = set_smem<kern>(dev, Cfg::kSmemBytes);
+// Both kernels' launch: Kern's shared memory raised to Cfg::kSmemBytes, then a grid of
+// query blocks of Cfg::BM rows by (batch, head) chunks; launch(grid, bh0) launches one chunk.
+template <class Cfg, auto Kern, class F> cudaError_t launch_blocks(const AttentionFwdArgs& a, int dev, F&& launch) {
+  cudaError_t e = set_smem<Kern>(dev, Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
   const unsigned gx = static_cast<unsigned>((a.Sq + Cfg::BM - 1) / Cfg::BM);
+  return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) { launch(dim3(gx, nbh), bh0); });
+}
+
+template <class Cfg, class Elem> cudaError_t launch_sm90(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+  constexpr auto kern = attn_fwd_sm90<Cfg, Elem>;
   const float sl = a.scale * kLog2e;
-  return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
-    kern<<<dim3(gx, nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+  return launch_blocks<Cfg, kern>(a, dev, [&](dim3 grid, int64_t bh0) {
+    kern<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         rows_of<const Elem>(a.q, a.sq), rows_of<const Elem>(a.k, a.sk), rows_of<const Elem>(a.v, a.sv),
         rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse), a.H, a.G(), bh0, a.Sq, a.Sk, sl, a.causal);
   });
@@ -688,12 +694,9 @@ template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a
                                    typename Cfg::LayoutK{}, Shape<Int<Cfg::BN>, Int<D>>{});
   constexpr auto kern = attn_fwd_ws_sm90<Cfg, Elem, std::remove_const_t<decltype(tma_q)>,
                                          std::remove_const_t<decltype(tma_k)>>;
-  cudaError_t e = set_smem<kern>(dev, Cfg::kSmemBytes);
-  if (e != cudaSuccess) return e;
-  const unsigned gx = static_cast<unsigned>((a.Sq + Cfg::BM - 1) / Cfg::BM);
   const float sl = a.scale * kLog2e;
-  return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
-    kern<<<dim3(gx, nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+  return launch_blocks<Cfg, kern>(a, dev, [&](dim3 grid, int64_t bh0) {
+    kern<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         tma_q, tma_k, tma_v, rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse), static_cast<int>(a.H),
         static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, static_cast<int>(a.Sq), static_cast<int>(a.Sk), sl,
         a.causal);
