@@ -180,6 +180,19 @@ def test_model_bench_kernel_groups(name, group):
     assert kernel_group(name) == group
 
 
+def test_model_bench_breakdown_idle_row(capsys):
+    # The per-op table ends with the timed step and the GPU's idle time: step minus kernels.
+    from gpu_puzzles.bench.model import print_breakdown
+    rows = [dict(model="gpt2", mode="compile", variant=v, ms=ms,
+                 profile=dict(kernel_ms=k, launches=600, groups={"GEMM (cuBLAS / CUTLASS)": 9.0}))
+            for v, ms, k in (("stock", 24.25, 22.0), ("ours", 25.5, 21.75))]
+    print_breakdown(rows)
+    lines = {ln.split("│")[1].strip(): ln.split("│")[2:4] for ln in capsys.readouterr().out.splitlines()
+             if ln.count("│") == 4}
+    assert [c.strip() for c in lines["GPU idle (step - kernels)"]] == ["2.250", "3.750"]
+    assert [c.strip() for c in lines["step (timed median)"]] == ["24.250", "25.500"]
+
+
 def test_peak_memory_rows_fresh_args_per_implementation(monkeypatch):
     # Each implementation is measured on its own fresh inputs, and every row carries the
     # shared fields, its label and its peak (peak_extra_mib needs CUDA: stubbed here).

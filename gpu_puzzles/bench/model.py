@@ -211,10 +211,15 @@ def print_breakdown(rows):
         t.add_column("group")
         for r in rs:
             t.add_column(r["variant"], justify="right")
-        for g in groups + ["all kernels", "launches"]:
+        # The timed step minus its kernels: time the GPU waits on the host (launch latency,
+        # syncs) once the step's kernels are summed.
+        derived = {"all kernels": lambda p, r: p["kernel_ms"], "step (timed median)": lambda p, r: r["ms"],
+                   "GPU idle (step - kernels)": lambda p, r: r["ms"] - p["kernel_ms"],
+                   "launches": lambda p, r: p["launches"]}
+        for g in groups + list(derived):
             def cell(r):
                 p = r["profile"]
-                v = p["kernel_ms"] if g == "all kernels" else p["launches"] if g == "launches" else p["groups"].get(g)
+                v = derived[g](p, r) if g in derived else p["groups"].get(g)
                 return "" if v is None else (f"{v}" if g == "launches" else f"{v:.3f}")
             t.add_row(g, *[cell(r) for r in rs])
         Console(width=140).print(t)
