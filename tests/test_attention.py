@@ -685,6 +685,7 @@ def test_cuda_forward_configs(knobs, dtype):
 # (BH, S, D, causal) for the default's kernel choice: D = 64 (mma.sync), D = 128 tiny, few CTAs
 # (2 warpgroups fill the waves better on a 132-SM H100/H200) and many (3 warpgroups).
 AUTO_CASES = [(2, 300, 64, False), (2, 300, 64, True), (2, 300, 128, False), (2, 300, 128, True),
+              (64, 512, 64, False), (160, 512, 128, True), (16, 1024, 64, True),
               (16, 1024, 128, False), (16, 1024, 128, True), (128, 2048, 128, False)]
 
 
@@ -696,19 +697,32 @@ def _auto_warpgroups(BH, S, sms):
     return 3 if 1.075 * fill(BH * -(-S // 192)) >= fill(BH * -(-S // 128)) else 2
 
 
+def _auto_forward(BH, S, D, sms, broadcast_kv=False):
+    """The documented default (attention_fwd_plan): ws3 from 1024 keys, or from 512 where its
+    128-row CTAs fill two waves; else wgmma (warpgroups as above) at D = 128, mma/w8 at 64."""
+    if not broadcast_kv and (S >= 1024 or (S >= 512 and BH * -(-S // 128) >= 2 * sms)):
+        return "ws3"
+    return ("wgmma3" if _auto_warpgroups(BH, S, sms) == 3 else "wgmma") if D == 128 else "mma/w8"
+
+
 @requires_cuda
 def test_cuda_auto_forward_kernel():
-    # Which forward kernel the default (no knob set) takes: on a 9.x GPU in a CUTLASS build, the
-    # wgmma one at D = 128 with the warpgroups above, the mma.sync one with 8 warps at D = 64.
+    # Which forward kernel the default (no knob set) takes on a 9.x GPU in a CUTLASS build,
+    # and with k/v heads broadcast (stride 0), which TMA cannot describe.
     _skip_unless_wgmma()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     with gp.tuning.override(attention_fwd=None, attention_fwd_warps=None):
         for BH, S, D, causal in AUTO_CASES:
             q, k, v = (torch.randn(BH, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            want = ("wgmma3" if _auto_warpgroups(BH, S, sms) == 3 else "wgmma") if D == 128 else "mma/w8"
-            _assert_forward_kernel(lambda: gp.attention(q, k, v, causal=causal), want,
+            _assert_forward_kernel(lambda: gp.attention(q, k, v, causal=causal), _auto_forward(BH, S, D, sms),
                                    f"BH={BH} S={S} D={D} causal={causal}")
-    if sms == 132:  # H100 SXM / H200: the cases take both variants
+            q = q.view(1, BH, S, D)
+            k, v = (t[:1].view(1, 1, S, D).expand(1, BH, S, D) for t in (k, v))
+            _assert_forward_kernel(lambda: OPS.attention(q, k, v, None, causal), _auto_forward(BH, S, D, sms, True),
+                                   f"broadcast k/v BH={BH} S={S} D={D} causal={causal}")
+    if sms == 132:  # H100 SXM / H200: the cases take every default
+        assert {_auto_forward(BH, S, D, sms, b) for BH, S, D, _ in AUTO_CASES for b in (False, True)} == {
+            "ws3", "wgmma", "wgmma3", "mma/w8"}
         assert {_auto_warpgroups(BH, S, sms) for BH, S, D, _ in AUTO_CASES if D == 128} == {2, 3}
 
 
@@ -915,11 +929,11 @@ def test_cuda_ws_strided_layouts(layout, D, fwd):
 @requires_cuda
 def test_cuda_ws_expanded_heads_fall_back():
     # k and v expanded over the heads (stride 0): no TMA descriptor takes that, so a forced
-    # "ws*" runs another tensor-core kernel, with the right values.
+    # "ws*" (or the default) runs another tensor-core kernel, with the right values.
     _skip_unless_wgmma()
     q = torch.randn(2, 4, 150, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 1, 150, 128, device="cuda", dtype=torch.bfloat16).expand(2, 4, 150, 128) for _ in range(2))
-    for fwd in ("ws", "ws2", "ws3"):
+    for fwd in (None, "ws", "ws2", "ws3"):
         with gp.tuning.override(attention_fwd=fwd):
             ran = forward_kernels(lambda: OPS.attention(q, k, v, None, True))
             out, _ = OPS.attention(q, k, v, None, True)

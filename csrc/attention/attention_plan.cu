@@ -60,17 +60,21 @@ double wave_fill(int64_t ctas, int sms) {
 }  // namespace
 
 // Default, fp16/bf16 with D == Dv in {64, 128} and 16-byte aligned operands (else SIMT):
-//  * D = 128 on a 9.x GPU (sm_90a build): the wgmma kernel. 3 warpgroups (192 query
-//    rows per CTA) run about 1.075x faster per CTA than 2 (128 rows), so 3 unless 2
-//    fill the waves of the one-CTA-per-SM grid better by more than that: with few
-//    CTAs (small batch x heads, short sequences) 192-row CTAs leave SMs idle.
-//    benchmarks/results/attention_sweep_h100.txt, attention_small_sweep_h100.txt.
+//  * on a 9.x GPU (sm_90a build), from 1024 keys, or from 512 where its 128-row CTAs fill
+//    two waves of the SMs: the warp-specialised, TMA-fed kernel with its two consumer
+//    warpgroups taking turns (ws3), D = 64 and 128, causal and full. There it ran a median
+//    1.4x the best kernel below; with fewer keys its pipeline fill is not paid back (median
+//    0.88x) (benchmarks/results/attention_sweep_h100.txt, attention_small_sweep_h100.txt).
+//    Operands TMA cannot describe (stride-0 broadcast heads) and Sk = 0 also take the
+//    choices below.
+//  * D = 128 there otherwise: the wgmma kernel. 3 warpgroups (192 query rows per CTA) run
+//    about 1.075x faster per CTA than 2 (128 rows), so 3 unless 2 fill the waves of the
+//    one-CTA-per-SM grid better by more than that.
 //  * D = 128 elsewhere: attn_fwd_tc2 at 32 rows per warp, 32-key tiles, 4 warps
 //    (mma_r32); the other tilings measured slower (attention_sweep_h200.txt). 32-row
 //    tiles with 64-key tiles spill at D = 128.
-//  * D = 64: attn_fwd_tc ("mma"), also on 9.x GPUs: it ties wgmma3 on long sequences and
-//    leads on shorter ones or few heads, causal too (attention_small_sweep_h100.txt).
-//    8 warps; 4 at D = 128 when forced to mma (attention_fwd_warps overrides both).
+//  * D = 64 elsewhere: attn_fwd_tc ("mma"), 8 warps; 4 at D = 128 when forced to mma
+//    (attention_fwd_warps overrides both).
 AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& err) {
   err = cudaSuccess;
   const AttnFwdPlan simt{AttnFwdKernel::Simt, 0, 0};
@@ -80,8 +84,12 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
   const char* forced = knob_value(Knob::AttentionFwd);  // nullptr: the heuristic
   const auto is = [forced](const char* v) { return forced != nullptr && std::strcmp(forced, v) == 0; };
 #if defined(GPU_PUZZLES_WITH_SM90A)
-  // The warp-specialised kernels only when forced, until measured against the others.
-  const int ws = is("ws") ? 0 : is("ws2") ? 1 : is("ws3") ? 2 : -1;
+  int ws = is("ws") ? 0 : is("ws2") ? 1 : is("ws3") ? 2 : -1;
+  if (forced == nullptr && a.Sk >= 512) {
+    const int sms = a.Sk >= 1024 ? 0 : device_sm_count(dev, err);
+    if (err != cudaSuccess) return simt;
+    if (a.Sk >= 1024 || a.BH() * ((a.Sq + 127) / 128) >= 2 * int64_t{sms}) ws = 2;
+  }
   if (ws >= 0 && attention_forward_ws_supported(a)) {
     if (attention_forward_sm90_available(dev, err)) return {AttnFwdKernel::WgmmaWs, 0, 3, ws};
     if (err != cudaSuccess) return simt;
