@@ -356,16 +356,40 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
   const bool late_scale = any && dt == at::kHalf;
   const Tensor kernel_scale = late_scale ? at::ones({1}, hidden.options().dtype(acc)) : scale;
   Tensor gh = want_h ? at::empty({N, H}, hidden.options()) : at::empty({0}, hidden.options());
-  // Weight and bias gradients sum over every chunk: in the accumulate type.
-  Tensor gw = want_w ? at::zeros({V, H}, weight.options().dtype(acc)) : at::empty({0}, weight.options());
+  // Weight and bias gradients sum over every chunk: in the accumulate type (gw below).
   Tensor gb = want_b ? at::zeros({V}, weight.options().dtype(acc)) : at::empty({0}, weight.options());
-  const Tensor wt = weight.t();
   const int64_t chunk = cross_entropy_plan(N, V, hidden.element_size()).chunk_rows;
+  // On CUDA the GEMMs run over V rounded up to 16 bytes of elements, against a copy of the
+  // weight (and bias) with zero rows appended: with an odd V (GPT-2: 50257) cuBLAS runs its
+  // unaligned kernels for all three GEMMs, 3-4x slower on an H100. The zero rows give zero
+  // logits, which meet zero weight rows in the hidden gradient and only fill weight-gradient
+  // rows that are dropped; the loss reads the first V columns.
+  const int64_t per16 = std::max<int64_t>(1, 16 / hidden.element_size());
+  const int64_t Vp = cpu ? V : (V + per16 - 1) / per16 * per16;
+  const auto pad_rows = [&](const Tensor& t) {
+    if (Vp == V) return t;
+    std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+    shape[0] = Vp;
+    Tensor p = at::zeros(shape, t.options());
+    p.narrow(0, 0, V).copy_(t);
+    return p;
+  };
+  Tensor wp = pad_rows(weight), wt = wp.t();
+  c10::optional<Tensor> bp = has_bias ? c10::optional<Tensor>(pad_rows(*bias)) : c10::nullopt;
+  Tensor gw = want_w ? at::zeros({Vp, H}, weight.options().dtype(acc)) : at::empty({0}, weight.options());
+  Tensor buf;
   for (int64_t s = 0; s < N; s += chunk) {
     const int64_t n = std::min(chunk, N - s);
     const Tensor hc = h2.narrow(0, s, n);
     const Tensor tc = t1.narrow(0, s, n);
-    const Tensor logits = has_bias ? at::addmm(*bias, hc, wt) : at::mm(hc, wt);  // (n, V), contiguous
+    if (!buf.defined()) buf = at::empty({n, Vp}, hidden.options());
+    Tensor full = buf.narrow(0, 0, n);
+    if (bp) {
+      at::addmm_out(full, *bp, hc, wt);
+    } else {
+      at::mm_out(full, hc, wt);
+    }
+    const Tensor logits = full.narrow(1, 0, V);  // (n, V), rows Vp apart
     const Tensor lse = at::empty({n}, hidden.options().dtype(acc));
     // d loss / d logits over the logits, in place: in the forward kernel on CUDA (the row
     // is still in L2), a second pass on the CPU.
@@ -374,11 +398,18 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
     if (cpu) backward_rows(logits, tc, lse, kernel_scale, false, ignore, logits);
     if (want_h) {
       Tensor ghc = gh.narrow(0, s, n);
-      at::mm_out(ghc, logits, weight);
+      at::mm_out(ghc, full, wp);
     }
-    if (want_w) accumulate_mm(gw, logits.t(), hc);
+    if (want_w) accumulate_mm(gw, full.t(), hc);
     if (want_b) gb.add_(logits.sum(0, false, acc));
   }
+  // Freed before the weight gradient's conversion below allocates: the chunk's logits and
+  // the padded weight would otherwise add to the op's peak.
+  buf.reset();
+  wt.reset();
+  wp.reset();
+  bp.reset();
+  if (want_w && Vp != V) gw = gw.narrow(0, 0, V);
   const Tensor loss = finalize(loss_rows, t1, ignore, red, dt);
   if (late_scale) {
     const Tensor s0 = scale.reshape({});
