@@ -366,13 +366,11 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
   // rows that are dropped; the loss reads the first V columns.
   const int64_t per16 = std::max<int64_t>(1, 16 / hidden.element_size());
   const int64_t Vp = cpu ? V : (V + per16 - 1) / per16 * per16;
-  const auto pad_rows = [&](const Tensor& t) {
+  const auto pad_rows = [&](const Tensor& t) {  // dim 0 to Vp, zeros after
     if (Vp == V) return t;
-    std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
-    shape[0] = Vp;
-    Tensor p = at::zeros(shape, t.options());
-    p.narrow(0, 0, V).copy_(t);
-    return p;
+    std::vector<int64_t> pad(2 * t.dim(), 0);  // last dim first: the final entry pads dim 0's end
+    pad.back() = Vp - V;
+    return at::constant_pad_nd(t, pad);
   };
   Tensor wp = pad_rows(weight), wt = wp.t();
   c10::optional<Tensor> bp = has_bias ? c10::optional<Tensor>(pad_rows(*bias)) : c10::nullopt;
