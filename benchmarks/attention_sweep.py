@@ -15,8 +15,9 @@ Configs: "auto" (the default heuristic, attention_fwd_plan in csrc/attention/att
 and the attention_fwd knob's values: "mma" (attn_fwd_tc), "mma_r32" (attn_fwd_tc2), "wgmma" /
 "wgmma3" (the sm_90a kernel of csrc/attention/attention_fwd_sm90.cu with 2 / 3 warpgroups per
 CTA), "ws" / "ws2" / "ws3" (its warp-specialised, TMA-fed variants: plain, consumers' GEMMs
-overlapping their softmax, and that with the consumers taking turns). Where a forced kernel cannot run (no CUTLASS headers at build time, not a 9.x GPU) the
-heuristic's fallback runs, and its cells say so. The names older results files use, "old" and
+overlapping their softmax, and that with the consumers taking turns). Where a forced kernel
+cannot run (no CUTLASS headers at build time, not a 9.x GPU) the heuristic's fallback runs, and
+its cells say so. The names older results files use, "old" and
 "r32_bn32_w4_s2", are taken for "mma" and "mma_r32".
 """
 from __future__ import annotations

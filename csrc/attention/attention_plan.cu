@@ -86,7 +86,7 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
 #if defined(GPU_PUZZLES_WITH_SM90A)
   int ws = is("ws") ? 0 : is("ws2") ? 1 : is("ws3") ? 2 : -1;
   if (forced == nullptr && a.Sk >= 512) {
-    const int sms = a.Sk >= 1024 ? 0 : device_sm_count(dev, err);
+    const int sms = device_sm_count(dev, err);  // cached per device
     if (err != cudaSuccess) return simt;
     if (a.Sk >= 1024 || a.BH() * ((a.Sq + 127) / 128) >= 2 * int64_t{sms}) ws = 2;
   }
