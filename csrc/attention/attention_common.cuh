@@ -57,6 +57,13 @@ struct KvHeadIdx {
       : b(bhk / Hkv), hk(bhk - b * Hkv), h0(hk * G) {}
 };
 
+// The key tiles of BN that query rows [m0, m0 + BM) see: up to Sk, causal up to their last row.
+template <int BM, int BN> __device__ __forceinline__ int key_tiles(int64_t m0, int64_t Sq, int64_t Sk, bool causal) {
+  const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
+  const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
+  return static_cast<int>((n_end + BN - 1) / BN);
+}
+
 // Call f(bh0, nbh) for chunks of at most 65535 (grid.y limit).
 template <typename F> cudaError_t for_bh_chunks(int64_t BH, F&& f) {
   for (int64_t bh0 = 0; bh0 < BH; bh0 += kMaxGridY) {

@@ -343,9 +343,7 @@ __device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Ro
   const Elem* kb = k.head(hd.b, hd.hk);
   const Elem* vb = v.head(hd.b, hd.hk);
 
-  const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
-  const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
-  const int n_tiles = static_cast<int>((n_end + BN - 1) / BN);
+  const int n_tiles = key_tiles<BM, BN>(m0, Sq, Sk, causal);
 
   auto load_kv = [&](int stage, int64_t n0) {
     Tensor sK = make_tensor(make_smem_ptr(k_s + stage * Cfg::kTileElems), typename Cfg::LayoutK{});   // (BN, D)
@@ -442,9 +440,7 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
   const HeadIdx hd(bh, H, H / Hkv);
   const int mblk = static_cast<int>(causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x);  // heaviest first
   const int64_t m0 = static_cast<int64_t>(mblk) * BM;
-  const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
-  const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
-  const int n_tiles = static_cast<int>((n_end + BN - 1) / BN);
+  const int n_tiles = key_tiles<BM, BN>(m0, Sq, Sk, causal);
 
   if (tid == 0) {
     TxBarrier::init(&sm.q_full, 1);

@@ -113,13 +113,6 @@ template <typename T> struct MmaOp {
 
 #undef GP_ATTN_MMA_16816
 
-// The key tiles of BN that query rows [m0, m0 + BM) see: up to Sk, causal up to their last row.
-template <int BM, int BN> __device__ __forceinline__ int key_tiles(int64_t m0, int64_t Sq, int64_t Sk, bool causal) {
-  const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
-  const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
-  return static_cast<int>((n_end + BN - 1) / BN);
-}
-
 // Grid row bh's heads hd and the first rows of q's head hd.h (qb) and of k's and v's head
 // hd.hk (kb, vb).
 template <typename T> struct QkvHeads {
