@@ -59,6 +59,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "attention/attention_common.cuh"
+#include "attention/attention_sm90.cuh"
 #include "common/cp_async.cuh"
 #include "common/device.cuh"
 #include "common/func_attr.h"
@@ -177,18 +178,6 @@ template <class Cfg> constexpr bool ws_layouts_agree() {
 
 // Device code below is compiled for sm_90a only (the other targets get the trap stub).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <class Elem> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  uint32_t r;
-  if constexpr (std::is_same<Elem, cutlass::bfloat16_t>::value) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    std::memcpy(&r, &h, 4);
-  } else {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    std::memcpy(&r, &h, 4);
-  }
-  return r;
-}
-
 // The pieces both forward kernels run per key tile, on one warpgroup's 64 query rows.
 
 // S = Q K^T (SS wgmma, both K-major): issued; completed on return of gemm_qk.
@@ -669,17 +658,6 @@ cudaError_t launch_sm90_d(const AttentionFwdArgs& a, int warpgroups, int dev, cu
 // Variant 0: plain ("ws"); 1: overlapped ("ws2"); 2: overlapped with pingpong ("ws3").
 template <class Elem, int D, int Variant> using FwdCfgWs = WsFwdCfg<Elem, D, 128, 2, Variant >= 1, Variant == 2>;
 
-// A (S, D, heads, batch) view of one operand for the TMA. The host gives a dim of extent 1
-// stride 0 (attention.cpp: kernel_strides); the descriptor gets 16 bytes there instead (its
-// coordinate is always 0).
-template <int D, class Elem>
-auto tma_view(const void* p, int64_t S, int64_t heads, int64_t batch, const AttnStrides& st) {
-  const auto nz = [](int64_t stride, int64_t extent) { return extent == 1 ? int64_t{8} : stride; };
-  return make_tensor(make_gmem_ptr(static_cast<const Elem*>(p)),
-                     make_shape(static_cast<int>(S), Int<D>{}, static_cast<int>(heads), static_cast<int>(batch)),
-                     make_stride(nz(st.s, S), Int<1>{}, nz(st.h, heads), nz(st.b, batch)));
-}
-
 template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   constexpr int D = Cfg::D;
   const auto tma_q = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.q, a.Sq, a.H, a.B, a.sq),
@@ -709,16 +687,6 @@ template <class Elem> cudaError_t launch_ws_v(const AttentionFwdArgs& a, int var
   return variant == 2   ? launch_ws_d<Elem, 2>(a, dev, stream)
          : variant == 1 ? launch_ws_d<Elem, 1>(a, dev, stream)
                         : launch_ws_d<Elem, 0>(a, dev, stream);
-}
-
-// The TMA's limits on an operand: strides multiples of 16 bytes below 2^40 bytes, none 0
-// on a dim of extent > 1 (an expanded tensor), extents below 2^31.
-bool tma_operand_ok(const AttnStrides& st, int64_t S, int64_t heads, int64_t batch) {
-  const auto ok = [](int64_t stride, int64_t extent) {
-    return extent == 1 || (stride > 0 && (stride * 2) % 16 == 0 && stride * 2 < (int64_t{1} << 40));
-  };
-  const int64_t lim = int64_t{1} << 31;
-  return ok(st.s, S) && ok(st.h, heads) && ok(st.b, batch) && S < lim && heads < lim && batch < lim;
 }
 
 }  // namespace
