@@ -1,6 +1,7 @@
 """attention: seed vector example, SDPA float64 references, gradients, opcheck, compile, bad input,
 the unfused chain (algorithm="unfused"), nn.Attention; CUDA: every dtype at many shapes, poisoned
-memory, linear memory, each forward kernel (the attention_fwd knob) and the default's choice."""
+memory, linear memory, each forward kernel (the attention_fwd knob), each backward kernel
+(attention_bwd) and the defaults' choices."""
 import math
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import gpu_puzzles as gp
-from gpu_puzzles.bench.attention import forward_kernels
+from gpu_puzzles.bench.attention import backward_kernels, forward_kernels
 
 from conftest import (DEVICES, HAS_CUDA, SANITIZE, assert_compiled_matches_eager, copy_kernels, many, poison_allocator,
                       requires_caching_allocator, requires_cuda)
@@ -398,6 +399,19 @@ def _cuda_check(lead, Sq, Sk, D, Dv, causal, dtype, what, scale=None):
     refs = torch.autograd.grad(ref, leaves, g.double())
     for name, a, r in zip("qkv", (dq, dk, dv), refs):
         _assert_close(a, r, dtype, f"{what} d{name}", grad=True)
+
+
+def _assert_same_grads(grads, want, what):
+    """Two backward calls on the same values: dk and dv bitwise equal (summed in registers in one
+    order, written once); dq too where the backward is deterministic, else within rounding (the
+    wgmma backward adds its float32 partial dq sums by atomics, in any order)."""
+    for name, a, c in zip("qkv", grads, want):
+        if name != "q" or torch.are_deterministic_algorithms_enabled():
+            assert torch.equal(a, c), f"{what}: d{name} differs bitwise"
+        else:
+            a, c = a.float(), c.float()
+            bound = 2.0 ** -7 * c.abs() + 1e-3 * c.abs().max()
+            assert ((a - c).abs() <= bound).all(), f"{what}: dq differs by more than rounding"
 
 
 # One test per shape (not a loop): a failure names its shape, and the sanitizer runs
@@ -893,9 +907,9 @@ def test_cuda_strided_layouts(layout, D):
             grads, copies = copy_kernels(OPS.attention_backward.default, g, q, k, v, out, lse, None, causal)
             assert copies == [], f"{what}: backward copies {copies}"
             grads_c = OPS.attention_backward(g.contiguous(), qc, kc, vc, out_c, lse_c, None, causal)
-            for name, a, c in zip("qkv", grads, grads_c):
+            for name, a in zip("qkv", grads):
                 _assert_layout(a, want, f"{what} d{name}")
-                assert torch.equal(a, c), f"{what}: d{name} differs from the contiguous call"
+            _assert_same_grads(grads, grads_c, f"{what} vs the contiguous call")
             if i == 0:
                 leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
                 refs = torch.autograd.grad(ref_attention(*leaves, causal=causal), leaves, g.double())
@@ -939,6 +953,86 @@ def test_cuda_ws_expanded_heads_fall_back():
             out, _ = OPS.attention(q, k, v, None, True)
         assert ran is None or (len(ran) == 1 and not ran[0].startswith("ws")), ran
         _assert_close(out, ref_attention(q, k, v, causal=True), torch.bfloat16, f"expanded k/v, {fwd}")
+
+
+# ---- each backward kernel (the attention_bwd knob) and the default's choice ----------------
+# "wgmma": the warp-specialised sm_90a backward (attention_bwd_sm90.cu: 128 keys a CTA, 64 per
+# consumer warpgroup, query blocks of 64 rows, dq summed in float32 out of order); "mma": the two
+# deterministic mma.sync passes (attention_bwd_sm80.cu).
+BWD_LENS = [1, 63, 65, 127, 129, 255, 300]
+
+
+def _assert_backward_kernel(fn, want, what):
+    ran = backward_kernels(fn)
+    if ran is not None:  # None: the profiler records no kernels here
+        assert ran == [want], f"{what}: backward kernels {ran}, want [{want!r}]"
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bwd", ["mma", "wgmma"])
+def test_cuda_backward_configs(bwd, dtype):
+    # Gradients vs float64 on poisoned memory with the backward forced to one kernel, at lengths
+    # around its key block, query block and warpgroup edges (Sq != Sk both ways), and GQA groups.
+    if bwd == "wgmma":
+        _skip_unless_wgmma()
+    with gp.tuning.override(attention_bwd=bwd):
+        for i, Sq in enumerate(BWD_LENS):
+            for j, Sk in enumerate(BWD_LENS):
+                lead = (2,) if (i + j) % 2 == 0 else (1, 3)
+                for D in (64, 128):
+                    for causal in (False, True):
+                        what = f"{bwd} {lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}"
+                        _assert_backward_kernel(lambda: _cuda_check(lead, Sq, Sk, D, D, causal, dtype, what), bwd,
+                                                what)
+        for (H, Hkv), (Sq, Sk), D in [((4, 2), (129, 200), 64), ((8, 1), (257, 257), 128), ((6, 3), (65, 300), 128)]:
+            for causal in (False, True):
+                what = f"{bwd} H={H} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}"
+                q, k, v = make_gqa(2, H, Hkv, Sq, Sk, D, "cuda", dtype, seed=Sq + D)
+                _poison_cache()
+                _assert_backward_kernel(lambda: _check_gqa(q, k, v, causal, dtype, what), bwd, what)
+
+
+@requires_cuda
+def test_cuda_auto_backward_kernel():
+    # The documented default (attention_bwd_plan): the wgmma backward on a 9.x GPU with the sm_90a
+    # build, else mma; the deterministic mma passes under torch.use_deterministic_algorithms, bitwise
+    # reproducible there.
+    q, k, v = make_qkv((2, 3), 300, 300, 128, 128, "cuda", torch.bfloat16, seed=5)
+    g = torch.randn_like(q)
+    out, lse = OPS.attention(q, k, v, None, True)
+    call = lambda: OPS.attention_backward(g, q, k, v, out, lse, None, True)  # noqa: E731
+    sm90 = torch.cuda.get_device_capability()[0] == 9 and _built_with_sm90_attn()
+    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    with gp.tuning.override(attention_bwd=None):
+        try:
+            torch.use_deterministic_algorithms(False)
+            _assert_backward_kernel(call, "wgmma" if sm90 else "mma", "default")
+            torch.use_deterministic_algorithms(True)
+            _assert_backward_kernel(call, "mma", "deterministic")
+            first = call()
+            for name, a, b in zip("qkv", first, call()):
+                assert torch.equal(a, b), f"deterministic: d{name} differs run to run"
+        finally:
+            torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
+@requires_cuda
+def test_cuda_wgmma_backward_falls_back():
+    # Operands the backward's TMA cannot describe (k/v expanded over the heads, stride 0) take
+    # the mma passes even when wgmma is forced, with the right values.
+    _skip_unless_wgmma()
+    q = torch.randn(2, 4, 150, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1, 150, 128, device="cuda", dtype=torch.bfloat16).expand(2, 4, 150, 128) for _ in range(2))
+    out, lse = OPS.attention(q, k, v, None, True)
+    g = torch.randn_like(out)
+    with gp.tuning.override(attention_bwd="wgmma"):
+        _assert_backward_kernel(lambda: OPS.attention_backward(g, q, k, v, out, lse, None, True), "mma", "expanded")
+        grads = OPS.attention_backward(g, q, k, v, out, lse, None, True)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    refs = torch.autograd.grad(ref_attention(*leaves, causal=True), leaves, g.double())
+    for name, a, r in zip("qkv", grads, refs):
+        _assert_close(a, r, torch.bfloat16, f"expanded k/v d{name}", grad=True)
 
 
 @requires_cuda
@@ -1194,12 +1288,11 @@ def test_gqa_cuda_forward_backward(shape, dtype, causal):
     q, k, v = make_gqa(B, H, Hkv, Sq, Sk, D, "cuda", dtype, seed=Sq + Sk + H)
     _poison_cache()
     out, lse, grads = _check_gqa(q, k, v, causal, dtype, what)
-    # Deterministic: dk and dv are summed over the group in a fixed order, written once.
+    # dk and dv are summed over the group in a fixed order, written once.
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(out)
     _poison_cache()
     again = OPS.attention_backward(g, q, k, v, out, lse, None, causal, True)
-    for name, a, b in zip("qkv", grads, again):
-        assert torch.equal(a, b), f"{what}: d{name} differs between two identical backward calls"
+    _assert_same_grads(grads, again, f"{what}: two identical backward calls")
 
 
 @requires_cuda
@@ -1243,9 +1336,9 @@ def test_gqa_cuda_strided_no_copy(D):
             grads, copies = copy_kernels(OPS.attention_backward.default, g, q, k, v, out, lse, None, causal, True)
             assert copies == [], f"{what}: backward copies {copies}"
             grads_c = OPS.attention_backward(g.contiguous(), qc, kc, vc, out_c, lse_c, None, causal, True)
-            for name, a, c in zip("qkv", grads, grads_c):
+            for name, a in zip("qkv", grads):
                 _assert_layout(a, "bshd", f"{what} d{name}")
-                assert torch.equal(a, c), f"{what}: d{name} differs from the contiguous call"
+            _assert_same_grads(grads, grads_c, f"{what} vs the contiguous call")
             leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
             ref = ref_gqa(*leaves, causal=causal)
             _assert_close(out, ref, dtype, f"{what} out")

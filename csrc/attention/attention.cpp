@@ -392,7 +392,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
   AttentionBwdArgs a{Q.t.data_ptr(), K.t.data_ptr(), V.t.data_ptr(), O.t.data_ptr(), G.t.data_ptr(), lc.data_ptr(),
                      DQ.buf.data_ptr(), DK.buf.data_ptr(), DV.buf.data_ptr(),
                      Q.st, K.st, V.st, O.st, G.st, DQ.st, DK.st, DV.st,
-                     s.B, s.H, s.Hkv, s.Sq, s.Sk, s.D, s.Dv, kscale, causal, to_dtype(q.scalar_type())};
+                     s.B, s.H, s.Hkv, s.Sq, s.Sk, s.D, s.Dv, kscale, causal, to_dtype(q.scalar_type()),
+                     at::globalContext().deterministicAlgorithms()};
   const int64_t ws_bytes = attention_backward_workspace_bytes(a);
   at::Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));
   GP_CUDA_CHECK_STATUS(attention_backward_cuda(a, ws.data_ptr(), current_stream()));

@@ -94,6 +94,7 @@ struct AttentionBwdArgs {
   float scale;
   bool causal;
   DType dtype;
+  bool deterministic;  // torch.use_deterministic_algorithms: bitwise reproducible gradients
   int64_t BH() const { return B * H; }
   int64_t BHkv() const { return B * Hkv; }
   int64_t G() const { return H / Hkv; }  // query heads per kv head

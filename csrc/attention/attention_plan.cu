@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include "common/func_attr.h"
 #include "common/kernel_choice.h"
 #if defined(GPU_PUZZLES_WITH_SM90A)
+#include "attention/attention_bwd_sm90.h"
 #include "attention/attention_fwd_sm90.h"
 #endif
 
@@ -113,18 +115,38 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
   return {AttnFwdKernel::Mma, knob_int(Knob::AttentionFwdWarps, a.D >= 128 ? 4 : 8), 0};
 }
 
+// Default, fp16/bf16 with D == Dv in {64, 128} and 16-byte aligned operands (else SIMT): on
+// a 9.x GPU (sm_90a build), unless deterministic algorithms are asked for, the warp-specialised
+// wgmma backward (one pass, dq summed by float32 atomics); elsewhere, and for operands its TMA
+// cannot describe, the two deterministic mma.sync passes.
 AttnBwdKernel attention_bwd_plan(const AttentionBwdArgs& a, int dev, cudaError_t& err) {
   err = cudaSuccess;
-  // o is read only by the delta kernel (scalar loads): no alignment needed.
+  // o is read only by the delta kernels (scalar loads): no alignment needed.
   const bool tc = half_type(a.dtype) && tc_head_dims(a.D, a.Dv) && rows16(a.q, a.sq) && rows16(a.k, a.sk) &&
                   rows16(a.v, a.sv) && rows16(a.dout, a.sdo) && rows16(a.dq, a.sdq) && rows16(a.dk, a.sdk) &&
                   rows16(a.dv, a.sdv);
-  return tc && device_has_sm80(dev, err) ? AttnBwdKernel::Mma : AttnBwdKernel::Simt;
+  if (!tc) return AttnBwdKernel::Simt;
+#if defined(GPU_PUZZLES_WITH_SM90A)
+  const char* forced = knob_value(Knob::AttentionBwd);
+  const bool want = forced != nullptr ? std::strcmp(forced, "wgmma") == 0 : !a.deterministic;
+  if (want && attention_backward_sm90_supported(a)) {
+    if (attention_forward_sm90_available(dev, err)) return AttnBwdKernel::Wgmma;
+    if (err != cudaSuccess) return AttnBwdKernel::Simt;
+  }
+#endif
+  return device_has_sm80(dev, err) ? AttnBwdKernel::Mma : AttnBwdKernel::Simt;
 }
 
 int64_t attention_backward_workspace_bytes(const AttentionBwdArgs& a) {
   const int64_t elem = a.dtype == DType::Float64 ? 8 : 4;
-  return ((a.BH() * a.Sq * elem + 255) / 256) * 256;  // delta = rowsum(dout * o), one per query row
+  int64_t bytes = a.BH() * a.Sq * elem;  // delta = rowsum(dout * o), one per query row
+#if defined(GPU_PUZZLES_WITH_SM90A)
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);  // an error here comes back from the launch's own query
+  if (err == cudaSuccess && a.BH() > 0 && a.Sq > 0 && attention_bwd_plan(a, dev, err) == AttnBwdKernel::Wgmma)
+    bytes = std::max(bytes, attention_backward_sm90_workspace_bytes(a));
+#endif
+  return (bytes + 255) / 256 * 256;
 }
 
 LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stream) {
@@ -167,9 +189,12 @@ LaunchStatus attention_backward_cuda(const AttentionBwdArgs& a, void* workspace,
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
-  e = attention_bwd_delta(a, workspace, stream);
-  if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
   const AttnBwdKernel k = attention_bwd_plan(a, dev, e);
+  if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
+#if defined(GPU_PUZZLES_WITH_SM90A)
+  if (k == AttnBwdKernel::Wgmma) return static_cast<LaunchStatus>(attention_backward_sm90(a, workspace, dev, stream));
+#endif
+  e = attention_bwd_delta(a, workspace, stream);
   if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
   if (k == AttnBwdKernel::Mma)
     return static_cast<LaunchStatus>(attention_bwd_mma(a, static_cast<const float*>(workspace), dev, stream));

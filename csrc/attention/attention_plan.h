@@ -27,14 +27,19 @@ struct AttnFwdPlan {
   int variant = 0;  // WgmmaWs: 0 ws, 1 ws2 (consumers' GEMMs overlap their softmax), 2 ws3 (+ pingpong)
 };
 
-enum class AttnBwdKernel { Simt, Mma };
+enum class AttnBwdKernel {
+  Simt,   // attention_bwd_simt
+  Mma,    // attention_bwd_mma: two deterministic passes (knob attention_bwd=mma)
+  Wgmma,  // attention_backward_sm90: one warp-specialised pass, dq by float32 atomics (wgmma)
+};
 
 // The forward's kernel for this call and device: the default heuristic, overridden by
 // the knobs attention_fwd (mma | mma_r32 | wgmma | wgmma3) and attention_fwd_warps
 // (4 | 8, for mma) where the kernel can take the call. Errors from CUDA queries are
 // returned in err.
 AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& err);
-// The backward's kernels (no knobs: one tensor-core and one SIMT family).
+// The backward's kernels: the default heuristic, overridden by the knob attention_bwd
+// (mma | wgmma) where the kernel can take the call.
 AttnBwdKernel attention_bwd_plan(const AttentionBwdArgs& a, int dev, cudaError_t& err);
 
 // p.kernel is Mma or MmaR32; fp16/bf16, D == Dv in {64, 128}, 16-byte aligned, sm_80+.

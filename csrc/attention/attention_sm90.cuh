@@ -1,4 +1,5 @@
-// Internal to the sm_90a attention files: what they build on top of CuTe.
+// Internal to the sm_90a attention files (attention_fwd_sm90.cu, attention_bwd_sm90.cu):
+// what both build on top of CuTe.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -48,6 +49,20 @@ inline bool tma_operand_ok(const AttnStrides& st, int64_t S, int64_t heads, int6
   };
   const int64_t lim = int64_t{1} << 31;
   return ok(st.s, S) && ok(st.h, heads) && ok(st.b, batch) && S < lim && heads < lim && batch < lim;
+}
+
+// A K-major (rows x cols) tile, 128-byte swizzle, as the TMA writes it, is the MN-major
+// (cols x rows) operand view KMajor's transpose: element (r, c) at the same offset. Checked
+// (constexpr) on rows and columns that set every bit the swizzle reads and cross each atom edge.
+template <class KMajor, class MNMajor, int Rows, int Cols> constexpr bool transposed_views_agree() {
+  constexpr KMajor k{};
+  constexpr MNMajor mn{};
+  constexpr int rows[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 63, Rows / 2, Rows - 1};
+  constexpr int cols[] = {0, 1, 7, 8, 9, 16, 24, 31, 32, 56, 63, Cols / 2 + 1, Cols - 8, Cols - 1};
+  for (int r : rows)
+    for (int c : cols)
+      if (static_cast<int>(k(r, c)) != static_cast<int>(mn(c, r))) return false;
+  return true;
 }
 
 }  // namespace

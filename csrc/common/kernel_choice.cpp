@@ -30,6 +30,7 @@ const std::array<KnobSpec, static_cast<int>(Knob::Count)>& knob_table() {
       {"softmax_smem_align", {"aligned", "same", "shifted"}},
       {"attention_fwd", {"mma", "mma_r32", "wgmma", "wgmma3", "ws", "ws2", "ws3"}},
       {"attention_fwd_warps", {"4", "8"}},
+      {"attention_bwd", {"mma", "wgmma"}},
       {"layernorm_linear_evt", {"evt", "cublas"}},
       {"layernorm_linear_pdl", {"pdl", "plain"}},
       {"layernorm_linear_plan", {"fold", "normalize"}},

@@ -18,6 +18,7 @@ enum class Knob : int {
   SoftmaxSmemAlign,    // smem/bulk rows, the most specialised kernel allowed: aligned | same | shifted
   AttentionFwd,        // forward kernel: mma | mma_r32 | wgmma | wgmma3 | ws | ws2 | ws3
   AttentionFwdWarps,   // mma kernel's warps per block: 4 | 8
+  AttentionBwd,        // backward kernels: mma (two passes, deterministic) | wgmma (sm_90a, dq by atomics)
   LayerNormLinearEvt,  // sm_90 fused forward: evt (CUTLASS epilogue) | cublas
   LayerNormLinearPdl,  // EVT launches: pdl (programmatic dependent) | plain
   LayerNormLinearPlan,  // fused forward: fold (gamma into W) | normalize (xn, then cuBLAS)

@@ -93,10 +93,20 @@ def forward_kernel(name):
     return None
 
 
-def forward_kernels(fn):
-    """The labels (:func:`forward_kernel`) of the attention forward kernels that ``fn()`` launches,
-    in order, from torch.profiler; None where the profiler records no CUDA kernels at all (as
-    under compute-sanitizer, which holds the profiling interface)."""
+def backward_kernel(name):
+    """The label of the attention backward kernel with demangled name ``name`` (its dK/dV
+    kernel, where there are two): "wgmma" (the warp-specialised sm_90a kernel), "mma" (the
+    two-pass mma.sync kernels), "simt"; None for any other kernel."""
+    if "attn_bwd_ws_sm90<" in name:
+        return "wgmma"
+    if "attn_bwd_dkdv_tc<" in name:
+        return "mma"
+    if "attn_bwd_dkdv_simt<" in name:
+        return "simt"
+    return None
+
+
+def _kernels(fn, label):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -104,7 +114,19 @@ def forward_kernels(fn):
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not names:
         return None
-    return [k for k in map(forward_kernel, names) if k is not None]
+    return [k for k in map(label, names) if k is not None]
+
+
+def forward_kernels(fn):
+    """The labels (:func:`forward_kernel`) of the attention forward kernels that ``fn()`` launches,
+    in order, from torch.profiler; None where the profiler records no CUDA kernels at all (as
+    under compute-sanitizer, which holds the profiling interface)."""
+    return _kernels(fn, forward_kernel)
+
+
+def backward_kernels(fn):
+    """As :func:`forward_kernels`, the labels (:func:`backward_kernel`) of the backward kernels."""
+    return _kernels(fn, backward_kernel)
 
 
 def inputs(B, H, Sq, Sk, D, dtype, device, grad=False, layout="contiguous"):

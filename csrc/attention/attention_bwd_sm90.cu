@@ -1,0 +1,565 @@
+// Attention backward for Hopper with warpgroup MMA (wgmma, sm_90a), warp-specialised and
+// TMA-fed, via CuTe. The layout of FlashAttention-3's backward (read, not copied):
+//  * CTA = one block of BN = 128 keys of one kv head: a producer warpgroup and 2 consumer
+//    warpgroups, consumer w owning keys [n0 + 64 w, n0 + 64 w + 64) (wgmma M = 64).
+//  * The producer loads K and V once (TMA), then streams the query blocks of BM = 64 rows of
+//    every query head of the kv head's group: Q and dO tiles (TMA) into a 2-stage ring with
+//    full / empty mbarriers. Their lse * log2(e) and delta rows (padded by the prep kernel)
+//    each consumer stages itself, one iteration ahead.
+//  * Per query block, each consumer: S^T = K_w Q^T and dP^T = V_w dO^T (SS wgmma);
+//    P^T = exp2(S^T scale log2e - lse2), dS^T = P^T (dP^T - delta), masked (Sk tail,
+//    causal); dV_w += P^T dO and dK_w += dS^T Q (RS wgmma: P^T, dS^T from registers, dO
+//    and Q read MN-major from the very tiles the TMA wrote K-major); dS^T to shared
+//    memory (double-buffered), then dQ = dS K (SS, both MN-major): at D = 128 each
+//    consumer takes half of D's columns over all 128 keys (after a barrier over both), at
+//    D = 64 all columns over its own keys (no barrier between them; see BwdCfg); the
+//    result goes to a float32 accumulator in global memory by one bulk reduce-add (TMA)
+//    of each consumer's tile, staged in shared memory in fragment order.
+//  * dK, dV live in registers across the whole sweep (GQA: over all G query heads) and
+//    are written once; dq = scale * accumulator in a last elementwise kernel.
+// dQ's float32 additions come in any order: not bitwise reproducible; the plan sends
+// deterministic runs to the two-pass mma.sync backward (attention_bwd_sm80.cu).
+//
+// Built with the CUTLASS headers, for sm_90a only (setup.py), with NDEBUG as the forward.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+
+#include "attention/attention_bwd_sm90.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/tensor.hpp>  // first: the atom headers below build on it
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+#include "attention/attention_common.cuh"
+#include "attention/attention_sm90.cuh"
+#include "common/device.cuh"
+#include "common/func_attr.h"
+#include "common/online_softmax.cuh"
+
+namespace gpu_puzzles {
+namespace {
+
+using namespace cute;
+
+// Query rows of the lse2 / delta rows the prep kernel writes: Sq rounded up, so every
+// query block's rows are there.
+constexpr int64_t kPadRows = 128;
+int64_t padded_rows(int64_t Sq) { return (Sq + kPadRows - 1) / kPadRows * kPadRows; }
+
+template <class Elem, int D_> struct BwdCfg {
+  static constexpr int D = D_, BN = 128, BM = 64, kStages = 2;
+  static constexpr int kThreads = 384;                   // producer + 2 consumer warpgroups
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // dQ = dS K for the query block. D = 128: each consumer takes half of D's columns over all
+  // BN keys (so it needs the other's dS: a barrier over both). D = 64: each takes all columns
+  // over its own 64 keys (a float32 64 x 64 partial of its own), and both partials are added:
+  // the consumers never wait for each other.
+  static constexpr bool kSplitKeys = D == 64, kSplitCols = !kSplitKeys;
+  static constexpr int DQN = kSplitCols ? D / 2 : D, KQ = kSplitKeys ? 64 : BN;
+  static_assert(BM == 64 && kPadRows % BM == 0, "BM: one wgmma M, one consumer's dq tile");
+  using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<BM>, Int<D>>{}));
+  using LayoutQt =  // the same tile as the (D, BM) MN-major B operand of dK += dS^T Q
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<Int<D>, Int<BM>>{}, Step<_2, _1>{}));
+  using LayoutQRing = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                             Shape<Int<BM>, Int<D>, Int<kStages>>{}));  // the TMA's view
+  using LayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<BN>, Int<D>>{}));
+  using LayoutKt =  // K as the (D, BN) MN-major B operand of dQ = dS K
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<Int<D>, Int<BN>>{}, Step<_2, _1>{}));
+  // dS as the (BM, BN) MN-major A operand of dQ = dS K (queries contiguous).
+  using LayoutdS =
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<Int<BM>, Int<BN>>{}, Step<_2, _1>{}));
+  using OpSdP = decltype(SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<BM>, Int<D>>,
+                                                    GMMA::Major::K, GMMA::Major::K>());
+  using OpKV = decltype(SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<D>, Int<BM>>,
+                                                   GMMA::Major::K, GMMA::Major::MN>());
+  using OpQ = decltype(SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<DQN>, Int<KQ>>,
+                                                  GMMA::Major::MN, GMMA::Major::MN>());
+  using MmaSdP = decltype(make_tiled_mma(OpSdP{}));
+  using MmaKV = decltype(make_tiled_mma(OpKV{}));
+  using MmaQ = decltype(make_tiled_mma(OpQ{}));
+  // P^T and dS^T become the RS A operand in registers as the forward's P does: the
+  // accumulator's values [8 kk, 8 kk + 8) are the A fragment of k-step kk.
+  static_assert(std::is_same<typename MMA_Traits<OpSdP>::CLayout, GMMA::CLayout_64xN<BM>>::value, "S C layout");
+  static_assert(std::is_same<typename MMA_Traits<OpKV>::CLayout, GMMA::CLayout_64xN<D>>::value, "dKV C layout");
+  static_assert(std::is_same<typename MMA_Traits<OpQ>::CLayout, GMMA::CLayout_64xN<DQN>>::value, "dQ C layout");
+  static_assert(std::is_same<typename MMA_Traits<OpKV>::ALayout, GMMA::ALayout_64x16>::value, "P A layout");
+  static_assert(std::is_same<GMMA::ALayout_64x16, GMMA::CLayout_64xN<16>>::value, "A == C(64x16)");
+  static constexpr uint32_t kKVBytes = 2 * BN * D * sizeof(Elem);
+  static constexpr uint32_t kStageBytes = 2 * BM * D * sizeof(Elem);
+  struct Smem {
+    alignas(1024) Elem k[BN * D];
+    alignas(1024) Elem v[BN * D];
+    alignas(1024) Elem q[kStages * BM * D];
+    alignas(1024) Elem dout[kStages * BM * D];
+    alignas(1024) Elem ds[2 * BM * BN];
+    alignas(128) float dq[2 * 64 * DQN];  // each consumer's dq tile, in dq_tile_offset's order
+    alignas(16) float rows[2][2][2 * BM];  // per consumer: lse2 then delta of a query block, by iteration parity
+    alignas(8) uint64_t kv_full;
+    uint64_t full[kStages], empty[kStages];
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem));
+  static_assert((BM * D * sizeof(Elem)) % 1024 == 0 && (BM * BN * sizeof(Elem)) % 1024 == 0, "1024-byte tiles");
+};
+
+template <class Cfg> constexpr bool bwd_layouts_agree() {
+  constexpr int D = Cfg::D, BM = Cfg::BM, BN = Cfg::BN;
+  if (!transposed_views_agree<typename Cfg::LayoutQ, typename Cfg::LayoutQt, BM, D>()) return false;
+  if (!transposed_views_agree<typename Cfg::LayoutK, typename Cfg::LayoutKt, BN, D>()) return false;
+  constexpr typename Cfg::LayoutQRing ring{};
+  constexpr typename Cfg::LayoutQ one{};
+  for (int s = 0; s < Cfg::kStages; ++s)
+    for (int r = 0; r < BM; r += 7)
+      for (int c = 0; c < D; c += 9)
+        if (static_cast<int>(ring(r, c, s)) != s * BM * D + static_cast<int>(one(r, c))) return false;
+  return true;
+}
+
+// lse2 = lse * log2(e) and delta = rowsum(dout * o) per query row, padded to kPadRows rows
+// per (batch, head) with lse2 = +inf (P = 0) and delta = 0.
+// One warp per padded row.
+template <class T>
+__global__ void __launch_bounds__(128)
+attn_bwd_prep_sm90(Rows<const T> o, Rows<const T> dout, const float* __restrict__ lse, float* __restrict__ lse2,
+                   float* __restrict__ delta, int64_t H, int64_t Sq, int64_t Sqp,
+                   int64_t rows, int D) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;  // whole warp leaves together
+  const int64_t bh = row / Sqp, i = row - bh * Sqp;
+  if (i >= Sq) {
+    if (lane == 0) {
+      lse2[row] = INFINITY;
+      delta[row] = 0.f;
+    }
+    return;
+  }
+  const HeadIdx hd(bh, H, 1);
+  const T* __restrict__ orow = o.row(hd.b, hd.h, i);
+  const T* __restrict__ drow = dout.row(hd.b, hd.h, i);
+  float s = 0.f;
+  for (int d = lane; d < D; d += 32) {
+    s += static_cast<float>(orow[d]) * static_cast<float>(drow[d]);
+  }
+  s = warp_sum(s);
+  if (lane == 0) {
+    lse2[row] = lse[bh * Sq + i] * kLog2e;
+    delta[row] = s;
+  }
+}
+
+// The float32 dq accumulator, per (batch * head, block of 64 query rows, column half when a
+// consumer takes DQN = D / 2 columns): one contiguous 64 x DQN tile, in the order the consumers'
+// wgmma fragments store without bank conflicts: float4 j of thread t (128 a warpgroup) at
+// 4 (128 j + t), holding its accumulator values 4 j .. 4 j + 3. Rows run to Sqp (padded).
+template <int D, int DQN>
+__host__ __device__ __forceinline__ int64_t dq_tile_offset(int64_t bh, int qb64, int half, int64_t Sqp) {
+  return ((bh * (Sqp / 64) + qb64) * (D / DQN) + half) * (64 * DQN);
+}
+
+// dq = scale * accumulator: one float4 (two pairs of adjacent columns, rows 8 apart) a thread.
+// Value i of wgmma thread t of a 64 x N fragment: row 16 (t / 32) + (t % 32) / 4 + 8 ((i >> 1) & 1),
+// column 8 (i >> 2) + 2 (t % 4) + (i & 1).
+template <class Cfg, class T>
+__global__ void __launch_bounds__(256)
+attn_bwd_dq_out_sm90(const float* __restrict__ dq_acc, Rows<T> dq, int64_t H, int64_t Sq, int64_t Sqp, int64_t n4,
+                     float scale) {
+  constexpr int D = Cfg::D, DQN = Cfg::DQN, kTile4 = 16 * DQN;  // float4s a tile
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n4;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t tile = e / kTile4;
+    const int in = static_cast<int>(e - tile * kTile4), j = in / 128, t = in % 128;
+    const int half = static_cast<int>(tile % (D / DQN));
+    const int64_t qb = tile / (D / DQN), nqb = Sqp / 64, bh = qb / nqb;
+    const int64_t row = (qb - bh * nqb) * 64 + 16 * (t / 32) + (t % 32) / 4;
+    const int col = half * DQN + 8 * j + 2 * (t % 4);
+    const float4 x = *reinterpret_cast<const float4*>(dq_acc + 4 * e);
+    const HeadIdx hd(bh, H, 1);
+    if (row < Sq) {
+      T* out = dq.row(hd.b, hd.h, row) + col;
+      out[0] = static_cast<T>(x.x * scale);
+      out[1] = static_cast<T>(x.y * scale);
+    }
+    if (row + 8 < Sq) {
+      T* out = dq.row(hd.b, hd.h, row + 8) + col;
+      out[0] = static_cast<T>(x.z * scale);
+      out[1] = static_cast<T>(x.w * scale);
+    }
+  }
+}
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Accumulator to 16-bit RS A-operand registers (value 2i low half, 2i + 1 high half).
+template <class Elem, class TC, class TA> __device__ __forceinline__ void pack_a(const TC& acc, TA& frag) {
+  Tensor f32 = recast<uint32_t>(frag);
+#pragma unroll
+  for (int i = 0; i < size(f32); ++i) f32(i) = pack2<Elem>(acc(2 * i), acc(2 * i + 1));
+}
+#endif
+
+template <class Cfg, class Elem, class TmaQ, class TmaKV>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const TmaQ tma_do,
+                 CUTE_GRID_CONSTANT const TmaKV tma_k, CUTE_GRID_CONSTANT const TmaKV tma_v,
+                 const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+                 const Rows<Elem> dk, const Rows<Elem> dv, int H, int Hkv, int B, int64_t bh0, int Sq, int Sqp,
+                 int Sk, float scale, bool causal) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int D = Cfg::D, BN = Cfg::BN, BM = Cfg::BM, ST = Cfg::kStages, DQN = Cfg::DQN, KQ = Cfg::KQ;
+  static_assert(bwd_layouts_agree<Cfg>(), "tiles must land in the layouts the GEMMs read");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  typename Cfg::Smem& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
+
+  const int tid = threadIdx.x;
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform by construction; tell the compiler
+  const int64_t bhk = bh0 + blockIdx.y;
+  const int G = H / Hkv;
+  const KvHeadIdx hd(bhk, Hkv, G);
+  const int nblk = static_cast<int>(blockIdx.x);  // causal: block 0 has the most query blocks, and starts first
+  const int n0 = nblk * BN;
+  const int q_begin = causal ? n0 / BM * BM : 0;
+  const int n_qt = q_begin < Sq ? (Sq - q_begin + BM - 1) / BM : 0;
+  const int n_it = n_qt * G;  // iteration it: query head h0 + it / n_qt, its block it % n_qt
+
+  if (tid == 0) {
+    TxBarrier::init(&sm.kv_full, 1);
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      TxBarrier::init(&sm.full[s], 1);
+      Barrier::init(&sm.empty[s], 2);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (tid == 0) {
+      const int b = static_cast<int>(hd.b), hk = static_cast<int>(hd.hk), h0 = static_cast<int>(hd.h0);
+      Tensor mK = tma_k.get_tma_tensor(make_shape(Sk, Int<D>{}, Hkv, B));
+      Tensor mV = tma_v.get_tma_tensor(make_shape(Sk, Int<D>{}, Hkv, B));
+      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(nblk, _0{}));
+      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(nblk, _0{}));
+      Tensor sK = make_tensor(make_smem_ptr(sm.k), typename Cfg::LayoutK{});
+      Tensor sV = make_tensor(make_smem_ptr(sm.v), typename Cfg::LayoutK{});
+      auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      TxBarrier::arrive_and_expect_tx(&sm.kv_full, Cfg::kKVBytes);
+      copy(tma_k.with(sm.kv_full), tKg, tKs);
+      copy(tma_v.with(sm.kv_full), tVg, tVs);
+
+      Tensor mQ = tma_q.get_tma_tensor(make_shape(Sq, Int<D>{}, H, B));
+      Tensor mdO = tma_do.get_tma_tensor(make_shape(Sq, Int<D>{}, H, B));
+      Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename Cfg::LayoutQRing{});  // (BM, D, ST)
+      Tensor sdO = make_tensor(make_smem_ptr(sm.dout), typename Cfg::LayoutQRing{});
+      for (int it = 0; it < n_it; ++it) {
+        const int st = it % ST;
+        const int gi = it / n_qt, qblk = q_begin / BM + (it - gi * n_qt);
+        if (it >= ST) Barrier::wait(&sm.empty[st], static_cast<uint32_t>(((it / ST) & 1) ^ 1));
+        Tensor gQ = local_tile(mQ(_, _, h0 + gi, b), Shape<Int<BM>, Int<D>>{}, make_coord(_, _0{}));  // (BM, D, n)
+        Tensor gdO = local_tile(mdO(_, _, h0 + gi, b), Shape<Int<BM>, Int<D>>{}, make_coord(_, _0{}));
+        auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        auto [tdOg, tdOs] =
+            tma_partition(tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+        TxBarrier::arrive_and_expect_tx(&sm.full[st], Cfg::kStageBytes);
+        copy(tma_q.with(sm.full[st]), tQg(_, qblk), tQs(_, st));
+        copy(tma_do.with(sm.full[st]), tdOg(_, qblk), tdOs(_, st));
+      }
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    const int cw = wg - 1, wtid = tid % 128;
+    const int key0 = n0 + 64 * cw;  // this warpgroup's first key
+    typename Cfg::MmaSdP mma_sdp;
+    typename Cfg::MmaKV mma_kv;
+    typename Cfg::MmaQ mma_q;
+    auto thr_sdp = mma_sdp.get_thread_slice(wtid);
+    auto thr_kv = mma_kv.get_thread_slice(wtid);
+    auto thr_q = mma_q.get_thread_slice(wtid);
+
+    Tensor sK = make_tensor(make_smem_ptr(sm.k), typename Cfg::LayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(sm.v), typename Cfg::LayoutK{});
+    Tensor sKt = make_tensor(make_smem_ptr(sm.k), typename Cfg::LayoutKt{});  // (D, BN)
+    Tensor tSrK = thr_sdp.partition_fragment_A(local_tile(sK, Shape<_64, Int<D>>{}, make_coord(cw, 0)));
+    Tensor tSrV = thr_sdp.partition_fragment_A(local_tile(sV, Shape<_64, Int<D>>{}, make_coord(cw, 0)));
+    // dQ's B operand: K^T, this consumer's columns of D over every key, or all columns over its keys.
+    Tensor tQrKt = thr_q.partition_fragment_B(local_tile(
+        sKt, Shape<Int<DQN>, Int<KQ>>{}, make_coord(Cfg::kSplitCols ? cw : 0, Cfg::kSplitKeys ? cw : 0)));
+
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<BM>>{});   // S^T: (key, query)
+    Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<_64, Int<BM>>{});  // dP^T
+    Tensor tKVrdV = partition_fragment_C(mma_kv, Shape<_64, Int<D>>{});
+    Tensor tKVrdK = partition_fragment_C(mma_kv, Shape<_64, Int<D>>{});
+    Tensor tQrdQ = partition_fragment_C(mma_q, Shape<_64, Int<DQN>>{});
+    Tensor tKVrP = make_tensor<Elem>(Shape<Shape<_2, _2, _2>, _1, Int<BM / 16>>{});
+    Tensor tKVrdS = make_tensor<Elem>(Shape<Shape<_2, _2, _2>, _1, Int<BM / 16>>{});
+    static_assert(decltype(size(tKVrP))::value == decltype(size(tSrS))::value, "P fragment");
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, Int<BM>>{}));
+    Tensor tKVc = thr_kv.partition_C(make_identity_tensor(Shape<_64, Int<D>>{}));
+    Tensor tQc = thr_q.partition_C(make_identity_tensor(Shape<_64, Int<DQN>>{}));
+    clear(tKVrdV);
+    clear(tKVrdK);
+    const float sl = scale * kLog2e;
+
+    // The barrier after this consumer's dS is written: over both consumers where each needs
+    // the other's (kSplitCols), else over its own 128 threads.
+    const auto ds_barrier = [&] {
+      if constexpr (Cfg::kSplitCols) {
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+      } else {
+        asm volatile("bar.sync %0, 128;\n" ::"r"(4 + cw) : "memory");
+      }
+    };
+    // The lse2 / delta rows of iteration it, this consumer's copy: thread wtid (2 BM = 128)
+    // loads value wtid (lse2 of query wtid, then delta of query wtid - BM) from global memory
+    // during iteration it - 1 and stores it to rows[cw][it & 1] before that iteration's
+    // ds_barrier, which also follows every read of rows[cw][(it - 1) & 1]: so the staging
+    // needs no barrier of its own.
+    static_assert(2 * BM == 128, "one row value a consumer thread");
+    const auto row_value = [&](int it2) {
+      const int g2 = it2 / n_qt;
+      const int64_t r0 = (static_cast<int64_t>(hd.b) * H + hd.h0 + g2) * Sqp + q_begin + (it2 - g2 * n_qt) * BM;
+      return wtid < BM ? lse2[r0 + wtid] : delta[r0 + wtid - BM];
+    };
+    if (n_it > 0) sm.rows[cw][0][wtid] = row_value(0);
+    ds_barrier();
+
+    TxBarrier::wait(&sm.kv_full, 0);
+    for (int it = 0; it < n_it; ++it) {
+      const int st = it % ST;
+      const int gi = it / n_qt;
+      const int q0 = q_begin + (it - gi * n_qt) * BM;
+      const bool stage_next = it + 1 < n_it;
+      const float next_row = stage_next ? row_value(it + 1) : 0.f;
+      TxBarrier::wait(&sm.full[st], static_cast<uint32_t>((it / ST) & 1));
+      Tensor sQ = make_tensor(make_smem_ptr(sm.q + st * BM * D), typename Cfg::LayoutQ{});
+      Tensor sdO = make_tensor(make_smem_ptr(sm.dout + st * BM * D), typename Cfg::LayoutQ{});
+      Tensor sQt = make_tensor(make_smem_ptr(sm.q + st * BM * D), typename Cfg::LayoutQt{});
+      Tensor sdOt = make_tensor(make_smem_ptr(sm.dout + st * BM * D), typename Cfg::LayoutQt{});
+      Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+      Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+
+      // S^T = K_w Q^T and dP^T = V_w dO^T, two batches: P^T is computed while dP^T runs.
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tSrdP);
+      warpgroup_arrive();
+      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+      for (int kb = 0; kb < D / 16; ++kb) {
+        cute::gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb), tSrS);
+        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+      for (int kb = 0; kb < D / 16; ++kb) {
+        cute::gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb), tSrdP);
+        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+
+      // P^T; key r sees query c iff key < Sk and (!causal || key <= query). Values i, i + 1
+      // are queries c, c + 1 (c even) of one key: their lse2 / delta are one 8-byte load.
+      const float* l2 = sm.rows[cw][it & 1];
+      const float* dl = sm.rows[cw][it & 1] + BM;
+      const bool need_mask = key0 + 64 > Sk || (causal && key0 + 63 > q0);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);
+#pragma unroll
+      for (int i = 0; i < size(tSrS); i += 2) {
+        const int r = get<0>(tScS(i)), c = get<1>(tScS(i));
+        const float2 l = *reinterpret_cast<const float2*>(l2 + c);
+        float p0 = exp2_ftz(tSrS(i) * sl - l.x), p1 = exp2_ftz(tSrS(i + 1) * sl - l.y);  // padded rows: 0
+        if (need_mask) {
+          const int key = key0 + r;
+          if (key >= Sk || (causal && key > q0 + c)) p0 = 0.f;
+          if (key >= Sk || (causal && key > q0 + c + 1)) p1 = 0.f;
+        }
+        tSrS(i) = p0;
+        tSrS(i + 1) = p1;
+      }
+      pack_a<Elem>(tSrS, tKVrP);
+
+      // dV += P^T dO runs while dS^T = P^T (dP^T - delta) is computed.
+      Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
+      Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrdP);
+      warpgroup_fence_operand(tKVrdV);
+      warpgroup_fence_operand(tKVrP);
+      warpgroup_arrive();
+#pragma unroll
+      for (int kb = 0; kb < BM / 16; ++kb) cute::gemm(mma_kv, tKVrP(_, _, kb), tKVrdOt(_, _, kb), tKVrdV);
+      warpgroup_commit_batch();
+#pragma unroll
+      for (int i = 0; i < size(tSrdP); i += 2) {
+        const float2 d = *reinterpret_cast<const float2*>(dl + get<1>(tScS(i)));
+        tSrdP(i) = tSrS(i) * (tSrdP(i) - d.x);
+        tSrdP(i + 1) = tSrS(i + 1) * (tSrdP(i + 1) - d.y);
+      }
+      pack_a<Elem>(tSrdP, tKVrdS);
+      // dS^T to the dQ GEMM's A tile: (query c, key 64 cw + r); values i, i + 1 are queries c, c + 1.
+      Tensor sdS = make_tensor(make_smem_ptr(sm.ds + (it & 1) * BM * BN), typename Cfg::LayoutdS{});
+      {
+        Tensor ds32 = recast<uint32_t>(tKVrdS);
+#pragma unroll
+        for (int i = 0; i < size(ds32); ++i) {
+          const int r = get<0>(tScS(2 * i)), c = get<1>(tScS(2 * i));
+          *reinterpret_cast<uint32_t*>(&sdS(c, 64 * cw + r)) = ds32(i);
+        }
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> wgmma's reads
+
+      // dK += dS^T Q runs while the other consumer finishes its half of dS (kSplitCols).
+      warpgroup_fence_operand(tKVrdK);
+      warpgroup_fence_operand(tKVrdS);
+      warpgroup_arrive();
+#pragma unroll
+      for (int kb = 0; kb < BM / 16; ++kb) cute::gemm(mma_kv, tKVrdS(_, _, kb), tKVrQt(_, _, kb), tKVrdK);
+      warpgroup_commit_batch();
+      if (stage_next) sm.rows[cw][(it + 1) & 1][wtid] = next_row;
+      ds_barrier();  // the dS the dQ GEMM reads is written
+
+      // dQ = dS K (this consumer's part).
+      Tensor tQrdS = thr_q.partition_fragment_A(
+          local_tile(sdS, Shape<_64, Int<KQ>>{}, make_coord(0, Cfg::kSplitKeys ? cw : 0)));
+      warpgroup_fence_operand(tQrdQ);
+      warpgroup_arrive();
+      mma_q.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+      for (int kb = 0; kb < KQ / 16; ++kb) {
+        cute::gemm(mma_q, tQrdS(_, _, kb), tQrKt(_, _, kb), tQrdQ);
+        mma_q.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tKVrdV);
+      warpgroup_fence_operand(tKVrdK);
+      warpgroup_fence_operand(tKVrP);
+      warpgroup_fence_operand(tKVrdS);
+      warpgroup_fence_operand(tQrdQ);
+      if (wtid == 0) Barrier::arrive(&sm.empty[st]);  // this consumer's GEMMs have read Q and dO
+
+      // dQ into the float32 accumulator: the fragment to this consumer's shared tile in the
+      // accumulator's tile order (dq_tile_offset), then one bulk reduce-add of the whole tile.
+      // The tile is free once the previous reduce has read it.
+      float* dq_s = sm.dq + cw * 64 * DQN;
+      if (wtid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+#pragma unroll
+      for (int j = 0; j < DQN / 8; ++j)
+        *reinterpret_cast<float4*>(dq_s + j * 512 + wtid * 4) =
+            make_float4(tQrdQ(4 * j), tQrdQ(4 * j + 1), tQrdQ(4 * j + 2), tQrdQ(4 * j + 3));
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> the bulk copy
+      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+      if (wtid == 0) {
+        const int64_t bhq = static_cast<int64_t>(hd.b) * H + hd.h0 + gi;
+        const int qb64 = q0 / 64, half = Cfg::kSplitCols ? cw : 0;  // kSplitKeys: both add to one tile
+        const float* dst = dq_acc + dq_tile_offset<D, DQN>(bhq, qb64, half, Sqp);
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                     "r"(static_cast<uint32_t>(__cvta_generic_to_shared(dq_s))), "n"(64 * DQN * 4)
+                     : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      }
+    }
+    if (wtid == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the last reduce is done
+
+    // dK = scale * sum dS^T Q, dV = sum P^T dO: this warpgroup's 64 key rows.
+#pragma unroll
+    for (int i = 0; i < size(tKVrdK); i += 2) {
+      const int key = key0 + get<0>(tKVc(i)), c = get<1>(tKVc(i));
+      if (key < Sk) {
+        *reinterpret_cast<uint32_t*>(dk.row(hd.b, hd.hk, key) + c) =
+            pack2<Elem>(tKVrdK(i) * scale, tKVrdK(i + 1) * scale);
+        *reinterpret_cast<uint32_t*>(dv.row(hd.b, hd.hk, key) + c) = pack2<Elem>(tKVrdV(i), tKVrdV(i + 1));
+      }
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // not sm_90a: the host never launches this image (attention_forward_sm90_available)
+#endif
+}
+
+template <class Cfg, class Elem>
+cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cudaStream_t stream) {
+  constexpr int D = Cfg::D;
+  const int64_t Sqp = padded_rows(a.Sq);
+  float* lse2 = static_cast<float*>(workspace);
+  float* delta = lse2 + a.BH() * Sqp;
+  float* dq_acc = delta + a.BH() * Sqp;
+  {
+    const int64_t rows = a.BH() * Sqp;
+    attn_bwd_prep_sm90<Elem><<<ceil_div_u(rows, 4), 128, 0, stream>>>(
+        rows_of<const Elem>(a.o, a.so), rows_of<const Elem>(a.dout, a.sdo), static_cast<const float*>(a.lse), lse2, delta,
+        a.H, a.Sq, Sqp, rows, D);
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) e = cudaMemsetAsync(dq_acc, 0, rows * D * sizeof(float), stream);
+    if (e != cudaSuccess) return e;
+  }
+  const auto tma_q = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.q, a.Sq, a.H, a.B, a.sq),
+                                   typename Cfg::LayoutQ{}, Shape<Int<Cfg::BM>, Int<D>>{});
+  const auto tma_do = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.dout, a.Sq, a.H, a.B, a.sdo),
+                                    typename Cfg::LayoutQ{}, Shape<Int<Cfg::BM>, Int<D>>{});
+  const auto tma_k = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.k, a.Sk, a.Hkv, a.B, a.sk),
+                                   typename Cfg::LayoutK{}, Shape<Int<Cfg::BN>, Int<D>>{});
+  const auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.v, a.Sk, a.Hkv, a.B, a.sv),
+                                   typename Cfg::LayoutK{}, Shape<Int<Cfg::BN>, Int<D>>{});
+  constexpr auto kern = attn_bwd_ws_sm90<Cfg, Elem, std::remove_const_t<decltype(tma_q)>,
+                                         std::remove_const_t<decltype(tma_k)>>;
+  cudaError_t e = set_smem<kern>(dev, Cfg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const unsigned gx = ceil_div_u(a.Sk, Cfg::BN);
+  e = for_bh_chunks(a.BHkv(), [&](int64_t bh0, unsigned nbh) {
+    kern<<<dim3(gx, nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+        tma_q, tma_do, tma_k, tma_v, lse2, delta, dq_acc, rows_of<Elem>(a.dk, a.sdk), rows_of<Elem>(a.dv, a.sdv),
+        static_cast<int>(a.H), static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, static_cast<int>(a.Sq),
+        static_cast<int>(Sqp), static_cast<int>(a.Sk), a.scale, a.causal);
+  });
+  if (e != cudaSuccess) return e;
+  const int64_t n4 = a.BH() * Sqp * D / 4;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n4 + 255) / 256, int64_t{1} << 20));
+  attn_bwd_dq_out_sm90<Cfg, Elem>
+      <<<blocks, 256, 0, stream>>>(dq_acc, rows_of<Elem>(a.dq, a.sdq), a.H, a.Sq, Sqp, n4, a.scale);
+  return cudaGetLastError();
+}
+
+template <class Elem> cudaError_t launch_bwd_d(const AttentionBwdArgs& a, void* ws, int dev, cudaStream_t stream) {
+  return a.D == 64 ? launch_bwd<BwdCfg<Elem, 64>, Elem>(a, ws, dev, stream)
+                   : launch_bwd<BwdCfg<Elem, 128>, Elem>(a, ws, dev, stream);
+}
+
+}  // namespace
+
+bool attention_backward_sm90_supported(const AttentionBwdArgs& a) {
+  // int32 TMA coordinates and kernel row indices; padded lse2 rows below 2^31 as well.
+  return tma_operand_ok(a.sq, a.Sq, a.H, a.B) && tma_operand_ok(a.sdo, a.Sq, a.H, a.B) &&
+         tma_operand_ok(a.sk, a.Sk, a.Hkv, a.B) && tma_operand_ok(a.sv, a.Sk, a.Hkv, a.B) && a.Sk > 0 &&
+         a.Sq > 0 && padded_rows(a.Sq) < (int64_t{1} << 31) && a.H < (int64_t{1} << 31);
+}
+
+int64_t attention_backward_sm90_workspace_bytes(const AttentionBwdArgs& a) {
+  return a.BH() * padded_rows(a.Sq) * (2 + a.D) * static_cast<int64_t>(sizeof(float));
+}
+
+cudaError_t attention_backward_sm90(const AttentionBwdArgs& a, void* workspace, int dev, cudaStream_t stream) {
+  return a.dtype == DType::BFloat16 ? launch_bwd_d<cutlass::bfloat16_t>(a, workspace, dev, stream)
+                                    : launch_bwd_d<cutlass::half_t>(a, workspace, dev, stream);
+}
+
+}  // namespace gpu_puzzles
