@@ -652,11 +652,16 @@ def _skip_unless_wgmma():
         pytest.skip("extension built without the CUTLASS headers (no wgmma forward)")
 
 
-def _assert_forward_kernel(fn, want, what):
-    """fn() launches exactly one attention forward kernel, the one labelled `want`."""
-    ran = forward_kernels(fn)
+def _assert_ran(kernels, fn, want, what):
+    """fn() launches exactly one of the attention kernels that `kernels` (forward_kernels or
+    backward_kernels) labels, the one labelled `want`."""
+    ran = kernels(fn)
     if ran is not None:  # None: the profiler records no kernels here
-        assert ran == [want], f"{what}: forward kernels {ran}, want [{want!r}]"
+        assert ran == [want], f"{what}: {kernels.__name__} {ran}, want [{want!r}]"
+
+
+def _assert_forward_kernel(fn, want, what):
+    _assert_ran(forward_kernels, fn, want, what)
 
 
 @requires_cuda
@@ -963,9 +968,7 @@ BWD_LENS = [1, 63, 65, 127, 129, 255, 300]
 
 
 def _assert_backward_kernel(fn, want, what):
-    ran = backward_kernels(fn)
-    if ran is not None:  # None: the profiler records no kernels here
-        assert ran == [want], f"{what}: backward kernels {ran}, want [{want!r}]"
+    _assert_ran(backward_kernels, fn, want, what)
 
 
 @requires_cuda

@@ -359,19 +359,9 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
       warpgroup_fence_operand(tSrS);
       warpgroup_fence_operand(tSrdP);
       warpgroup_arrive();
-      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-      for (int kb = 0; kb < D / 16; ++kb) {
-        cute::gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb), tSrS);
-        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-      }
+      gemm_fresh<D / 16>(mma_sdp, tSrK, tSrQ, tSrS);
       warpgroup_commit_batch();
-      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-      for (int kb = 0; kb < D / 16; ++kb) {
-        cute::gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb), tSrdP);
-        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-      }
+      gemm_fresh<D / 16>(mma_sdp, tSrV, tSrdO, tSrdP);
       warpgroup_commit_batch();
 
       // P^T; key r sees query c iff key < Sk and (!causal || key <= query). Values i, i + 1
@@ -441,12 +431,7 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
           local_tile(sdS, Shape<_64, Int<KQ>>{}, make_coord(0, Cfg::kSplitKeys ? cw : 0)));
       warpgroup_fence_operand(tQrdQ);
       warpgroup_arrive();
-      mma_q.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-      for (int kb = 0; kb < KQ / 16; ++kb) {
-        cute::gemm(mma_q, tQrdS(_, _, kb), tQrKt(_, _, kb), tQrdQ);
-        mma_q.accumulate_ = GMMA::ScaleOut::One;
-      }
+      gemm_fresh<KQ / 16>(mma_q, tQrdS, tQrKt, tQrdQ);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tKVrdV);

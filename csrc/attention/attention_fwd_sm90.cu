@@ -185,12 +185,7 @@ template <int D, class Mma, class TQ, class TK, class TS>
 __device__ __forceinline__ void issue_qk(Mma& mma_s, const TQ& tSrQ, const TK& tSrK, TS& tSrS) {
   warpgroup_fence_operand(tSrS);
   warpgroup_arrive();
-  mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-  for (int kb2 = 0; kb2 < D / 16; ++kb2) {
-    cute::gemm(mma_s, tSrQ(_, _, kb2), tSrK(_, _, kb2), tSrS);
-    mma_s.accumulate_ = GMMA::ScaleOut::One;
-  }
+  gemm_fresh<D / 16>(mma_s, tSrQ, tSrK, tSrS);
   warpgroup_commit_batch();
 }
 

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/numeric_types.h>
 
 #include "attention/attention.h"
@@ -49,6 +50,19 @@ inline bool tma_operand_ok(const AttnStrides& st, int64_t S, int64_t heads, int6
   };
   const int64_t lim = int64_t{1} << 31;
   return ok(st.s, S) && ok(st.h, heads) && ok(st.b, batch) && S < lim && heads < lim && batch < lim;
+}
+
+// C = A B over the k-blocks of two partitioned wgmma operands (mode 2), C's old values
+// dropped: the first k-block overwrites, the rest accumulate. Issue only: the caller brackets
+// it with warpgroup_arrive / commit and waits.
+template <int KBlocks, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void gemm_fresh(Mma& mma, const TA& a, const TB& b, TC& c) {
+  mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
+#pragma unroll
+  for (int kb = 0; kb < KBlocks; ++kb) {
+    cute::gemm(mma, a(cute::_, cute::_, kb), b(cute::_, cute::_, kb), c);
+    mma.accumulate_ = cute::GMMA::ScaleOut::One;
+  }
 }
 
 // A K-major (rows x cols) tile, 128-byte swizzle, as the TMA writes it, is the MN-major
