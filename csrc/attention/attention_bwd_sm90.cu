@@ -315,6 +315,21 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
     Tensor tQc = thr_q.partition_C(make_identity_tensor(Shape<_64, Int<DQN>>{}));
     clear(tKVrdV);
     clear(tKVrdK);
+    // stmatrix call p stores 4 8 x 8 blocks of dS^T: block j is registers ds32(4 p + j), i.e.
+    // accumulator rows (keys) 16 warp + 8 (j & 1) + (0..7), columns (queries) 8 (2 p + (j >> 1)) + (0..7)
+    // (value i of the fragment: row half (i >> 1) & 1, column block i >> 2). Lane l gives the
+    // address of row l % 8 of block l / 8: 8 consecutive queries of one key, 16 contiguous bytes
+    // in the MN-major tile. Byte offsets within a buffer (buffers are 1024-byte aligned, so the
+    // swizzle is the same in both).
+    uint32_t ds_row_off[BM / 16];
+    {
+      Tensor sdS0 = make_tensor(make_smem_ptr(sm.ds), typename Cfg::LayoutdS{});
+      const int lane = wtid % 32, j = lane / 8;
+      const int key = 64 * cw + 16 * (wtid / 32) + 8 * (j & 1) + lane % 8;
+#pragma unroll
+      for (int p = 0; p < BM / 16; ++p)
+        ds_row_off[p] = static_cast<uint32_t>((&sdS0(8 * (2 * p + (j >> 1)), key) - sm.ds) * sizeof(Elem));
+    }
     const float sl = scale * kLog2e;
 
     // The barrier after this consumer's dS is written: over both consumers where each needs
@@ -404,15 +419,17 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
         tSrdP(i + 1) = tSrS(i + 1) * (tSrdP(i + 1) - d.y);
       }
       pack_a<Elem>(tSrdP, tKVrdS);
-      // dS^T to the dQ GEMM's A tile: (query c, key 64 cw + r); values i, i + 1 are queries c, c + 1.
+      // dS^T to the dQ GEMM's A tile (query c, key 64 cw + r), 8 x 8 blocks at a time (stmatrix).
       Tensor sdS = make_tensor(make_smem_ptr(sm.ds + (it & 1) * BM * BN), typename Cfg::LayoutdS{});
       {
         Tensor ds32 = recast<uint32_t>(tKVrdS);
+        const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(sm.ds + (it & 1) * BM * BN));
 #pragma unroll
-        for (int i = 0; i < size(ds32); ++i) {
-          const int r = get<0>(tScS(2 * i)), c = get<1>(tScS(2 * i));
-          *reinterpret_cast<uint32_t*>(&sdS(c, 64 * cw + r)) = ds32(i);
-        }
+        for (int p = 0; p < BM / 16; ++p)
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                           base + ds_row_off[p]),
+                       "r"(ds32(4 * p)), "r"(ds32(4 * p + 1)), "r"(ds32(4 * p + 2)), "r"(ds32(4 * p + 3))
+                       : "memory");
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> wgmma's reads
 
