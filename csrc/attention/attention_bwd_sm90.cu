@@ -68,7 +68,7 @@ template <class Elem, int D_> struct BwdCfg {
   // dQ = dS K for the query block. D = 128: each consumer takes half of D's columns over all
   // BN keys (so it needs the other's dS: a barrier over both). D = 64: each takes all columns
   // over its own 64 keys (a float32 64 x 64 partial of its own), and both partials are added:
-  // the consumers never wait for each other.
+  // no barrier between the consumers (they meet only at the ring's stages).
   static constexpr bool kSplitKeys = D == 64, kSplitCols = !kSplitKeys;
   static constexpr int DQN = kSplitCols ? D / 2 : D, KQ = kSplitKeys ? 64 : BN;
   static_assert(BM == 64 && kPadRows % BM == 0, "BM: one wgmma M, one consumer's dq tile");
