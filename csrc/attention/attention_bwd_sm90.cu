@@ -120,13 +120,7 @@ template <class Cfg> constexpr bool bwd_layouts_agree() {
   constexpr int D = Cfg::D, BM = Cfg::BM, BN = Cfg::BN;
   if (!transposed_views_agree<typename Cfg::LayoutQ, typename Cfg::LayoutQt, BM, D>()) return false;
   if (!transposed_views_agree<typename Cfg::LayoutK, typename Cfg::LayoutKt, BN, D>()) return false;
-  constexpr typename Cfg::LayoutQRing ring{};
-  constexpr typename Cfg::LayoutQ one{};
-  for (int s = 0; s < Cfg::kStages; ++s)
-    for (int r = 0; r < BM; r += 7)
-      for (int c = 0; c < D; c += 9)
-        if (static_cast<int>(ring(r, c, s)) != s * BM * D + static_cast<int>(one(r, c))) return false;
-  return true;
+  return ring_stages_agree<typename Cfg::LayoutQRing, typename Cfg::LayoutQ, BM, D, Cfg::kStages>();
 }
 
 // lse2 = lse * log2(e) and delta = rowsum(dout * o) per query row, padded to kPadRows rows
@@ -201,15 +195,6 @@ attn_bwd_dq_out_sm90(const float* __restrict__ dq_acc, Rows<T> dq, int64_t H, in
     }
   }
 }
-
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Accumulator to 16-bit RS A-operand registers (value 2i low half, 2i + 1 high half).
-template <class Elem, class TC, class TA> __device__ __forceinline__ void pack_a(const TC& acc, TA& frag) {
-  Tensor f32 = recast<uint32_t>(frag);
-#pragma unroll
-  for (int i = 0; i < size(f32); ++i) f32(i) = pack2<Elem>(acc(2 * i), acc(2 * i + 1));
-}
-#endif
 
 template <class Cfg, class Elem, class TmaQ, class TmaKV>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)

@@ -158,22 +158,10 @@ template <class Elem, int D_, int BN_, int Stages_, bool Overlap_, bool Pingpong
 };
 
 // The ring's stage s, element (key r, dim c), sits where a one-stage K tile and the PV
-// GEMM's V^T view put it. Checked (constexpr) on rows and columns that set every bit the
-// 128-byte swizzle reads and crosses each atom edge.
+// GEMM's V^T view put it.
 template <class Cfg> constexpr bool ws_layouts_agree() {
-  constexpr typename Cfg::LayoutKV kv{};
-  constexpr typename Cfg::LayoutK k{};
-  constexpr typename Cfg::LayoutVt vt{};
-  constexpr int rows[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 63, 64, Cfg::BN - 1};
-  constexpr int cols[] = {0, 1, 7, 8, 9, 16, 24, 31, 32, 56, 63, Cfg::D / 2 + 1, Cfg::D - 8, Cfg::D - 1};
-  for (int s = 0; s < Cfg::kStages; ++s)
-    for (int r : rows)
-      for (int c : cols) {
-        const int at = static_cast<int>(k(r, c));
-        if (static_cast<int>(kv(r, c, s)) != s * Cfg::kTileElems + at || static_cast<int>(vt(c, r)) != at)
-          return false;
-      }
-  return true;
+  return ring_stages_agree<typename Cfg::LayoutKV, typename Cfg::LayoutK, Cfg::BN, Cfg::D, Cfg::kStages>() &&
+         transposed_views_agree<typename Cfg::LayoutK, typename Cfg::LayoutVt, Cfg::BN, Cfg::D>();
 }
 
 // Device code below is compiled for sm_90a only (the other targets get the trap stub).
@@ -215,13 +203,6 @@ __device__ __forceinline__ void scale_mask(TS& tSrS, const TC& tScS, float scale
   }
 }
 
-// P to 16-bit pairs (value 2i low half, 2i + 1 high half: one A register each).
-template <class Elem, class TS, class TP> __device__ __forceinline__ void pack_p(const TS& tSrS, TP& tOrP) {
-  Tensor tOrP32 = recast<uint32_t>(tOrP);
-#pragma unroll
-  for (int i = 0; i < size(tOrP32); ++i) tOrP32(i) = pack2<Elem>(tSrS(2 * i), tSrS(2 * i + 1));
-}
-
 // Online softmax (value i is in row half h = (i >> 1) & 1, n-tile i / 4), then P.
 template <int BN, int D, class Elem, class TS, class TO, class TP>
 __device__ __forceinline__ void softmax_to_p(TS& tSrS, TO& tOrO, TP& tOrP, float (&m_r)[2], float (&l_r)[2]) {
@@ -230,7 +211,7 @@ __device__ __forceinline__ void softmax_to_p(TS& tSrS, TO& tOrO, TP& tOrP, float
     online_softmax_step<true, false, BN / 8, D / 8>(
         [&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
         [&](int nb, int e) -> float& { return tOrO(4 * nb + e); }, m_r[h], l_r[h], h);
-  pack_p<Elem>(tSrS, tOrP);
+  pack_a<Elem>(tSrS, tOrP);
 }
 
 // O += P V (RS wgmma: P from registers): issued; completed on return of gemm_pv.
@@ -535,7 +516,7 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
         if (wtid == 0) Barrier::arrive(&sm.k_empty[0]);
         scale_mask<BN>(tSrS, tScS, scale_log2, 0, Sk, wrow0, causal);
         softmax_rows<BN>(tSrS, m_r, l_r);  // O is still 0: nothing to rescale
-        pack_p<Elem>(tSrS, tOrP);
+        pack_a<Elem>(tSrS, tOrP);
         for (int j = 1; j < n_tiles; ++j) {
           const int st = j % ST, pst = (j - 1) % ST;
           TxBarrier::wait(&sm.k_full[st], static_cast<uint32_t>((j / ST) & 1));
@@ -555,7 +536,7 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
           warpgroup_fence_operand(tOrP);
           if (wtid == 0) Barrier::arrive(&sm.v_empty[pst]);
           rescale_o<D>(tOrO, m_prev, m_r);
-          pack_p<Elem>(tSrS, tOrP);
+          pack_a<Elem>(tSrS, tOrP);
         }
         const int lst = (n_tiles - 1) % ST;
         TxBarrier::wait(&sm.v_full[lst], static_cast<uint32_t>(((n_tiles - 1) / ST) & 1));
