@@ -15,7 +15,9 @@ Configs: "auto" (the default heuristic, attention_fwd_plan in csrc/attention/att
 and the attention_fwd knob's values: "mma" (attn_fwd_tc), "mma_r32" (attn_fwd_tc2), "wgmma" /
 "wgmma3" (the sm_90a kernel of csrc/attention/attention_fwd_sm90.cu with 2 / 3 warpgroups per
 CTA), "ws" / "ws2" / "ws3" (its warp-specialised, TMA-fed variants: plain, consumers' GEMMs
-overlapping their softmax, and that with the consumers taking turns). Where a forced kernel
+overlapping their softmax, and that with the consumers taking turns; "ws192": ws3 with three
+consumers, D = 64 only), and "sdpa" (F.scaled_dot_product_attention, timed the
+same way, for the ratios). Where a forced kernel
 cannot run (no CUTLASS headers at build time, not a 9.x GPU) the heuristic's fallback runs, and
 its cells say so. The names older results files use, "old" and
 "r32_bn32_w4_s2", are taken for "mma" and "mma_r32".
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.bench.attention import forward_kernels
 
-CONFIGS = ["auto", "mma", "mma_r32", "wgmma", "wgmma3", "ws", "ws2", "ws3"]
+CONFIGS = ["auto", "mma", "mma_r32", "wgmma", "wgmma3", "ws", "ws2", "ws3", "ws192", "sdpa"]
 ALIASES = {"old": "mma", "r32_bn32_w4_s2": "mma_r32"}
 # (label, B, H, S, D, causal)
 SHAPES = [("4x32x4096x128", 4, 32, 4096, 128, False), ("4x32x4096x128 causal", 4, 32, 4096, 128, True),
@@ -40,6 +42,12 @@ SHAPES = [("4x32x4096x128", 4, 32, 4096, 128, False), ("4x32x4096x128 causal", 4
 # 192-row CTA leaves SMs idle that a 128-row one would fill.
 SMALL_SHAPES = [(f"{B}x16x{S}x{D}" + (" causal" if c else ""), B, 16, S, D, c)
                 for D in (64, 128) for c in (False, True) for B in (1, 2, 4, 8) for S in (256, 512, 1024, 2048)]
+# --shapes models: D = 64, the head dim of GPT-2 and of the Llama-style 1B (issue 29's configs),
+# and the issue's D = 64 row.
+MODEL_SHAPES = [("gpt2 8x12x1024x64 causal", 8, 12, 1024, 64, True),
+                ("llama1b 4x32x2048x64 causal", 4, 32, 2048, 64, True),
+                ("8x16x2048x64", 8, 16, 2048, 64, False), ("8x16x2048x64 causal", 8, 16, 2048, 64, True),
+                ("2x16x1024x64 causal", 2, 16, 1024, 64, True), ("1x32x8192x64 causal", 1, 32, 8192, 64, True)]
 # (lead, Sq, Sk, D, causal): tails past every tile size, S < BN, Sq != Sk both ways under causal.
 CHECK_SHAPES = [((2, 3), 1, 1, 64, False), ((2,), 17, 5, 128, True), ((2,), 31, 33, 64, True),
                 ((1, 2), 129, 33, 128, True), ((1, 2), 33, 129, 64, True), ((2,), 255, 127, 128, False),
@@ -94,14 +102,20 @@ def run_config(cfg: str, reps: int, shapes: list) -> dict:
     """Check and time one configuration under the attention_fwd knob."""
     ops = torch.ops.gpu_puzzles
     res = {"cfg": cfg, "max_err": 0.0, "fail": [], "kernel": {}}
-    with gp.tuning.override(attention_fwd=None if cfg == "auto" else cfg):
-        check(res)
+    sdpa = cfg == "sdpa"  # F.scaled_dot_product_attention, timed the same way (not checked)
+    with gp.tuning.override(attention_fwd=None if cfg in ("auto", "sdpa") else cfg):
+        if not sdpa:
+            check(res)
         warm_up_gpu()
         for label, B, H, S, D, causal in shapes:
             q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            fn = lambda: ops.attention(q, k, v, None, causal)  # noqa: E731
-            ran = forward_kernels(fn)
-            res["kernel"][label] = "?" if not ran else "+".join(sorted(set(ran)))
+            if sdpa:
+                fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+                res["kernel"][label] = "sdpa"
+            else:
+                fn = lambda: ops.attention(q, k, v, None, causal)  # noqa: E731
+                ran = forward_kernels(fn)
+                res["kernel"][label] = "?" if not ran else "+".join(sorted(set(ran)))
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()
@@ -129,11 +143,12 @@ def main() -> None:
     ap.add_argument("--configs", nargs="*", default=CONFIGS,
                     help="auto and attention_fwd knob values: " + ", ".join(CONFIGS[1:]))
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--shapes", choices=("issue", "small"), default="issue",
-                    help="issue: the four benchmark shapes; small: B=1..8, H=16, S=256..2048 (few CTAs)")
+    ap.add_argument("--shapes", choices=("issue", "small", "models"), default="issue",
+                    help="issue: the four benchmark shapes; small: B=1..8, H=16, S=256..2048 (few CTAs); "
+                         "models: D = 64 at GPT-2's and the Llama-style 1B's shapes")
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
-    shapes = SHAPES if args.shapes == "issue" else SMALL_SHAPES
+    shapes = {"issue": SHAPES, "small": SMALL_SHAPES, "models": MODEL_SHAPES}[args.shapes]
     rows = []
     for cfg in args.configs:
         cfg = ALIASES.get(cfg, cfg)
@@ -146,7 +161,7 @@ def main() -> None:
             json.dump({"shapes": [s[0] for s in shapes], "rows": rows}, f, indent=1)
     # One row per shape, one column per config (errors and failed checks listed below).
     good = [r for r in rows if "error" not in r]
-    w = 22
+    w = 24
     print("forward TFLOP/s (bf16, median over reps of CUDA-event time / 10 calls) and the kernel that ran")
     print(f"{'shape':<22} " + " ".join(f"{r['cfg']:>{w}}" for r in good))
     print(f"{'check (max err)':<22} " + " ".join(

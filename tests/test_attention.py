@@ -621,20 +621,28 @@ def test_cuda_online_softmax_rescaling(dtype):
 # that check is left out where the profiler records no kernels, as under compute-sanitizer).
 # "wgmma" / "wgmma3": the sm_90a kernel (attention_fwd_sm90.cu) with 2 / 3 warpgroups; "ws" its
 # warp-specialised, TMA-fed variant (same file), "ws2" that with each consumer's GEMMs overlapping
-# its softmax, "ws3" ws2 with the consumers taking turns to issue their GEMMs.
+# its softmax, "ws3" ws2 with the consumers taking turns to issue their GEMMs, "ws192" ws3 with
+# three consumers (D = 64 only: at D = 128 it runs ws3).
 # (attention_fwd, attention_fwd_warps) -> the label forward_kernel gives the kernel that runs.
 FWD_KNOBS = [("mma", "4"), ("mma", "8"), ("mma_r32", None), ("wgmma", None), ("wgmma3", None), ("ws", None),
-             ("ws2", None), ("ws3", None)]
+             ("ws2", None), ("ws3", None), ("ws192", None)]
 _FWD_LABEL = {("mma", "4"): "mma/w4", ("mma", "8"): "mma/w8", ("mma_r32", None): "mma_r32",
               ("wgmma", None): "wgmma", ("wgmma3", None): "wgmma3", ("ws", None): "ws", ("ws2", None): "ws2",
-              ("ws3", None): "ws3"}
+              ("ws3", None): "ws3", ("ws192", None): "ws192"}
+
+
+def _fwd_label(knobs, D):
+    """The label of the kernel that knobs force at head dim D (three consumers: D = 64 only)."""
+    want = _FWD_LABEL[knobs]
+    return "ws3" if want == "ws192" and D != 64 else want
 # (lead, Sq, Sk, D): S < BN (32/64), lengths not multiples of BM (64/128/256) or BN, exact
 # multiples, Sq != Sk both ways (causal stays top-left aligned), one query, one key.
 CFG_SHAPES = [((1,), 1, 1, 64), ((2,), 5, 17, 128), ((2, 3), 31, 33, 64), ((2,), 33, 129, 128),
               ((1, 4), 129, 33, 64), ((2,), 127, 255, 128), ((1, 2), 255, 127, 64), ((2,), 128, 128, 64),
               ((2,), 256, 256, 128), ((1, 2), 257, 257, 128), ((1, 2), 300, 700, 64), ((1,), 700, 300, 128),
               ((1,), 1000, 1000, 128), ((1,), 1, 300, 64), ((1,), 300, 1, 128), ((2,), 513, 511, 64)]
-# wgmma (64 query rows per warpgroup, BM = 128 or 192 per CTA, BN = 64 or 128 keys per tile):
+# wgmma (64 query rows per warpgroup, BM = 128 or 192 per CTA, BN = 64 or 128 keys per tile;
+# causal at BM = 192, tiles wholly above a warpgroup's rows: 257 and 1000 rows):
 # lengths around the warpgroup, CTA and tile edges, one row/key, several tiles; every pair, so
 # Sq != Sk both ways.
 WGMMA_LENS = [1, 63, 65, 127, 129, 193, 257, 1000]
@@ -671,14 +679,13 @@ def test_cuda_forward_configs(knobs, dtype):
     # Output, lse (directly and through the backward's gradients) vs float64, on poisoned memory,
     # with the forward forced to one kernel; every call must have run that kernel.
     fwd, warps = knobs
-    want = _FWD_LABEL[knobs]
     wgmma = fwd.startswith("wgmma") or fwd.startswith("ws")
     if wgmma:
         _skip_unless_wgmma()
 
     def check(lead, Sq, Sk, D, causal, what, scale=None):
-        _assert_forward_kernel(lambda: _cuda_check(lead, Sq, Sk, D, D, causal, dtype, what, scale=scale), want,
-                               what)
+        _assert_forward_kernel(lambda: _cuda_check(lead, Sq, Sk, D, D, causal, dtype, what, scale=scale),
+                               _fwd_label(knobs, D), what)
 
     with gp.tuning.override(attention_fwd=fwd, attention_fwd_warps=warps):
         for lead, Sq, Sk, D in CFG_SHAPES:
@@ -705,7 +712,7 @@ def test_cuda_forward_configs(knobs, dtype):
 # (2 warpgroups fill the waves better on a 132-SM H100/H200) and many (3 warpgroups).
 AUTO_CASES = [(2, 300, 64, False), (2, 300, 64, True), (2, 300, 128, False), (2, 300, 128, True),
               (64, 512, 64, False), (160, 512, 128, True), (16, 1024, 64, True),
-              (16, 1024, 128, False), (16, 1024, 128, True), (128, 2048, 128, False)]
+              (16, 1024, 128, False), (16, 1024, 128, True), (128, 2048, 128, False), (8, 2048, 64, True)]
 
 
 def _auto_warpgroups(BH, S, sms):
@@ -718,9 +725,10 @@ def _auto_warpgroups(BH, S, sms):
 
 def _auto_forward(BH, S, D, sms, broadcast_kv=False):
     """The documented default (attention_fwd_plan): ws3 from 1024 keys, or from 512 where its
-    128-row CTAs fill two waves; else wgmma (warpgroups as above) at D = 128, mma/w8 at 64."""
+    128-row CTAs fill two waves (ws192 at D = 64 from 2048 query rows); else wgmma (warpgroups
+    as above) at D = 128, mma/w8 at 64."""
     if not broadcast_kv and (S >= 1024 or (S >= 512 and BH * -(-S // 128) >= 2 * sms)):
-        return "ws3"
+        return "ws192" if D == 64 and S >= 2048 else "ws3"
     return ("wgmma3" if _auto_warpgroups(BH, S, sms) == 3 else "wgmma") if D == 128 else "mma/w8"
 
 
@@ -741,7 +749,7 @@ def test_cuda_auto_forward_kernel():
                                    f"broadcast k/v BH={BH} S={S} D={D} causal={causal}")
     if sms == 132:  # H100 SXM / H200: the cases take every default
         assert {_auto_forward(BH, S, D, sms, b) for BH, S, D, _ in AUTO_CASES for b in (False, True)} == {
-            "ws3", "wgmma", "wgmma3", "mma/w8"}
+            "ws3", "ws192", "wgmma", "wgmma3", "mma/w8"}
         assert {_auto_warpgroups(BH, S, sms) for BH, S, D, _ in AUTO_CASES if D == 128} == {2, 3}
 
 
@@ -923,7 +931,7 @@ def test_cuda_strided_layouts(layout, D):
 
 
 @requires_cuda
-@pytest.mark.parametrize("fwd", ["ws", "ws2", "ws3"])
+@pytest.mark.parametrize("fwd", ["ws", "ws2", "ws3", "ws192"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cuda_ws_strided_layouts(layout, D, fwd):
@@ -938,7 +946,7 @@ def test_cuda_ws_strided_layouts(layout, D, fwd):
             _poison_cache()
             (out, lse), copies = copy_kernels(OPS.attention.default, q, k, v, None, causal)
             assert copies == [], f"{what}: forward copies {copies}"
-            _assert_forward_kernel(lambda: OPS.attention(q, k, v, None, causal), fwd, what)
+            _assert_forward_kernel(lambda: OPS.attention(q, k, v, None, causal), _fwd_label((fwd, None), D), what)
             _assert_layout(out, want, f"{what} out")
             out_c, lse_c = OPS.attention(*(t.contiguous() for t in (q, k, v)), None, causal)
         assert torch.equal(out, out_c) and torch.equal(lse, lse_c), f"{what}: out/lse differ from contiguous"
@@ -952,7 +960,7 @@ def test_cuda_ws_expanded_heads_fall_back():
     _skip_unless_wgmma()
     q = torch.randn(2, 4, 150, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 1, 150, 128, device="cuda", dtype=torch.bfloat16).expand(2, 4, 150, 128) for _ in range(2))
-    for fwd in (None, "ws", "ws2", "ws3"):
+    for fwd in (None, "ws", "ws2", "ws3", "ws192"):
         with gp.tuning.override(attention_fwd=fwd):
             ran = forward_kernels(lambda: OPS.attention(q, k, v, None, True))
             out, _ = OPS.attention(q, k, v, None, True)
@@ -1036,6 +1044,27 @@ def test_cuda_wgmma_backward_falls_back():
     refs = torch.autograd.grad(ref_attention(*leaves, causal=True), leaves, g.double())
     for name, a, r in zip("qkv", grads, refs):
         _assert_close(a, r, torch.bfloat16, f"expanded k/v d{name}", grad=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("B, H, Hkv, S, D", [(1, 10, 10, 4096, 128), (1, 20, 5, 4096, 64)], ids=str)
+def test_cuda_causal_block_order(B, H, Hkv, S, D):
+    # The sm_90a causal grids run heaviest blocks first over chunks of (batch, head) rows sized to
+    # the L2 (attention_common.cuh: BlockOrder; knob attention_order). These shapes make chunks of
+    # several rows with a shorter last one (forward: 8 + 2 rows at D = 128; backward: 4 + 4 + 2 and
+    # 2 + 2 + 1 kv heads). Both orders match float64, and each other: the forward bitwise.
+    _skip_unless_wgmma()
+    q, k, v = make_gqa(B, H, Hkv, S, S, D, "cuda", torch.bfloat16, seed=S + H)
+    runs = {}
+    for order in ("rows", "longest"):
+        with gp.tuning.override(attention_order=order):
+            what = f"order={order} B={B} H={H} Hkv={Hkv} S={S} D={D}"
+            _poison_cache()
+            runs[order] = _check_gqa(q, k, v, True, torch.bfloat16, what)
+    o_r, lse_r, g_r = runs["rows"]
+    o_l, lse_l, g_l = runs["longest"]
+    assert torch.equal(o_r, o_l) and torch.equal(lse_r, lse_l), "forward differs between block orders"
+    _assert_same_grads(g_l, g_r, "block orders")
 
 
 @requires_cuda
@@ -1314,7 +1343,7 @@ def test_gqa_cuda_forward_configs(knobs, dtype):
                 what = f"{fwd} H={H} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}"
                 q, k, v = make_gqa(2, H, Hkv, Sq, Sk, D, "cuda", dtype, seed=Sq + D)
                 _poison_cache()
-                _assert_forward_kernel(lambda: _check_gqa(q, k, v, causal, dtype, what), _FWD_LABEL[knobs], what)
+                _assert_forward_kernel(lambda: _check_gqa(q, k, v, causal, dtype, what), _fwd_label(knobs, D), what)
 
 
 @requires_cuda

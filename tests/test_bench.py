@@ -217,12 +217,14 @@ _NS = "gpu_puzzles::(anonymous namespace)::"
 @pytest.mark.parametrize("name, label", [
     (f"void {_NS}attn_fwd_sm90<{_NS}Sm90FwdCfg<cutlass::bfloat16_t, 128, 128, 2>, cutlass::bfloat16_t>(...)", "wgmma"),
     (f"void {_NS}attn_fwd_sm90<{_NS}Sm90FwdCfg<cutlass::half_t, 128, 64, 3>, cutlass::half_t>(...)", "wgmma3"),
-    (f"void {_NS}attn_fwd_ws_sm90<{_NS}WsFwdCfg<cutlass::bfloat16_t, 128, 128, 2, false, false>, "
+    (f"void {_NS}attn_fwd_ws_sm90<{_NS}WsFwdCfg<cutlass::bfloat16_t, 128, 128, 2, 2, false, false>, "
      f"cutlass::bfloat16_t, cute::Copy_Atom<cute::Copy_Traits<cute::SM90_TMA_LOAD>>>(...)", "ws"),
-    (f"void {_NS}attn_fwd_ws_sm90<{_NS}WsFwdCfg<cutlass::half_t, 64, 128, 2, true, false>, cutlass::half_t>(...)",
+    (f"void {_NS}attn_fwd_ws_sm90<{_NS}WsFwdCfg<cutlass::half_t, 64, 128, 2, 2, true, false>, cutlass::half_t>(...)",
      "ws2"),
-    (f"void {_NS}attn_fwd_ws_sm90<{_NS}WsFwdCfg<cutlass::bfloat16_t, 64, 128, 2, true, true>, "
+    (f"void {_NS}attn_fwd_ws_sm90<{_NS}WsFwdCfg<cutlass::bfloat16_t, 64, 128, 2, 2, true, true>, "
      f"cutlass::bfloat16_t>(...)", "ws3"),
+    (f"void {_NS}attn_fwd_ws_sm90<{_NS}WsFwdCfg<cutlass::bfloat16_t, 64, 128, 2, 3, true, true>, "
+     f"cutlass::bfloat16_t>(...)", "ws192"),
     (f"void {_NS}attn_fwd_tc2<__nv_bfloat16, 128>(...)", "mma_r32"),
     (f"void {_NS}attn_fwd_tc<__nv_bfloat16, 64, 8>(...)", "mma/w8"),
     (f"void {_NS}attn_fwd_simt<float, 64>(...)", "simt"),

@@ -201,8 +201,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const TmaQ tma_do,
                  CUTE_GRID_CONSTANT const TmaKV tma_k, CUTE_GRID_CONSTANT const TmaKV tma_v,
                  const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
-                 const Rows<Elem> dk, const Rows<Elem> dv, int H, int Hkv, int B, int64_t bh0, int Sq, int Sqp,
-                 int Sk, float scale, bool causal) {
+                 const Rows<Elem> dk, const Rows<Elem> dv, int H, int Hkv, int B, int64_t bh0, BlockOrder order,
+                 int Sq, int Sqp, int Sk, float scale, bool causal) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -213,10 +213,12 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
 
   const int tid = threadIdx.x;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform by construction; tell the compiler
-  const int64_t bhk = bh0 + blockIdx.y;
+  int nblk;  // causal: block 0 has the most query blocks, and starts first
+  int64_t bhk;
+  order.of(blockIdx.x, nblk, bhk);
+  bhk += bh0;
   const int G = H / Hkv;
   const KvHeadIdx hd(bhk, Hkv, G);
-  const int nblk = static_cast<int>(blockIdx.x);  // causal: block 0 has the most query blocks, and starts first
   const int n0 = nblk * BN;
   const int q_begin = causal ? n0 / BM * BM : 0;
   const int n_qt = q_begin < Sq ? (Sq - q_begin + BM - 1) / BM : 0;
@@ -511,11 +513,14 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
                                          std::remove_const_t<decltype(tma_k)>>;
   cudaError_t e = set_smem<kern>(dev, Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
-  const unsigned gx = ceil_div_u(a.Sk, Cfg::BN);
-  e = for_bh_chunks(a.BHkv(), [&](int64_t bh0, unsigned nbh) {
-    kern<<<dim3(gx, nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+  const int gx = static_cast<int>(ceil_div_u(a.Sk, Cfg::BN));
+  // What a kv head's blocks read and add to: Q, dO and the float32 dq of its G query heads.
+  const int64_t row_bytes = a.G() * a.Sq * D * static_cast<int64_t>(2 * sizeof(Elem) + sizeof(float));
+  e = for_bh_chunks_1d(a.BHkv(), gx, [&](int64_t bh0, int64_t nbh) {
+    const BlockOrder order{nbh, chunk_rows(a.causal, nbh, row_bytes), gx};
+    kern<<<static_cast<unsigned>(gx * nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         tma_q, tma_do, tma_k, tma_v, lse2, delta, dq_acc, rows_of<Elem>(a.dk, a.sdk), rows_of<Elem>(a.dv, a.sdv),
-        static_cast<int>(a.H), static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, static_cast<int>(a.Sq),
+        static_cast<int>(a.H), static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq),
         static_cast<int>(Sqp), static_cast<int>(a.Sk), a.scale, a.causal);
   });
   if (e != cudaSuccess) return e;

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "attention/attention.h"
+#include "common/kernel_choice.h"
 
 namespace gpu_puzzles {
 namespace {  // one copy per .cu file: nothing here is shared across files at link time
@@ -68,6 +69,45 @@ template <int BM, int BN> __device__ __forceinline__ int key_tiles(int64_t m0, i
 template <typename F> cudaError_t for_bh_chunks(int64_t BH, F&& f) {
   for (int64_t bh0 = 0; bh0 < BH; bh0 += kMaxGridY) {
     f(bh0, static_cast<unsigned>(std::min<int64_t>(kMaxGridY, BH - bh0)));
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+// Causal grids of the sm_90a kernels: blocks of a (batch, head) differ in work by up to the
+// number of blocks, and the GPU starts CTAs in blockIdx order. In a grid of (batch, head)-major
+// order the heaviest blocks of the last heads start last and set the end. A 1D grid instead
+// runs, chunk by chunk of `cb` (batch, head) rows, block 0 of every row of the chunk, then
+// block 1, and so on: the heaviest first (a longest-first list schedule), while a chunk's rows
+// share the L2 (cb is picked by what the rows read). cb = 1 is (batch, head)-major order.
+struct BlockOrder {
+  int64_t nbh, cb;  // (batch, head) rows of this launch, rows a chunk
+  int gx;           // blocks a row
+  __host__ __device__ __forceinline__ void of(int64_t idx, int& blk, int64_t& bh) const {
+    const int64_t per_chunk = static_cast<int64_t>(gx) * cb;
+    const int64_t c = idx / per_chunk, r = idx - c * per_chunk;
+    const int64_t n = std::min<int64_t>(cb, nbh - c * cb);  // rows of this chunk (the last may have fewer)
+    blk = static_cast<int>(r / n);
+    bh = c * cb + (r - blk * n);
+  }
+};
+
+// Rows a chunk: as many as keep `bytes_per_row` (what one row's blocks read) under a share of
+// the L2 (H100: 50 MB), for causal grids; 1 otherwise, or where the knob attention_order=rows.
+inline int64_t chunk_rows(bool causal, int64_t nbh, int64_t bytes_per_row) {
+  constexpr int64_t kL2Budget = int64_t{16} << 20;
+  const char* forced = knob_value(Knob::AttentionOrder);
+  if (!causal || (forced != nullptr && forced[0] == 'r')) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>(nbh, kL2Budget / std::max<int64_t>(bytes_per_row, 1)));
+}
+
+// Call f(bh0, nbh) for chunks of (batch, head) rows whose 1D grid of gx blocks a row fits
+// gridDim.x (2^31 - 1).
+template <typename F> cudaError_t for_bh_chunks_1d(int64_t BH, int gx, F&& f) {
+  const int64_t step = std::max<int64_t>(1, ((int64_t{1} << 31) - 1) / std::max(gx, 1));
+  for (int64_t bh0 = 0; bh0 < BH; bh0 += step) {
+    f(bh0, std::min<int64_t>(step, BH - bh0));
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }

@@ -128,16 +128,21 @@ template <class Elem, int D_, int BN_, int NWG_> struct Sm90FwdCfg {
 //    (D x keys) layout the PV GEMM reads (ws_layouts_agree below).
 //  * kOverlap (knob "ws2"): each consumer also overlaps its own GEMMs with its softmax
 //    (S of the next tile is issued before P V of the last one; see the loop); kPingpong
-//    ("ws3") on top makes the two consumers take turns to issue their GEMMs.
-template <class Elem, int D_, int BN_, int Stages_, bool Overlap_, bool Pingpong_> struct WsFwdCfg {
-  using Base = Sm90FwdCfg<Elem, D_, BN_, 2>;  // tiles, MMAs and register layouts of the kernel above
-  static constexpr int D = D_, BN = BN_, kStages = Stages_, BM = Base::BM, kConsumers = 2;
+//    ("ws3") on top makes the consumers take turns to issue their GEMMs.
+//  * kConsumers = 3 ("ws192", D = 64 only): 192 query rows a CTA, three consumers taking
+//    turns. At D = 64 a tile's GEMMs are half as long against the same softmax, so a third
+//    consumer keeps the tensor cores busier (FlashAttention-3's D = 64 tiling).
+template <class Elem, int D_, int BN_, int Stages_, int Consumers_, bool Overlap_, bool Pingpong_> struct WsFwdCfg {
+  using Base = Sm90FwdCfg<Elem, D_, BN_, Consumers_>;  // tiles, MMAs and register layouts of the kernel above
+  static constexpr int D = D_, BN = BN_, kStages = Stages_, BM = Base::BM, kConsumers = Consumers_;
+  static_assert(kConsumers == 2 || kConsumers == 3, "consumers");
   // The consumers' loop (see attn_fwd_ws_sm90): overlapped GEMMs and softmax, and turns.
   static constexpr bool kOverlap = Overlap_, kPingpong = Pingpong_;
   static_assert(kOverlap || !kPingpong, "pingpong is built on the overlapped loop");
+  static_assert(kPingpong || kConsumers == 2, "three consumers run the overlapped loop with turns only");
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  // setmaxnreg: 128 x 24 + 256 x 240 registers fit the SM's 64 K.
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // setmaxnreg: 128 x 24 + 256 x 240 registers fit the SM's 64 K, or 128 x 32 + 384 x 160.
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32, kConsumerRegs = kConsumers == 2 ? 240 : 160;
   using LayoutQ = typename Base::LayoutQ;                        // (BM, D)
   using LayoutK = typename Base::LayoutK;                        // (BN, D), one stage
   using LayoutVt = typename Base::LayoutVt;                      // (D, BN), one stage
@@ -390,7 +395,7 @@ template <class Cfg, class Elem, class TmaQ, class TmaKV>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
 attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const TmaKV tma_k,
                  CUTE_GRID_CONSTANT const TmaKV tma_v, const Rows<Elem> o, float* __restrict__ lse, int H, int Hkv,
-                 int B, int64_t bh0, int Sq, int Sk, float scale_log2, bool causal) {
+                 int B, int64_t bh0, BlockOrder order, int Sq, int Sk, float scale_log2, bool causal) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -401,9 +406,12 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
 
   const int tid = threadIdx.x;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform by construction; tell the compiler
-  const int64_t bh = bh0 + blockIdx.y;
+  int blk;
+  int64_t bh;
+  order.of(blockIdx.x, blk, bh);
+  bh += bh0;
   const HeadIdx hd(bh, H, H / Hkv);
-  const int mblk = static_cast<int>(causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x);  // heaviest first
+  const int mblk = causal ? order.gx - 1 - blk : blk;  // heaviest first
   const int64_t m0 = static_cast<int64_t>(mblk) * BM;
   const int n_tiles = key_tiles<BM, BN>(m0, Sq, Sk, causal);
 
@@ -479,32 +487,35 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
     if constexpr (Cfg::kOverlap) {
       // Intra-warpgroup overlap (FlashAttention-3): step j issues S(j) = Q K(j)^T, then
       // O += P(j-1) V(j-1), runs tile j's softmax while that product is in flight, and
-      // rescales O by tile j's alpha once it is done. With BM = 2 x 64 and BN = 128 no
-      // tile lies above a consumer's diagonal (causal), so a warpgroup does the math of
-      // every tile or, with its rows all past Sq, of none. The first and the last step
-      // are peeled, so that no wgmma is in flight across a branch (ptxas would serialise).
-      static_assert(BM == 128 && BN == 128, "an active warpgroup is active on every tile");
+      // rescales O by tile j's alpha once it is done. A warpgroup does the math of every
+      // tile or, with its rows all past Sq, of none. Causal, at BM = 192 a tile may lie
+      // wholly above a consumer's rows: masked to -inf, it adds nothing (the first tile
+      // holds key 0, which every row sees, so the running max is finite by then). The
+      // first and the last step are peeled, so that no wgmma is in flight across a branch
+      // (ptxas would serialise).
+      static_assert(BN == 128 && (BM == 128 || BM == 192), "tilings the loop was checked for");
       const auto sk_at = [&](int st) {
         return make_tensor(make_smem_ptr(sm.k + st * Cfg::kTileElems), typename Cfg::LayoutK{});
       };
       const auto svt_at = [&](int st) {
         return make_tensor(make_smem_ptr(sm.v + st * Cfg::kTileElems), typename Cfg::LayoutVt{});
       };
-      // Pingpong (kPingpong): the two consumers take turns to issue their GEMMs, so that
-      // one's softmax runs under the other's GEMMs. Each step, consumer cw waits on named
-      // barrier 1 + cw, issues, then arrives on the other's (0 is __syncthreads'). Each
-      // takes n_tiles + 1 turns (the first and the last step peeled); consumer 1 lets 0
-      // start, so its last turn passes on nothing.
+      // Pingpong (kPingpong): the consumers take turns, in a ring, to issue their GEMMs, so
+      // that one's softmax runs under the others' GEMMs. Each step, consumer cw waits on
+      // named barrier 1 + cw, issues, then arrives on the next one's (0 is __syncthreads').
+      // Each takes n_tiles + 1 turns (the first and the last step peeled); the last consumer
+      // lets 0 start, so its last turn passes on nothing.
+      constexpr int NC = Cfg::kConsumers;
       const auto sched_sync = [&] {
         if constexpr (Cfg::kPingpong) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + cw) : "memory");
       };
       const auto sched_arrive = [&](bool last) {
         if constexpr (Cfg::kPingpong) {
-          if (!(last && cw == 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - cw) : "memory");
+          if (!(last && cw == NC - 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (cw + 1) % NC) : "memory");
         }
       };
       if constexpr (Cfg::kPingpong) {
-        if (cw == 1) asm volatile("bar.arrive %0, 256;\n" ::"r"(1) : "memory");
+        if (cw == NC - 1) asm volatile("bar.arrive %0, 256;\n" ::"r"(1) : "memory");
       }
       if (wrow0 < Sq) {
         TxBarrier::wait(&sm.k_full[0], 0);
@@ -630,9 +641,11 @@ cudaError_t launch_sm90_d(const AttentionFwdArgs& a, int warpgroups, int dev, cu
 }
 
 // The warp-specialised kernel: BN = 128 keys a tile, 2 stages (160 KiB of shared memory at
-// D = 128, 80 KiB at D = 64).
-// Variant 0: plain ("ws"); 1: overlapped ("ws2"); 2: overlapped with pingpong ("ws3").
-template <class Elem, int D, int Variant> using FwdCfgWs = WsFwdCfg<Elem, D, 128, 2, Variant >= 1, Variant == 2>;
+// D = 128, 80 KiB at D = 64, 88 KiB with 3 consumers).
+// Variant 0: plain ("ws"); 1: overlapped ("ws2"); 2: overlapped with pingpong ("ws3");
+// 3: ws3 with 3 consumers ("ws192", D = 64 only).
+template <class Elem, int D, int Variant>
+using FwdCfgWs = WsFwdCfg<Elem, D, 128, 2, Variant == 3 ? 3 : 2, Variant >= 1, Variant >= 2>;
 
 template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   constexpr int D = Cfg::D;
@@ -645,11 +658,17 @@ template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a
   constexpr auto kern = attn_fwd_ws_sm90<Cfg, Elem, std::remove_const_t<decltype(tma_q)>,
                                          std::remove_const_t<decltype(tma_k)>>;
   const float sl = a.scale * kLog2e;
-  return launch_blocks<Cfg, kern>(a, dev, [&](dim3 grid, int64_t bh0) {
-    kern<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+  cudaError_t e = set_smem<kern>(dev, Cfg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const int gx = static_cast<int>((a.Sq + Cfg::BM - 1) / Cfg::BM);
+  // What a (batch, head) row's blocks read: its share of K and V (G rows read one kv head).
+  const int64_t row_bytes = 2 * a.Sk * D * static_cast<int64_t>(sizeof(Elem)) / a.G();
+  return for_bh_chunks_1d(a.BH(), gx, [&](int64_t bh0, int64_t nbh) {
+    const BlockOrder order{nbh, chunk_rows(a.causal, nbh, row_bytes), gx};
+    kern<<<static_cast<unsigned>(gx * nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         tma_q, tma_k, tma_v, rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse), static_cast<int>(a.H),
-        static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, static_cast<int>(a.Sq), static_cast<int>(a.Sk), sl,
-        a.causal);
+        static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq), static_cast<int>(a.Sk),
+        sl, a.causal);
   });
 }
 
@@ -660,7 +679,8 @@ cudaError_t launch_ws_d(const AttentionFwdArgs& a, int dev, cudaStream_t stream)
 }
 
 template <class Elem> cudaError_t launch_ws_v(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream) {
-  return variant == 2   ? launch_ws_d<Elem, 2>(a, dev, stream)
+  if (variant == 3 && a.D == 64) return launch_ws<FwdCfgWs<Elem, 64, 3>, Elem>(a, dev, stream);
+  return variant >= 2   ? launch_ws_d<Elem, 2>(a, dev, stream)
          : variant == 1 ? launch_ws_d<Elem, 1>(a, dev, stream)
                         : launch_ws_d<Elem, 0>(a, dev, stream);
 }

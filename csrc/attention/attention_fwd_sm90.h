@@ -21,9 +21,10 @@ bool attention_forward_sm90_available(int dev, cudaError_t& err);
 cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, int dev, cudaStream_t stream);
 
 // The warp-specialised, TMA-fed variant (knob attention_fwd=ws; variant 1 = ws2, each
-// consumer's GEMMs overlapping its softmax; 2 = ws3, ws2 with the consumers taking turns),
-// for the same calls where ws_supported(a) also holds (strides the TMA takes, Sk > 0); same
-// image as above.
+// consumer's GEMMs overlapping its softmax; 2 = ws3, ws2 with the consumers taking turns;
+// 3 = ws192, ws3 with three consumers, D = 64 only), for the same calls where ws_supported(a)
+// also holds (strides the TMA takes, Sk > 0); same image as above. Causal grids run their
+// heaviest blocks first (BlockOrder, attention_common.cuh).
 bool attention_forward_ws_supported(const AttentionFwdArgs& a);
 cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream);
 

@@ -67,6 +67,8 @@ double wave_fill(int64_t ctas, int sms) {
 //    warpgroups taking turns (ws3), D = 64 and 128, causal and full. There it ran a median
 //    1.4x the best kernel below; with fewer keys its pipeline fill is not paid back (median
 //    0.88x) (benchmarks/results/attention_sweep_h100.txt, attention_small_sweep_h100.txt).
+//    At D = 64 from 2048 query rows, with three consumers (ws192): 1.03-1.09x ws3 there, and
+//    0.95-0.97x at 512-1024 rows, where 192-row blocks pad more (attention_ws192_h100.txt).
 //    Operands TMA cannot describe (stride-0 broadcast heads) and Sk = 0 also take the
 //    choices below.
 //  * D = 128 there otherwise: the wgmma kernel. 3 warpgroups (192 query rows per CTA) run
@@ -86,11 +88,12 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
   const char* forced = knob_value(Knob::AttentionFwd);  // nullptr: the heuristic
   const auto is = [forced](const char* v) { return forced != nullptr && std::strcmp(forced, v) == 0; };
 #if defined(GPU_PUZZLES_WITH_SM90A)
-  int ws = is("ws") ? 0 : is("ws2") ? 1 : is("ws3") ? 2 : -1;
+  int ws = is("ws") ? 0 : is("ws2") ? 1 : is("ws3") ? 2 : is("ws192") ? 3 : -1;
+  if (ws == 3 && a.D != 64) ws = 2;  // three consumers are built for D = 64 only
   if (forced == nullptr && a.Sk >= 512) {
     const int sms = device_sm_count(dev, err);  // cached per device
     if (err != cudaSuccess) return simt;
-    if (a.Sk >= 1024 || a.BH() * ((a.Sq + 127) / 128) >= 2 * int64_t{sms}) ws = 2;
+    if (a.Sk >= 1024 || a.BH() * ((a.Sq + 127) / 128) >= 2 * int64_t{sms}) ws = a.D == 64 && a.Sq >= 2048 ? 3 : 2;
   }
   if (ws >= 0 && attention_forward_ws_supported(a)) {
     if (attention_forward_sm90_available(dev, err)) return {AttnFwdKernel::WgmmaWs, 0, 3, ws};

@@ -17,14 +17,16 @@ enum class AttnFwdKernel {
   Mma,     // attn_fwd_tc: 16 query rows per warp, `warps` warps (knob attention_fwd=mma)
   MmaR32,  // attn_fwd_tc2, 32 rows per warp, 32-key tiles, 4 warps, 2 stages (mma_r32)
   Wgmma,   // attn_fwd_sm90 with `warpgroups` warpgroups (wgmma: 2, wgmma3: 3)
-  WgmmaWs, // attn_fwd_ws_sm90: TMA producer warpgroup + 2 consumer warpgroups (ws, ws2, ws3)
+  WgmmaWs, // attn_fwd_ws_sm90: TMA producer warpgroup + 2 or 3 consumer warpgroups
 };
 
 struct AttnFwdPlan {
   AttnFwdKernel kernel;
   int warps;       // Mma: 4 or 8
   int warpgroups;  // Wgmma: 2 or 3
-  int variant = 0;  // WgmmaWs: 0 ws, 1 ws2 (consumers' GEMMs overlap their softmax), 2 ws3 (+ pingpong)
+  // WgmmaWs: 0 ws, 1 ws2 (consumers' GEMMs overlap their softmax), 2 ws3 (+ pingpong);
+  // 3 ws192 (ws3 with 3 consumers, 192 rows; D = 64 only)
+  int variant = 0;
 };
 
 enum class AttnBwdKernel {

@@ -16,9 +16,10 @@ enum class Knob : int {
   SoftmaxColRowsBwd,   // 4 | 8 | 16
   SoftmaxGrid,         // 1 | 4
   SoftmaxSmemAlign,    // smem/bulk rows, the most specialised kernel allowed: aligned | same | shifted
-  AttentionFwd,        // forward kernel: mma | mma_r32 | wgmma | wgmma3 | ws | ws2 | ws3
+  AttentionFwd,        // forward kernel: mma | mma_r32 | wgmma | wgmma3 | ws | ws2 | ws3 | ws192
   AttentionFwdWarps,   // mma kernel's warps per block: 4 | 8
   AttentionBwd,        // backward kernels: mma (two passes, deterministic) | wgmma (sm_90a, dq by atomics)
+  AttentionOrder,      // sm_90a causal grids: rows ((batch, head)-major) | longest (heaviest blocks first)
   LayerNormLinearEvt,  // sm_90 fused forward: evt (CUTLASS epilogue) | cublas
   LayerNormLinearPdl,  // EVT launches: pdl (programmatic dependent) | plain
   LayerNormLinearPlan,  // fused forward: fold (gamma into W) | normalize (xn, then cuBLAS)

@@ -68,18 +68,21 @@ def impls(device, causal, B, H, Sq, Sk, dtype, backward, compile_=True, unfused=
 # values of the attention_fwd knob, with the warps for "mma".
 _SM90 = re.compile(r"attn_fwd_sm90<.*?Sm90FwdCfg<[^<>]*?,\s*\d+,\s*\d+,\s*(\d+)>")  # D, BN, warpgroups
 _TC = re.compile(r"attn_fwd_tc<[^<>]*?,\s*\d+,\s*(\d+)>")  # T, D, warps
-# D, BN, stages, overlap, pingpong
-_WS = re.compile(r"attn_fwd_ws_sm90<.*?WsFwdCfg<[^<>]*?,\s*\d+,\s*\d+,\s*\d+,\s*(true|false),\s*(true|false)>")
+# D, BN, stages, consumers, overlap, pingpong
+_WS = re.compile(r"attn_fwd_ws_sm90<.*?WsFwdCfg<[^<>]*?,\s*\d+,\s*\d+,\s*\d+,\s*(\d+),\s*(true|false),\s*(true|false)>")
 
 
 def forward_kernel(name):
     """The label of the attention forward kernel with demangled name ``name``: "wgmma" / "wgmma3"
     (the sm_90a kernel with 2 / 3 warpgroups), "ws" / "ws2" / "ws3" (the warp-specialised sm_90a
     kernel; ws2: its consumers' GEMMs overlap their softmax; ws3: and the consumers take turns),
+    "ws192" (ws3 with three consumers, 192 query rows a CTA),
     "mma_r32", "mma/w4" / "mma/w8", "simt"; None for any other kernel."""
     m = _WS.search(name)
     if m:
-        return "ws3" if m.group(2) == "true" else "ws2" if m.group(1) == "true" else "ws"
+        if m.group(1) == "3":
+            return "ws192"
+        return "ws3" if m.group(3) == "true" else "ws2" if m.group(2) == "true" else "ws"
     m = _SM90.search(name)
     if m:
         return "wgmma3" if m.group(1) == "3" else "wgmma"
