@@ -1047,12 +1047,13 @@ def test_cuda_wgmma_backward_falls_back():
 
 
 @requires_cuda
-@pytest.mark.parametrize("B, H, Hkv, S, D", [(1, 10, 10, 4096, 128), (1, 20, 5, 4096, 64)], ids=str)
+@pytest.mark.parametrize("B, H, Hkv, S, D", [(1, 11, 11, 4096, 128), (1, 40, 20, 2048, 64)], ids=str)
 def test_cuda_causal_block_order(B, H, Hkv, S, D):
-    # The sm_90a causal grids run heaviest blocks first over chunks of (batch, head) rows sized to
-    # the L2 (attention_common.cuh: BlockOrder; knob attention_order). These shapes make chunks of
-    # several rows with a shorter last one (forward: 8 + 2 rows at D = 128; backward: 4 + 4 + 2 and
-    # 2 + 2 + 1 kv heads). Both orders match float64, and each other: the forward bitwise.
+    # The sm_90a causal grids run heaviest blocks first over chunks of (batch, head) rows
+    # (attention_common.cuh: BlockOrder, chunk_rows; knob attention_order). On a 132-SM GPU these
+    # shapes make chunks of several rows with a shorter last one (forward 6 + 5 rows at D = 128,
+    # backward 4 + 4 + 3 and 7 + 7 + 6 kv heads). Both orders match float64, and each other: the
+    # forward bitwise.
     _skip_unless_wgmma()
     q, k, v = make_gqa(B, H, Hkv, S, S, D, "cuda", torch.bfloat16, seed=S + H)
     runs = {}

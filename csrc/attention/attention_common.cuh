@@ -79,8 +79,8 @@ template <typename F> cudaError_t for_bh_chunks(int64_t BH, F&& f) {
 // number of blocks, and the GPU starts CTAs in blockIdx order. In a grid of (batch, head)-major
 // order the heaviest blocks of the last heads start last and set the end. A 1D grid instead
 // runs, chunk by chunk of `cb` (batch, head) rows, block 0 of every row of the chunk, then
-// block 1, and so on: the heaviest first (a longest-first list schedule), while a chunk's rows
-// share the L2 (cb is picked by what the rows read). cb = 1 is (batch, head)-major order.
+// block 1, and so on: the heaviest first (a longest-first list schedule), while the rows in
+// flight share the L2. cb = 1 is (batch, head)-major order.
 struct BlockOrder {
   int64_t nbh, cb;  // (batch, head) rows of this launch, rows a chunk
   int gx;           // blocks a row
@@ -93,13 +93,22 @@ struct BlockOrder {
   }
 };
 
-// Rows a chunk: as many as keep `bytes_per_row` (what one row's blocks read) under a share of
-// the L2 (H100: 50 MB), for causal grids; 1 otherwise, or where the knob attention_order=rows.
-inline int64_t chunk_rows(bool causal, int64_t nbh, int64_t bytes_per_row) {
+// Rows a chunk of a causal grid: as many as keep what they read under 16 MB of L2, and at least
+// a wave of CTAs (one CTA an SM). All rows at once thrash the L2 (forward (4,32,4096,128): 1.57
+// ms against 1.03); a chunk of fewer blocks than SMs leaves the order nothing to balance (a GQA
+// backward's kv head reads 16 MB at 4096 keys and is 32 blocks: 1.29 ms as one-row chunks, 0.89
+// as four) (benchmarks/results/attention_order_h100.txt). The chunks are of equal size (to a row):
+// a short last chunk would start its heaviest blocks last. 1 for full grids, or with the knob
+// attention_order=rows.
+inline int64_t chunk_rows(bool causal, int64_t nbh, int gx, int sms, int64_t bytes_per_row) {
   constexpr int64_t kL2Budget = int64_t{16} << 20;
   const char* forced = knob_value(Knob::AttentionOrder);
-  if (!causal || (forced != nullptr && forced[0] == 'r')) return 1;
-  return std::max<int64_t>(1, std::min<int64_t>(nbh, kL2Budget / std::max<int64_t>(bytes_per_row, 1)));
+  if (!causal || nbh <= 1 || (forced != nullptr && forced[0] == 'r')) return 1;
+  const int64_t by_l2 = kL2Budget / std::max<int64_t>(bytes_per_row, 1);
+  const int64_t one_wave = (std::max(sms, 1) + gx - 1) / std::max(gx, 1);
+  const int64_t cb = std::max<int64_t>(1, std::min<int64_t>(nbh, std::max(by_l2, one_wave)));
+  const int64_t chunks = (nbh + cb - 1) / cb;
+  return (nbh + chunks - 1) / chunks;
 }
 
 // Call f(bh0, nbh) for chunks of (batch, head) rows whose 1D grid of gx blocks a row fits
