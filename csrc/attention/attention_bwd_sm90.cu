@@ -516,11 +516,8 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
   const int gx = static_cast<int>(ceil_div_u(a.Sk, Cfg::BN));
   // What a kv head's blocks read and add to: Q, dO and the float32 dq of its G query heads.
   const int64_t row_bytes = a.G() * a.Sq * D * static_cast<int64_t>(2 * sizeof(Elem) + sizeof(float));
-  const int sms = device_sm_count(dev, e);
-  if (e != cudaSuccess) return e;
-  e = for_bh_chunks_1d(a.BHkv(), gx, [&](int64_t bh0, int64_t nbh) {
-    const BlockOrder order{nbh, chunk_rows(a.causal, nbh, gx, sms, row_bytes), gx};
-    kern<<<static_cast<unsigned>(gx * nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+  e = for_ordered_grids(a.BHkv(), gx, a.causal, row_bytes, dev, [&](int64_t bh0, const BlockOrder& order) {
+    kern<<<order.blocks(), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         tma_q, tma_do, tma_k, tma_v, lse2, delta, dq_acc, rows_of<Elem>(a.dk, a.sdk), rows_of<Elem>(a.dv, a.sdv),
         static_cast<int>(a.H), static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq),
         static_cast<int>(Sqp), static_cast<int>(a.Sk), a.scale, a.causal);

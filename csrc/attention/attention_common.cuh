@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "attention/attention.h"
+#include "common/func_attr.h"
 #include "common/kernel_choice.h"
 
 namespace gpu_puzzles {
@@ -91,6 +92,7 @@ struct BlockOrder {
     blk = static_cast<int>(r / n);
     bh = c * cb + (r - blk * n);
   }
+  unsigned blocks() const { return static_cast<unsigned>(nbh * gx); }
 };
 
 // Rows a chunk of a causal grid: as many as keep what they read under 16 MB of L2, and at least
@@ -111,13 +113,19 @@ inline int64_t chunk_rows(bool causal, int64_t nbh, int gx, int sms, int64_t byt
   return (nbh + chunks - 1) / chunks;
 }
 
-// Call f(bh0, nbh) for chunks of (batch, head) rows whose 1D grid of gx blocks a row fits
-// gridDim.x (2^31 - 1).
-template <typename F> cudaError_t for_bh_chunks_1d(int64_t BH, int gx, F&& f) {
+// The sm_90a kernels' 1D grids over BH (batch, head) rows of gx blocks each: calls
+// f(bh0, order) for launches of order.blocks() CTAs (rows bh0 on), each fitting gridDim.x
+// (2^31 - 1), in the order above (chunk_rows with `bytes_per_row` and device dev's SM count).
+template <typename F>
+cudaError_t for_ordered_grids(int64_t BH, int gx, bool causal, int64_t bytes_per_row, int dev, F&& f) {
+  cudaError_t e = cudaSuccess;
+  const int sms = device_sm_count(dev, e);
+  if (e != cudaSuccess) return e;
   const int64_t step = std::max<int64_t>(1, ((int64_t{1} << 31) - 1) / std::max(gx, 1));
   for (int64_t bh0 = 0; bh0 < BH; bh0 += step) {
-    f(bh0, std::min<int64_t>(step, BH - bh0));
-    const cudaError_t e = cudaGetLastError();
+    const int64_t nbh = std::min<int64_t>(step, BH - bh0);
+    f(bh0, BlockOrder{nbh, chunk_rows(causal, nbh, gx, sms, bytes_per_row), gx});
+    e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;

@@ -663,11 +663,8 @@ template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a
   const int gx = static_cast<int>((a.Sq + Cfg::BM - 1) / Cfg::BM);
   // What a (batch, head) row's blocks read: its share of K and V (G rows read one kv head).
   const int64_t row_bytes = 2 * a.Sk * D * static_cast<int64_t>(sizeof(Elem)) / a.G();
-  const int sms = device_sm_count(dev, e);
-  if (e != cudaSuccess) return e;
-  return for_bh_chunks_1d(a.BH(), gx, [&](int64_t bh0, int64_t nbh) {
-    const BlockOrder order{nbh, chunk_rows(a.causal, nbh, gx, sms, row_bytes), gx};
-    kern<<<static_cast<unsigned>(gx * nbh), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+  return for_ordered_grids(a.BH(), gx, a.causal, row_bytes, dev, [&](int64_t bh0, const BlockOrder& order) {
+    kern<<<order.blocks(), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         tma_q, tma_k, tma_v, rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse), static_cast<int>(a.H),
         static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq), static_cast<int>(a.Sk),
         sl, a.causal);
