@@ -194,6 +194,19 @@ def copy_kernels(fn, *args, **kwargs):
     return out, names
 
 
+_FILL_OPS = ("aten::zeros", "aten::zeros_like", "aten::zero_", "aten::fill_")
+
+
+def fill_ops(fn):
+    """How many zero/fill operators fn() calls (host-side profiler; any device). The
+    autograd of an op with non-differentiable outputs (statistics, lse) must add none to
+    what its backward op calls: autograd would otherwise fill a zero gradient for each."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name in _FILL_OPS)
+
+
 def assert_compiled_matches_eager(f, cases, backend="inductor"):
     """``torch.compile(f, fullgraph=True, dynamic=True)`` against eager ``f``: for each
     ``(args, leaves)`` of ``cases`` (several sizes, which one dynamic graph must serve),

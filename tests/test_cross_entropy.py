@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles import tuning
 
-from conftest import (DEVICES, HAS_CUDA, TOL, assert_close_ref, copy_kernels, device_dtypes, many,
+from conftest import (DEVICES, HAS_CUDA, TOL, assert_close_ref, copy_kernels, device_dtypes, fill_ops, many,
                       poison_allocator, requires_caching_allocator, requires_cuda)
 
 OP = torch.ops.gpu_puzzles.cross_entropy.default
@@ -379,6 +379,23 @@ def test_fused_shapes_views_and_no_grad(device):
     with torch.no_grad():
         _, g1, g2, g3 = FUSED_OP(h, w, t, None, -100, "mean")
     assert g1.numel() == 0 and g2.numel() == 0 and g3.numel() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_adds_no_fill_for_extra_outputs(device):
+    # lse, and the fused op's precomputed gradients (vocabulary x hidden for the weight),
+    # carry no gradient: autograd must not fill zeros of their size per call.
+    logits = _logits((6, 301), device, torch.float32, seed=7).requires_grad_()
+    target = _targets((6,), 301, device, seed=8)
+    loss, lse = OP(logits, target, -100, "mean")
+    g = torch.tensor(1.3, device=device)
+    with torch.no_grad():
+        direct = fill_ops(lambda: torch.ops.gpu_puzzles.cross_entropy_backward(g, logits, target, lse, -100, "mean"))
+    assert fill_ops(lambda: loss.backward(g)) == direct
+    h = _logits((6, 16), device, torch.float32, seed=9).requires_grad_()
+    w = _logits((301, 16), device, torch.float32, seed=10).requires_grad_()
+    loss = gp.fused_linear_cross_entropy(h, w, target)
+    assert fill_ops(lambda: loss.backward(g)) == 0  # the backward only scales the saved gradients
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.ops._common import schema_default
 
-from conftest import (DEVICES, TOL, assert_close_ref, assert_compiled_matches_eager, device_dtypes, many,
+from conftest import (DEVICES, TOL, assert_close_ref, assert_compiled_matches_eager, device_dtypes, fill_ops, many,
                       poison_allocator, requires_caching_allocator, requires_cuda)
 
 unfused = functools.partial(gp.fused_layernorm_linear, algorithm="unfused")
@@ -252,6 +252,24 @@ def test_opcheck(device, requires_grad):
     torch.library.opcheck(ops.layer_norm_backward.default, (torch.randn_like(xd), xd, lwd, mean, rstd))
     torch.library.opcheck(ops.fused_layernorm_linear_backward.default,
                           (torch.randn(2, 3, 5, device=device), xd, lwd, lbd, Wd, mean, rstd))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_adds_no_fill_for_statistics(device):
+    # mean and rstd carry no gradient: autograd must not fill zeros for them per call.
+    x = torch.randn(4, 6, 8, device=device, requires_grad=True)
+    lw, lb, W, b = _params(8, 5, device, torch.float32, grad=True)
+    ops = torch.ops.gpu_puzzles
+    y, mean, rstd = ops.layer_norm(x, lw, lb, EPS)
+    g = torch.randn_like(y)
+    with torch.no_grad():
+        direct = fill_ops(lambda: ops.layer_norm_backward(g, x, lw, mean, rstd))
+    assert fill_ops(lambda: y.backward(g)) == direct
+    y, mean, rstd = ops.fused_layernorm_linear(x, lw, lb, W, b, EPS)
+    g = torch.randn_like(y)
+    with torch.no_grad():
+        direct = fill_ops(lambda: ops.fused_layernorm_linear_backward(g, x, lw, lb, W, mean, rstd))
+    assert fill_ops(lambda: y.backward(g)) == direct
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -22,7 +22,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     }
     // The backward recomputes the probabilities from lse: nothing S x S is kept.
     ctx->save_for_backward({q, k, v, out, lse});
-    ctx->mark_non_differentiable({lse});
+    non_differentiable(ctx, {lse});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["enable_gqa"] = enable_gqa;

@@ -20,6 +20,15 @@ c10::TypedOperatorHandle<Sig> typed_op(const char* qualified_name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name, "").template typed<Sig>();
 }
 
+// Marks outputs that carry no gradient (statistics, lse, precomputed gradients). It also
+// turns off autograd's zero-filling of the undefined gradients those outputs get: every
+// backward here reads grads[0] only (and checks it is defined), and the zeros cost a fill
+// launch per output per call (for fused_linear_cross_entropy, a vocabulary x hidden one).
+inline void non_differentiable(AutogradContext* ctx, const variable_list& outputs) {
+  ctx->mark_non_differentiable(outputs);
+  ctx->set_materialize_grads(false);
+}
+
 // The gradient if the input needs one, else an undefined tensor.
 inline at::Tensor if_needed(AutogradContext* ctx, size_t i, const at::Tensor& g) {
   return ctx->needs_input_grad(i) ? g : at::Tensor();

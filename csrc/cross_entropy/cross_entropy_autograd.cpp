@@ -27,7 +27,7 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
       std::tie(loss, lse) = op.call(logits, target, ignore_index, reduction);
     }
     ctx->save_for_backward({logits, target, lse});
-    ctx->mark_non_differentiable({lse});
+    non_differentiable(ctx, {lse});
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["reduction"] = std::string(reduction);
     return {loss, lse};
@@ -59,7 +59,7 @@ struct FusedLinearCeFunction : public torch::autograd::Function<FusedLinearCeFun
                                            std::array<bool, 3>{need_h, need_w, need_b});
     }
     ctx->save_for_backward({gh, gw, gb});
-    ctx->mark_non_differentiable({gh, gw, gb});
+    non_differentiable(ctx, {gh, gw, gb});
     ctx->saved_data["need_h"] = need_h;
     ctx->saved_data["need_w"] = need_w;
     ctx->saved_data["need_b"] = need_b;

@@ -24,7 +24,7 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
       std::tie(y, mean, rstd) = op.call(x, weight, bias, eps);
     }
     ctx->save_for_backward({x, weight, mean, rstd});
-    ctx->mark_non_differentiable({mean, rstd});
+    non_differentiable(ctx, {mean, rstd});
     return {y, mean, rstd};
   }
 
@@ -52,7 +52,7 @@ struct FusedFunction : public torch::autograd::Function<FusedFunction> {
       std::tie(y, mean, rstd) = op.call(x, ln_weight, ln_bias, linear_weight, linear_bias, eps);
     }
     ctx->save_for_backward({x, ln_weight, ln_bias, linear_weight, mean, rstd});
-    ctx->mark_non_differentiable({mean, rstd});
+    non_differentiable(ctx, {mean, rstd});
     ctx->saved_data["has_bias"] = linear_bias.has_value();
     return {y, mean, rstd};
   }
@@ -79,7 +79,7 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
       std::tie(y, rstd) = op.call(x, weight, eps);
     }
     ctx->save_for_backward({x, weight, rstd});
-    ctx->mark_non_differentiable({rstd});
+    non_differentiable(ctx, {rstd});
     return {y, rstd};
   }
 
@@ -105,7 +105,7 @@ struct FusedRmsFunction : public torch::autograd::Function<FusedRmsFunction> {
       std::tie(y, rstd) = op.call(x, norm_weight, linear_weight, linear_bias, eps);
     }
     ctx->save_for_backward({x, norm_weight, linear_weight, rstd});
-    ctx->mark_non_differentiable({rstd});
+    non_differentiable(ctx, {rstd});
     ctx->saved_data["has_bias"] = linear_bias.has_value();
     return {y, rstd};
   }
