@@ -19,6 +19,9 @@ Families and what they get:
 Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
 mask, attention dropout while training, soft-capping, Sq != Sk) is handed to SDPA.
+With ``attention=False`` a model on SDPA stays on SDPA's kernels, under the registry name
+``"gpu_puzzles_sdpa"`` with the same masks: a causal mask without padding goes to SDPA as
+``is_causal``, also under torch.compile (stock then builds a (B, 1, S, S) mask).
 The loss reads the logits in their dtype (no float32 copy) through ``cross_entropy``.
 
 ``fused_loss=True`` (opt-in): in training with labels, the LM head and the loss run as one
@@ -38,6 +41,7 @@ from torch import nn
 from . import ops
 
 ATTENTION_NAME = "gpu_puzzles"
+SDPA_ATTENTION_NAME = "gpu_puzzles_sdpa"  # patch(attention=False): SDPA with our mask function
 _GPT2 = ("gpt2",)
 _LLAMA = ("llama", "mistral", "qwen2")
 
@@ -190,6 +194,25 @@ def _register_attention() -> None:
     # Masks as for SDPA (None when causal without padding): without a registered mask
     # function transformers would pass no mask at all, and a padding mask would be lost.
     AttentionMaskInterface.register(ATTENTION_NAME, _mask)
+    AttentionInterface.register(SDPA_ATTENTION_NAME, sdpa_attention_forward)
+    AttentionMaskInterface.register(SDPA_ATTENTION_NAME, _mask)
+
+
+def _set_sdpa_mask(model: nn.Module, report: "PatchReport") -> None:
+    """attention=False: SDPA's kernels as stock, under a registry entry whose mask is ``_mask``,
+    so that a causal mask without padding reaches SDPA as ``is_causal`` under torch.compile
+    too (traced, stock builds the (B, 1, S, S) mask: SDPA then takes a masked kernel, and for
+    GQA transformers repeats k and v). Only a model on stock SDPA is moved."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        report.left["attention"] = "attention=False, and the model does not run transformers' SDPA attention"
+        return
+    _register_attention()
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(SDPA_ATTENTION_NAME)
+    else:  # older transformers
+        model.config._attn_implementation = SDPA_ATTENTION_NAME
+    report.left["attention"] = (f"attention=False: SDPA (registry '{SDPA_ATTENTION_NAME}': a causal mask without "
+                                "padding is passed as is_causal, also under torch.compile)")
 
 
 def _set_attention(model: nn.Module, report: "PatchReport", dropout_attr: str, note: str) -> None:
@@ -321,6 +344,8 @@ def _patch_gpt2(model, report, embeddings, norms, attention, loss, fused_loss):
             report.left["transformer.ln_f"] = "not an affine nn.LayerNorm"
     if attention:
         _set_attention(model, report, "attn_pdrop", "")
+    else:
+        _set_sdpa_mask(model, report)
     if loss:
         _set_loss(model, report)
     if loss and fused_loss:
@@ -348,6 +373,8 @@ def _patch_llama(model, report, embeddings, norms, attention, loss, fused_loss):
             "their weights on every step; the norms run on rms_norm and the projections on cuBLAS")
     if attention:
         _set_attention(model, report, "attention_dropout", ", GQA")
+    else:
+        _set_sdpa_mask(model, report)
     if loss:
         _set_loss(model, report)
     if loss and fused_loss:
@@ -391,4 +418,4 @@ def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, atte
     return report
 
 
-__all__ = ["patch", "PatchReport", "causal_lm_loss", "ATTENTION_NAME"]
+__all__ = ["patch", "PatchReport", "causal_lm_loss", "ATTENTION_NAME", "SDPA_ATTENTION_NAME"]

@@ -104,6 +104,39 @@ def test_attention_false_leaves_sdpa():
     assert counts["attention"] == 0 and counts["fused_layernorm_linear"] > 0
 
 
+def _sdpa_masks_traced(model, ids):
+    """The attn_mask argument of each SDPA call in the graph torch.compile captures."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids)
+    calls = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"
+             and getattr(n.target, "__name__", "") == "scaled_dot_product_attention"]
+    return [n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) for n in calls]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_attention_false_compiled_causal_without_mask(name):
+    """attention=False under torch.compile: SDPA gets no (B, 1, S, S) mask for plain causal
+    attention, where stock traced builds one (so the check can tell them apart)."""
+    stock, ours, report = _pair(name, attention=False)
+    assert "attention" not in report.swapped and hf.SDPA_ATTENTION_NAME in report.left["attention"]
+    ids = model_bench.batch(name, "cpu", small=True)
+    stock_masks, our_masks = _sdpa_masks_traced(stock, ids), _sdpa_masks_traced(ours, ids)
+    assert len(our_masks) == len(stock_masks) == stock.config.num_hidden_layers
+    assert all(m is not None for m in stock_masks)
+    assert all(m is None for m in our_masks)
+    # Eager: the same as stock, and a padding mask still reaches SDPA.
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0
+    torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits,
+                               stock(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_padding_mask_goes_to_sdpa():
     stock, ours, _ = _pair("gpt2")
     ids = model_bench.batch("gpt2", "cpu", small=True)
