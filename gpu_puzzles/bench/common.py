@@ -125,7 +125,7 @@ def time_ms(fn: Callable, sets: list, device: torch.device, warmup: int = 5, rep
     a call that finds the GPU idle also times the host's own enqueue (H100, LayerNorm+Linear
     fwd+bwd 8192x4096x4096: eager read 1.372 ms that way, 1.294 ms of device work). The
     host's time per call is reported in ``host["ms_per_call"]`` (a dict passed in), so a
-    host-bound op still shows up."""
+    host-bound op still shows up; ``host["times"]`` gets every call's milliseconds."""
     if keep_outputs is None:
         keep_outputs = device.type == "cuda"
     first = fn(*sets[0])
@@ -160,6 +160,7 @@ def time_ms(fn: Callable, sets: list, device: torch.device, warmup: int = 5, rep
         times = [a.elapsed_time(b) for a, b in ev]
         if host is not None:
             host["ms_per_call"] = host_ms
+            host["times"] = times
     else:
         times, out = [], None
         for i in range(rep):
@@ -333,10 +334,12 @@ def device_name(device: torch.device) -> str:
 
 
 def run_case(case: Case, device: torch.device, copy_gbs: float, rep: int = 40, warmup: int = 5,
-             skip: tuple = (), backlog: bool = True, rounds: Optional[int] = None) -> list[dict]:
+             skip: tuple = (), backlog: bool = True, rounds: Optional[int] = None,
+             pooled: bool = False) -> list[dict]:
     """Time every implementation of a case; returns one row per implementation. With
     ``rounds`` (default: CPU_ROUNDS on the CPU, 1 on CUDA) the implementations take turns,
-    rep/rounds calls each per round, and each keeps its fastest round."""
+    rep/rounds calls each per round, and each keeps its fastest round; with ``pooled``
+    (CUDA) each gets the median of all its calls over the rounds instead."""
     first = case.make()
     set_bytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
     sets = [first] + [case.make() for _ in range(n_sets_for(set_bytes) - 1)]
@@ -345,7 +348,7 @@ def run_case(case: Case, device: torch.device, copy_gbs: float, rep: int = 40, w
     # drifting under a long sweep does not fall on one implementation only.
     if rounds is None:
         rounds = CPU_ROUNDS if device.type == "cpu" else 1
-    best, hosts, errors = {}, {}, {}
+    best, hosts, errors, samples = {}, {}, {}, {}
     for _ in range(rounds):
         for label, fn in impls:
             if label in errors:
@@ -358,6 +361,7 @@ def run_case(case: Case, device: torch.device, copy_gbs: float, rep: int = 40, w
                 errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 continue
             best[label] = min(ms, best.get(label, ms))
+            samples.setdefault(label, []).extend(host.get("times", [ms]))
             if "ms_per_call" in host:
                 hosts[label] = host["ms_per_call"]
     rows = []
@@ -367,7 +371,7 @@ def run_case(case: Case, device: torch.device, copy_gbs: float, rep: int = 40, w
             row.update(ms=None, error=errors[label])
             rows.append(row)
             continue
-        ms = best[label]
+        ms = statistics.median(samples[label]) if pooled and device.type == "cuda" else best[label]
         if label in hosts:
             row["host_ms"] = hosts[label]
         row["ms"] = ms

@@ -183,8 +183,10 @@ def _forced(plan):
 
 
 # Five implementations of one shape differ by a few percent, about as much as the clock of
-# a GPU under a long sweep drifts: they take turns in rounds (bench.common.run_case).
-SWEEP_ROUNDS = 3
+# a GPU under a long sweep drifts: they take turns in rounds (bench.common.run_case), and
+# each gets the median of all its calls (the best round's median put the same kernels,
+# auto and its forced plan, several percent apart).
+SWEEP_ROUNDS = 5
 
 
 def sweep_shapes(ms=SWEEP_M, ks=SWEEP_K):
@@ -196,7 +198,7 @@ def _sweep_bytes(M, K, N, esize=2):
     return esize * (8 * (M * K + N * K + M * N) + 4 * M * K + 3 * M * N + 2 * N * K)
 
 
-def sweep(device, shapes, rep=15, warmup=3, dtype=torch.bfloat16, layouts=(False, True), progress=True,
+def sweep(device, shapes, rep=25, warmup=3, dtype=torch.bfloat16, layouts=(False, True), progress=True,
           rounds=SWEEP_ROUNDS):
     """Rows of the sweep: per shape, W layout and direction, the fused op's auto plan, each plan
     forced, our unfused path and eager."""
@@ -211,7 +213,7 @@ def sweep(device, shapes, rep=15, warmup=3, dtype=torch.bfloat16, layouts=(False
         for case in cases(device, [(M, K, N)], dtype=dtype, compile_=False, w_t=w_t):
             bwd = case.direction == "fwd+bwd"
             case.impls = {k: backward_fn(f, 5) if bwd else f for k, f in fns.items()}
-            rows += run_case(case, device, copy_gbs, rep=rep, warmup=warmup, rounds=rounds)
+            rows += run_case(case, device, copy_gbs, rep=rep, warmup=warmup, rounds=rounds, pooled=True)
         if progress:
             print(f"\r{i + 1}/{len(todo)} M={M} K={K} N={N} W={'t' if w_t else 'rows'}    ", end="",
                   file=sys.stderr, flush=True)
@@ -260,23 +262,25 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true", help="run the plan sweep (the only mode here)")
     p.add_argument("--json", help="write the rows and the summary to this file")
-    p.add_argument("--rep", type=int, default=15,
-                   help=f"timed calls per implementation, over {SWEEP_ROUNDS} rounds (default 15)")
+    p.add_argument("--rep", type=int, default=25,
+                   help="timed calls per implementation, over the rounds (default 25)")
+    p.add_argument("--rounds", type=int, default=SWEEP_ROUNDS, help=f"turns per implementation (default {SWEEP_ROUNDS})")
     p.add_argument("--M", type=int, nargs="*", default=list(SWEEP_M))
     p.add_argument("--K", type=int, nargs="*", default=list(SWEEP_K))
     args = p.parse_args(argv)
     if not args.sweep:
         p.error("only --sweep is implemented here; the standard cases: python -m gpu_puzzles.bench layernorm_linear")
     device = torch.device("cuda")
-    rows, copy_gbs = sweep(device, sweep_shapes(args.M, args.K), rep=args.rep)
+    rows, copy_gbs = sweep(device, sweep_shapes(args.M, args.K), rep=args.rep, rounds=args.rounds)
     summary, n_fail = summarize(rows)
     if args.json:
         import datetime
         meta = {"device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
                 "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "copy_GBps": copy_gbs, "rep": args.rep,
-                "timing": f"CUDA events, inputs rotated past L2; the implementations take turns in {SWEEP_ROUNDS} "
-                          f"rounds of --rep/{SWEEP_ROUNDS} calls after warm-up, each keeping its fastest round's median",
+                "timing": f"CUDA events, inputs rotated past L2; the implementations take turns in {args.rounds} "
+                          f"rounds of --rep/{args.rounds} calls after warm-up; each row is the median of "
+                          f"all its calls",
                 "summary": summary, "rows": rows}
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
