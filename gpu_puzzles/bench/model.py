@@ -3,14 +3,14 @@
 A training step (forward with the LM loss, backward, fused AdamW step, zero_grad) of models
 built from ``transformers`` configs with random weights (never downloaded), bf16, timed as
 the median of CUDA-event-bracketed steps after warm-up, with the step's peak allocated
-memory. Variants: stock, patched with attention left to SDPA (``attention=False``), fully
+memory. The variants of one model and mode are all built first and take turns
+(``--turns``), so that drift of the host or the GPU does not fall on one of them. Variants: stock, patched with attention left to SDPA (``attention=False``), fully
 patched, and fully patched with the fused LM head + loss (``fused_loss=True``); each eager and
 under ``torch.compile``. ``--profile`` adds the per-op breakdown: one
 profiled step's CUDA kernels, each and summed by group (``KERNEL_GROUPS``).
 """
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 
@@ -83,14 +83,14 @@ def _step_fn(model, opt, ids, compiled):
     return step
 
 
-def run_variant(name, variant, compiled, device, steps=10, warmup=3, profile=False):
+def _prepare(name, variant, compiled, device, warmup=3):
+    """One variant built, patched and warmed up (compiled on its first steps); its memory state
+    (parameters, optimizer state, inputs) is what it added to the allocated bytes."""
     import gpu_puzzles.hf as hf
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     model = build(name, device)
-    report = None
-    if VARIANTS[variant] is not None:
-        report = hf.patch(model, **VARIANTS[variant])
+    report = hf.patch(model, **VARIANTS[variant]) if VARIANTS[variant] is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = batch(name, device)
     step = _step_fn(model, opt, ids, compiled)
@@ -98,28 +98,68 @@ def run_variant(name, variant, compiled, device, steps=10, warmup=3, profile=Fal
     losses = [float(step()) for _ in range(warmup)]
     warm_s = time.time() - t0
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    return dict(step=step, tokens=ids.numel(), losses=losses, warm_s=warm_s,
+                state=torch.cuda.memory_allocated() - before, report=report, times=[], peak_above=0)
+
+
+def _timed_steps(v, n):
+    """n CUDA-event-timed steps of a prepared variant; its peak above what was allocated before them."""
+    torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(steps):
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(n):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        step()
+        v["step"]()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
-    peak = torch.cuda.max_memory_allocated()
-    row = dict(model=name, variant=variant, mode="compile" if compiled else "eager",
-               ms=statistics.median(times), ms_min=min(times), steps=steps,
-               tokens_per_s=ids.numel() / (statistics.median(times) * 1e-3),
-               peak_GiB=peak / 2**30, peak_above_state_GiB=(peak - base) / 2**30,
-               warmup_s=warm_s, first_losses=losses,
-               swapped=len(report.swapped) if report else 0)
-    if profile:
-        row["profile"] = _profile_step(step)
-    del step, opt, model
+        v["times"].append(a.elapsed_time(b))
+    v["peak_above"] = max(v["peak_above"], torch.cuda.max_memory_allocated() - base)
+
+
+def run_model_mode(name, variants, compiled, device, steps=10, turns=5, warmup=3, profile=False):
+    """Every variant of one model and mode, all alive at once, taking turns: ``turns`` rounds of
+    steps/turns timed steps each, so that the host's and the GPU's drift falls on all of them.
+    peak_GiB is what the variant alone would hold: its own state plus its steps' peak above
+    everything allocated before them (the other variants' states included)."""
     torch._dynamo.reset()
-    return row
+    torch.cuda.empty_cache()
+    mode = "compile" if compiled else "eager"
+    prepared, rows = {}, {}
+    for variant in variants:
+        try:
+            prepared[variant] = _prepare(name, variant, compiled, device, warmup)
+        except Exception as e:  # report, don't hide
+            rows[variant] = _error_row(name, variant, mode, e)
+    per_turn = max(1, steps // max(1, turns))
+    for _ in range(max(1, turns)):
+        for variant, v in list(prepared.items()):
+            try:
+                _timed_steps(v, per_turn)
+            except Exception as e:
+                rows[variant] = _error_row(name, variant, mode, e)
+                del prepared[variant]
+    for variant, v in prepared.items():
+        t = v["times"]
+        peak_above = v["peak_above"]
+        row = dict(model=name, variant=variant, mode=mode,
+                   ms=statistics.median(t), ms_min=min(t), steps=len(t), turns=turns,
+                   tokens_per_s=v["tokens"] / (statistics.median(t) * 1e-3),
+                   peak_GiB=(v["state"] + peak_above) / 2**30, peak_above_state_GiB=peak_above / 2**30,
+                   warmup_s=v["warm_s"], first_losses=v["losses"],
+                   swapped=len(v["report"].swapped) if v["report"] else 0)
+        if profile:
+            row["profile"] = _profile_step(v["step"])
+        rows[variant] = row
+    del prepared
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return [rows[v] for v in variants if v in rows]
+
+
+def _error_row(name, variant, mode, e):
+    return dict(model=name, variant=variant, mode=mode,
+                error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
 
 
 # Kernel name -> the op it belongs to, first match wins (the per-op breakdown of --profile).
@@ -173,16 +213,12 @@ def _profile_step(step):
                 groups=dict(sorted(groups.items(), key=lambda kv: -kv[1])), kernels=kernels)
 
 
-def run(models, device, variants=None, modes=("eager", "compile"), steps=10, profile=False, log=print):
+def run(models, device, variants=None, modes=("eager", "compile"), steps=10, profile=False, log=print, turns=5):
     rows = []
     for name in models:
         for mode in modes:
-            for variant in variants or VARIANTS:
-                try:
-                    r = run_variant(name, variant, mode == "compile", device, steps=steps, profile=profile)
-                except Exception as e:  # report, don't hide
-                    r = dict(model=name, variant=variant, mode=mode,
-                             error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            for r in run_model_mode(name, list(variants or VARIANTS), mode == "compile", device, steps=steps,
+                                    turns=turns, profile=profile):
                 rows.append(r)
                 log(_fmt(r))
     stock = {(r["model"], r["mode"]): r.get("ms") for r in rows if r["variant"] == "stock"}
@@ -252,7 +288,9 @@ def main(argv=None):
     p.add_argument("--variants", default=None,
                    help=f"comma-separated, of {list(VARIANT_ALIASES)} ({VARIANT_ALIASES}; default all)")
     p.add_argument("--modes", default="eager,compile")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant, over the turns")
+    p.add_argument("--turns", type=int, default=5,
+                   help="rounds in which the variants (all built first) take turns, steps/turns steps each")
     p.add_argument("--profile", action="store_true", help="add the per-op breakdown (one profiled step's kernels)")
     p.add_argument("--json", help="write the rows and the run's metadata here")
     args = p.parse_args(argv)
@@ -265,7 +303,8 @@ def main(argv=None):
         if unknown:
             p.error(f"--variants: unknown {unknown}; known: {list(VARIANT_ALIASES)}")
         variants = [VARIANT_ALIASES[v] for v in args.variants.split(",")]
-    rows = run(args.models.split(","), device, variants, tuple(args.modes.split(",")), args.steps, args.profile)
+    rows = run(args.models.split(","), device, variants, tuple(args.modes.split(",")), args.steps, args.profile,
+               turns=args.turns)
     print_rows(rows)
     print_breakdown(rows)
     if args.json:
@@ -273,8 +312,10 @@ def main(argv=None):
         meta = dict(device=device_name(device), torch=torch.__version__, cuda=torch.version.cuda,
                     transformers=transformers.__version__, commit=git_commit(),
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    timing="median of --steps training steps after 3 warm-up steps, CUDA events around each "
-                           "step; peak = torch.cuda.max_memory_allocated over the timed steps",
+                    timing=f"all variants of a model and mode built and warmed up (3 steps) first, then taking "
+                           f"turns in {args.turns} rounds of --steps/{args.turns} steps; median of a variant's steps, "
+                           f"CUDA events around each; peak = the variant's own state + its steps' "
+                           f"max_memory_allocated above what was allocated before them",
                     rows=rows)
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
