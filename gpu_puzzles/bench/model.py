@@ -3,8 +3,9 @@
 A training step (forward with the LM loss, backward, fused AdamW step, zero_grad) of models
 built from ``transformers`` configs with random weights (never downloaded), bf16, timed as
 the median of CUDA-event-bracketed steps after warm-up, with the step's peak allocated
-memory. The variants of one model and mode are all built first and take turns
-(``--turns``), so that drift of the host or the GPU does not fall on one of them. Variants: stock, patched with attention left to SDPA (``attention=False``), fully
+memory. Eager, the variants of one model are all built first and take turns (``--turns``),
+so that drift of the host or the GPU does not fall on one of them; compiled, each runs in a
+fresh dynamo state. Variants: stock, patched with attention left to SDPA (``attention=False``), fully
 patched, and fully patched with the fused LM head + loss (``fused_loss=True``); each eager and
 under ``torch.compile``. ``--profile`` adds the per-op breakdown: one
 profiled step's CUDA kernels, each and summed by group (``KERNEL_GROUPS``).
@@ -118,10 +119,19 @@ def _timed_steps(v, n):
 
 
 def run_model_mode(name, variants, compiled, device, steps=10, turns=5, warmup=3, profile=False):
-    """Every variant of one model and mode, all alive at once, taking turns: ``turns`` rounds of
-    steps/turns timed steps each, so that the host's and the GPU's drift falls on all of them.
-    peak_GiB is what the variant alone would hold: its own state plus its steps' peak above
-    everything allocated before them (the other variants' states included)."""
+    """Every variant of one model and mode. Eager, all alive at once and taking turns: ``turns``
+    rounds of steps/turns timed steps each, so that the host's and the GPU's drift falls on all
+    of them. Compiled, one after another, each in a fresh dynamo state as in a process of its
+    own: compiled side by side in one session, a call may also check the other variants' cache
+    entries, which is not what a user's single model pays."""
+    if compiled:
+        return [r for v in variants for r in _run_together(name, [v], True, device, steps, 1, warmup, profile)]
+    return _run_together(name, variants, False, device, steps, turns, warmup, profile)
+
+
+def _run_together(name, variants, compiled, device, steps, turns, warmup, profile):
+    """The variants built and warmed up, then taking turns. peak_GiB is what a variant alone
+    would hold: its own state plus its steps' peak above everything allocated before them."""
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     mode = "compile" if compiled else "eager"
@@ -290,7 +300,7 @@ def main(argv=None):
     p.add_argument("--modes", default="eager,compile")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant, over the turns")
     p.add_argument("--turns", type=int, default=5,
-                   help="rounds in which the variants (all built first) take turns, steps/turns steps each")
+                   help="eager: rounds in which the variants (all built first) take turns, steps/turns steps each")
     p.add_argument("--profile", action="store_true", help="add the per-op breakdown (one profiled step's kernels)")
     p.add_argument("--json", help="write the rows and the run's metadata here")
     args = p.parse_args(argv)
@@ -312,8 +322,9 @@ def main(argv=None):
         meta = dict(device=device_name(device), torch=torch.__version__, cuda=torch.version.cuda,
                     transformers=transformers.__version__, commit=git_commit(),
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    timing=f"all variants of a model and mode built and warmed up (3 steps) first, then taking "
-                           f"turns in {args.turns} rounds of --steps/{args.turns} steps; median of a variant's steps, "
+                    timing=f"eager: all variants of a model built and warmed up (3 steps) first, then taking "
+                           f"turns in {args.turns} rounds of --steps/{args.turns} steps; compiled: one variant after "
+                           f"another, each in a fresh dynamo state, 3 warm-up steps; median of a variant's steps, "
                            f"CUDA events around each; peak = the variant's own state + its steps' "
                            f"max_memory_allocated above what was allocated before them",
                     rows=rows)
