@@ -137,6 +137,19 @@ def test_attention_false_compiled_causal_without_mask(name):
                                stock(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_attention_false_leaves_other_implementations():
+    """attention=False on a model not on SDPA (here transformers' eager attention): nothing is
+    re-registered, the report says why, and the model stays as stock."""
+    stock = model_bench.build("gpt2", "cpu", dtype=torch.float32, small=True)
+    stock.set_attn_implementation("eager")
+    ours = copy.deepcopy(stock)
+    report = hf.patch(ours, attention=False)
+    assert ours.config._attn_implementation == "eager"
+    assert "does not run transformers' SDPA attention" in report.left["attention"]
+    ids = model_bench.batch("gpt2", "cpu", small=True)
+    torch.testing.assert_close(ours(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_padding_mask_goes_to_sdpa():
     stock, ours, _ = _pair("gpt2")
     ids = model_bench.batch("gpt2", "cpu", small=True)
