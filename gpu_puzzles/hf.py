@@ -206,21 +206,22 @@ def _set_sdpa_mask(model: nn.Module, report: "PatchReport") -> None:
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         report.left["attention"] = "attention=False, and the model does not run transformers' SDPA attention"
         return
-    _register_attention()
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(SDPA_ATTENTION_NAME)
-    else:  # older transformers
-        model.config._attn_implementation = SDPA_ATTENTION_NAME
+    _use_attention(model, SDPA_ATTENTION_NAME)
     report.left["attention"] = (f"attention=False: SDPA (registry '{SDPA_ATTENTION_NAME}': a causal mask without "
                                 "padding is passed as is_causal, also under torch.compile)")
 
 
-def _set_attention(model: nn.Module, report: "PatchReport", dropout_attr: str, note: str) -> None:
+def _use_attention(model: nn.Module, name: str) -> None:
+    """Registers our entries and switches the model to the one called ``name``."""
     _register_attention()
     if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTENTION_NAME)
+        model.set_attn_implementation(name)
     else:  # older transformers
-        model.config._attn_implementation = ATTENTION_NAME
+        model.config._attn_implementation = name
+
+
+def _set_attention(model: nn.Module, report: "PatchReport", dropout_attr: str, note: str) -> None:
+    _use_attention(model, ATTENTION_NAME)
     report.swapped["attention"] = f"attention (registry '{ATTENTION_NAME}'{note})"
     p = getattr(model.config, dropout_attr, 0.0)
     if p:
