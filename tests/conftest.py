@@ -207,6 +207,14 @@ def fill_ops(fn):
     return sum(1 for e in prof.events() if e.name in _FILL_OPS)
 
 
+def assert_backward_fills_as_op(out, grad, backward_op):
+    """out.backward(grad) calls as many zero/fill ops as ``backward_op()`` (the op's own
+    backward, called directly): autograd adds none for the non-differentiable outputs."""
+    with torch.no_grad():
+        direct = fill_ops(backward_op)
+    assert fill_ops(lambda: out.backward(grad)) == direct
+
+
 def assert_compiled_matches_eager(f, cases, backend="inductor"):
     """``torch.compile(f, fullgraph=True, dynamic=True)`` against eager ``f``: for each
     ``(args, leaves)`` of ``cases`` (several sizes, which one dynamic graph must serve),

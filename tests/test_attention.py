@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.bench.attention import backward_kernels, forward_kernels
 
-from conftest import (DEVICES, HAS_CUDA, SANITIZE, assert_compiled_matches_eager, copy_kernels, fill_ops, many, poison_allocator,
+from conftest import (DEVICES, HAS_CUDA, SANITIZE, assert_compiled_matches_eager, assert_backward_fills_as_op, copy_kernels, many, poison_allocator,
                       requires_caching_allocator, requires_cuda)
 from strategies import OFFSET, make_tensor
 
@@ -230,9 +230,7 @@ def test_backward_adds_no_fill_for_lse(device):
     q, k, v = make_qkv((2, 2), 5, 7, 8, 8, device, torch.float32, grad=True)
     out, lse = OPS.attention(q, k, v, None, True)
     g = torch.randn_like(out)
-    with torch.no_grad():
-        direct = fill_ops(lambda: OPS.attention_backward(g, q, k, v, out, lse, None, True))
-    assert fill_ops(lambda: out.backward(g)) == direct
+    assert_backward_fills_as_op(out, g, lambda: OPS.attention_backward(g, q, k, v, out, lse, None, True))
 
 
 @pytest.mark.parametrize("algorithm", ["auto", "unfused"])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.ops._common import schema_default
 
-from conftest import (DEVICES, TOL, assert_close_ref, assert_compiled_matches_eager, device_dtypes, fill_ops, many,
+from conftest import (DEVICES, TOL, assert_close_ref, assert_compiled_matches_eager, assert_backward_fills_as_op, device_dtypes, many,
                       poison_allocator, requires_caching_allocator, requires_cuda)
 
 unfused = functools.partial(gp.fused_layernorm_linear, algorithm="unfused")
@@ -262,14 +262,10 @@ def test_backward_adds_no_fill_for_statistics(device):
     ops = torch.ops.gpu_puzzles
     y, mean, rstd = ops.layer_norm(x, lw, lb, EPS)
     g = torch.randn_like(y)
-    with torch.no_grad():
-        direct = fill_ops(lambda: ops.layer_norm_backward(g, x, lw, mean, rstd))
-    assert fill_ops(lambda: y.backward(g)) == direct
+    assert_backward_fills_as_op(y, g, lambda: ops.layer_norm_backward(g, x, lw, mean, rstd))
     y, mean, rstd = ops.fused_layernorm_linear(x, lw, lb, W, b, EPS)
     g = torch.randn_like(y)
-    with torch.no_grad():
-        direct = fill_ops(lambda: ops.fused_layernorm_linear_backward(g, x, lw, lb, W, mean, rstd))
-    assert fill_ops(lambda: y.backward(g)) == direct
+    assert_backward_fills_as_op(y, g, lambda: ops.fused_layernorm_linear_backward(g, x, lw, lb, W, mean, rstd))
 
 
 @pytest.mark.parametrize("device", DEVICES)

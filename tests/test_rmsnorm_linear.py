@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.ops._common import schema_default
 
-from conftest import (DEVICES, HAS_CUDA, TOL, assert_close_ref, assert_compiled_matches_eager, copy_kernels, device_dtypes, fill_ops, many, poison_allocator,
+from conftest import (DEVICES, HAS_CUDA, TOL, assert_close_ref, assert_compiled_matches_eager, copy_kernels, assert_backward_fills_as_op, device_dtypes, many, poison_allocator,
                       requires_cuda)
 
 PLANS = ("fold", "normalize")  # the fused forward's plans (knob layernorm_linear_plan)
@@ -210,14 +210,10 @@ def test_backward_adds_no_fill_for_statistics(device):
     nw, W, b = _params(8, 5, device, torch.float32, grad=True)
     y, rstd = ops.rms_norm(x, nw, EPS)
     g = torch.randn_like(y)
-    with torch.no_grad():
-        direct = fill_ops(lambda: ops.rms_norm_backward(g, x, nw, rstd))
-    assert fill_ops(lambda: y.backward(g)) == direct
+    assert_backward_fills_as_op(y, g, lambda: ops.rms_norm_backward(g, x, nw, rstd))
     y, rstd = ops.fused_rmsnorm_linear(x, nw, W, b, EPS)
     g = torch.randn_like(y)
-    with torch.no_grad():
-        direct = fill_ops(lambda: ops.fused_rmsnorm_linear_backward(g, x, nw, W, rstd, True))
-    assert fill_ops(lambda: y.backward(g)) == direct
+    assert_backward_fills_as_op(y, g, lambda: ops.fused_rmsnorm_linear_backward(g, x, nw, W, rstd, True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
