@@ -10,11 +10,9 @@
 //    P^T = exp2(S^T scale log2e - lse2), dS^T = P^T (dP^T - delta), masked (Sk tail,
 //    causal); dV_w += P^T dO and dK_w += dS^T Q (RS wgmma: P^T, dS^T from registers, dO
 //    and Q read MN-major from the very tiles the TMA wrote K-major); dS^T to shared
-//    memory (double-buffered), then dQ = dS K (SS, both MN-major): at D = 128 each
-//    consumer takes half of D's columns over all 128 keys (after a barrier over both), at
-//    D = 64 all columns over its own keys (no barrier between them; see BwdCfg); the
-//    result goes to a float32 accumulator in global memory by one bulk reduce-add (TMA)
-//    of each consumer's tile, staged in shared memory in fragment order.
+//    memory (double-buffered), then dQ = dS K (SS, both MN-major): each consumer takes
+//    half of D's columns over all 128 keys (after a barrier over both) and adds the result
+//    to a float32 accumulator in global memory by float4 atomics from its registers.
 //  * dK, dV live in registers across the whole sweep (GQA: over all G query heads) and
 //    are written once; dq = scale * accumulator in a last elementwise kernel.
 // dQ's float32 additions come in any order: not bitwise reproducible; the plan sends
@@ -62,15 +60,16 @@ constexpr int64_t kPadRows = 128;
 int64_t padded_rows(int64_t Sq) { return (Sq + kPadRows - 1) / kPadRows * kPadRows; }
 
 template <class Elem, int D_> struct BwdCfg {
+  // A 3-stage Q / dO ring ran 0.93-0.96x this at D = 128 from 4096 rows and 0.99-1.02x at D = 64
+  // (benchmarks/results/attention_bwd_stages_h100.json).
   static constexpr int D = D_, BN = 128, BM = 64, kStages = 2;
   static constexpr int kThreads = 384;                   // producer + 2 consumer warpgroups
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  // dQ = dS K for the query block. D = 128: each consumer takes half of D's columns over all
-  // BN keys (so it needs the other's dS: a barrier over both). D = 64: each takes all columns
-  // over its own 64 keys (a float32 64 x 64 partial of its own), and both partials are added:
-  // no barrier between the consumers (they meet only at the ring's stages).
-  static constexpr bool kSplitKeys = D == 64, kSplitCols = !kSplitKeys;
-  static constexpr int DQN = kSplitCols ? D / 2 : D, KQ = kSplitKeys ? 64 : BN;
+  // dQ = dS K for the query block: each consumer takes half of D's columns over all BN keys,
+  // so it needs the other's dS (a barrier over both). At D = 64, each consumer taking all
+  // columns over its own 64 keys, with no barrier, adds twice the float32 partials and ran
+  // 0.96-0.97x this (benchmarks/results/attention_bwd_dq_h100.json).
+  static constexpr int DQN = D / 2;
   static_assert(BM == 64 && kPadRows % BM == 0, "BM: one wgmma M, one consumer's dq tile");
   using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<BM>, Int<D>>{}));
   using LayoutQt =  // the same tile as the (D, BM) MN-major B operand of dK += dS^T Q
@@ -87,7 +86,7 @@ template <class Elem, int D_> struct BwdCfg {
                                                     GMMA::Major::K, GMMA::Major::K>());
   using OpKV = decltype(SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<D>, Int<BM>>,
                                                    GMMA::Major::K, GMMA::Major::MN>());
-  using OpQ = decltype(SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<DQN>, Int<KQ>>,
+  using OpQ = decltype(SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<DQN>, Int<BN>>,
                                                   GMMA::Major::MN, GMMA::Major::MN>());
   using MmaSdP = decltype(make_tiled_mma(OpSdP{}));
   using MmaKV = decltype(make_tiled_mma(OpKV{}));
@@ -107,7 +106,6 @@ template <class Elem, int D_> struct BwdCfg {
     alignas(1024) Elem q[kStages * BM * D];
     alignas(1024) Elem dout[kStages * BM * D];
     alignas(1024) Elem ds[2 * BM * BN];
-    alignas(128) float dq[2 * 64 * DQN];  // each consumer's dq tile, in dq_tile_offset's order
     alignas(16) float rows[2][2][2 * BM];  // per consumer: lse2 then delta of a query block, by iteration parity
     alignas(8) uint64_t kv_full;
     uint64_t full[kStages], empty[kStages];
@@ -156,10 +154,10 @@ attn_bwd_prep_sm90(Rows<const T> o, Rows<const T> dout, const float* __restrict_
   }
 }
 
-// The float32 dq accumulator, per (batch * head, block of 64 query rows, column half when a
-// consumer takes DQN = D / 2 columns): one contiguous 64 x DQN tile, in the order the consumers'
-// wgmma fragments store without bank conflicts: float4 j of thread t (128 a warpgroup) at
-// 4 (128 j + t), holding its accumulator values 4 j .. 4 j + 3. Rows run to Sqp (padded).
+// The float32 dq accumulator, per (batch * head, block of 64 query rows, column half): one
+// contiguous 64 x DQN tile, in the order of the consumers' wgmma fragments, so that a warp's
+// atomics cover whole lines: float4 j of thread t (128 a warpgroup) at 4 (128 j + t), holding
+// its accumulator values 4 j .. 4 j + 3. Rows run to Sqp (padded).
 template <int D, int DQN>
 __host__ __device__ __forceinline__ int64_t dq_tile_offset(int64_t bh, int qb64, int half, int64_t Sqp) {
   return ((bh * (Sqp / 64) + qb64) * (D / DQN) + half) * (64 * DQN);
@@ -206,7 +204,7 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
-  constexpr int D = Cfg::D, BN = Cfg::BN, BM = Cfg::BM, ST = Cfg::kStages, DQN = Cfg::DQN, KQ = Cfg::KQ;
+  constexpr int D = Cfg::D, BN = Cfg::BN, BM = Cfg::BM, ST = Cfg::kStages, DQN = Cfg::DQN;
   static_assert(bwd_layouts_agree<Cfg>(), "tiles must land in the layouts the GEMMs read");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   typename Cfg::Smem& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
@@ -285,9 +283,9 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
     Tensor sKt = make_tensor(make_smem_ptr(sm.k), typename Cfg::LayoutKt{});  // (D, BN)
     Tensor tSrK = thr_sdp.partition_fragment_A(local_tile(sK, Shape<_64, Int<D>>{}, make_coord(cw, 0)));
     Tensor tSrV = thr_sdp.partition_fragment_A(local_tile(sV, Shape<_64, Int<D>>{}, make_coord(cw, 0)));
-    // dQ's B operand: K^T, this consumer's columns of D over every key, or all columns over its keys.
+    // dQ's B operand: K^T, this consumer's columns of D over every key.
     Tensor tQrKt = thr_q.partition_fragment_B(local_tile(
-        sKt, Shape<Int<DQN>, Int<KQ>>{}, make_coord(Cfg::kSplitCols ? cw : 0, Cfg::kSplitKeys ? cw : 0)));
+        sKt, Shape<Int<DQN>, Int<BN>>{}, make_coord(cw, 0)));
 
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<BM>>{});   // S^T: (key, query)
     Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<_64, Int<BM>>{});  // dP^T
@@ -319,15 +317,8 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
     }
     const float sl = scale * kLog2e;
 
-    // The barrier after this consumer's dS is written: over both consumers where each needs
-    // the other's (kSplitCols), else over its own 128 threads.
-    const auto ds_barrier = [&] {
-      if constexpr (Cfg::kSplitCols) {
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
-      } else {
-        asm volatile("bar.sync %0, 128;\n" ::"r"(4 + cw) : "memory");
-      }
-    };
+    // The barrier after both consumers' dS is written (each one's dQ reads both halves).
+    const auto ds_barrier = [] { asm volatile("bar.sync 1, 256;\n" ::: "memory"); };
     // The lse2 / delta rows of iteration it, this consumer's copy: thread wtid (2 BM = 128)
     // loads value wtid (lse2 of query wtid, then delta of query wtid - BM) from global memory
     // during iteration it - 1 and stores it to rows[cw][it & 1] before that iteration's
@@ -420,7 +411,7 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> wgmma's reads
 
-      // dK += dS^T Q runs while the other consumer finishes its half of dS (kSplitCols).
+      // dK += dS^T Q runs while the other consumer finishes its half of dS.
       warpgroup_fence_operand(tKVrdK);
       warpgroup_fence_operand(tKVrdS);
       warpgroup_arrive();
@@ -432,10 +423,10 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
 
       // dQ = dS K (this consumer's part).
       Tensor tQrdS = thr_q.partition_fragment_A(
-          local_tile(sdS, Shape<_64, Int<KQ>>{}, make_coord(0, Cfg::kSplitKeys ? cw : 0)));
+          local_tile(sdS, Shape<_64, Int<BN>>{}, make_coord(0, 0)));
       warpgroup_fence_operand(tQrdQ);
       warpgroup_arrive();
-      gemm_fresh<KQ / 16>(mma_q, tQrdS, tQrKt, tQrdQ);
+      gemm_fresh<BN / 16>(mma_q, tQrdS, tQrKt, tQrdQ);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tKVrdV);
@@ -445,29 +436,19 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
       warpgroup_fence_operand(tQrdQ);
       if (wtid == 0) Barrier::arrive(&sm.empty[st]);  // this consumer's GEMMs have read Q and dO
 
-      // dQ into the float32 accumulator: the fragment to this consumer's shared tile in the
-      // accumulator's tile order (dq_tile_offset), then one bulk reduce-add of the whole tile.
-      // The tile is free once the previous reduce has read it.
-      float* dq_s = sm.dq + cw * 64 * DQN;
-      if (wtid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
-#pragma unroll
-      for (int j = 0; j < DQN / 8; ++j)
-        *reinterpret_cast<float4*>(dq_s + j * 512 + wtid * 4) =
-            make_float4(tQrdQ(4 * j), tQrdQ(4 * j + 1), tQrdQ(4 * j + 2), tQrdQ(4 * j + 3));
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> the bulk copy
-      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
-      if (wtid == 0) {
+      // dQ into the float32 accumulator: one float4 atomic add per 4 values of the fragment,
+      // straight from registers (a warp's 32 cover 512 contiguous bytes of the tile). Staging
+      // the tile in shared memory for one bulk reduce-add ran 0.86-0.92x this: the staging
+      // competed with the wgmmas for shared-memory bandwidth.
+      {
         const int64_t bhq = static_cast<int64_t>(hd.b) * H + hd.h0 + gi;
-        const int qb64 = q0 / 64, half = Cfg::kSplitCols ? cw : 0;  // kSplitKeys: both add to one tile
-        const float* dst = dq_acc + dq_tile_offset<D, DQN>(bhq, qb64, half, Sqp);
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
-                     "r"(static_cast<uint32_t>(__cvta_generic_to_shared(dq_s))), "n"(64 * DQN * 4)
-                     : "memory");
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        float* dst = dq_acc + dq_tile_offset<D, DQN>(bhq, q0 / 64, cw, Sqp) + wtid * 4;
+#pragma unroll
+        for (int j = 0; j < DQN / 8; ++j)
+          atomicAdd(reinterpret_cast<float4*>(dst + j * 512),
+                    make_float4(tQrdQ(4 * j), tQrdQ(4 * j + 1), tQrdQ(4 * j + 2), tQrdQ(4 * j + 3)));
       }
     }
-    if (wtid == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the last reduce is done
 
     // dK = scale * sum dS^T Q, dV = sum P^T dO: this warpgroup's 64 key rows.
 #pragma unroll
