@@ -190,21 +190,31 @@ __device__ __forceinline__ void gemm_qk(Mma& mma_s, const TQ& tSrQ, const TK& tS
 }
 
 // Scale to the log2 domain and mask. Key c (tile-relative) is visible to tile row r
-// iff c < kv_lim and (!causal || c <= r + diag).
-template <int BN, class TS, class TC>
-__device__ __forceinline__ void scale_mask(TS& tSrS, const TC& tScS, float scale_log2, int64_t n0, int64_t Sk,
-                                           int64_t wrow0, bool causal) {
-  const bool need_mask = (n0 + BN > Sk) || (causal && n0 + BN - 1 > wrow0);
-  const int kv_lim = static_cast<int>(std::min<int64_t>(Sk - n0, BN));
-  const int diag = static_cast<int>(std::max<int64_t>(std::min<int64_t>(wrow0 - n0, BN), -2 * BN));
+// iff c < kv_lim and (!causal || c <= r + diag). Two loops, so that tiles needing no mask
+// branch past the mask's compares (ptxas predicates them when they sit in one loop).
+template <bool kMask, class TS, class TC>
+__device__ __forceinline__ void scale_mask_loop(TS& tSrS, const TC& tScS, float scale_log2, int kv_lim, int diag,
+                                                bool causal) {
 #pragma unroll
   for (int i = 0; i < size(tSrS); ++i) {
     float x = tSrS(i) * scale_log2;
-    if (need_mask) {
+    if constexpr (kMask) {
       const int r = get<0>(tScS(i)), c = get<1>(tScS(i));
       if (c >= kv_lim || (causal && c > r + diag)) x = -INFINITY;
     }
     tSrS(i) = x;
+  }
+}
+
+template <int BN, class TS, class TC>
+__device__ __forceinline__ void scale_mask(TS& tSrS, const TC& tScS, float scale_log2, int64_t n0, int64_t Sk,
+                                           int64_t wrow0, bool causal) {
+  if ((n0 + BN > Sk) || (causal && n0 + BN - 1 > wrow0)) {
+    const int kv_lim = static_cast<int>(std::min<int64_t>(Sk - n0, BN));
+    const int diag = static_cast<int>(std::max<int64_t>(std::min<int64_t>(wrow0 - n0, BN), -2 * BN));
+    scale_mask_loop<true>(tSrS, tScS, scale_log2, kv_lim, diag, causal);
+  } else {
+    scale_mask_loop<false>(tSrS, tScS, scale_log2, 0, 0, false);
   }
 }
 
