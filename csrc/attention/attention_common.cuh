@@ -104,8 +104,7 @@ struct BlockOrder {
 // attention_order=rows.
 inline int64_t chunk_rows(bool causal, int64_t nbh, int gx, int sms, int64_t bytes_per_row) {
   constexpr int64_t kL2Budget = int64_t{16} << 20;
-  const char* forced = knob_value(Knob::AttentionOrder);
-  if (!causal || nbh <= 1 || (forced != nullptr && forced[0] == 'r')) return 1;
+  if (!causal || nbh <= 1 || knob(Knob::AttentionOrder) == 1) return 1;  // 1: "rows"
   const int64_t by_l2 = kL2Budget / std::max<int64_t>(bytes_per_row, 1);
   const int64_t one_wave = (std::max(sms, 1) + gx - 1) / std::max(gx, 1);
   const int64_t cb = std::max<int64_t>(1, std::min<int64_t>(nbh, std::max(by_l2, one_wave)));
