@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.bench.attention import backward_kernels, forward_kernels
 
-from conftest import (DEVICES, HAS_CUDA, SANITIZE, assert_compiled_matches_eager, assert_backward_fills_as_op, copy_kernels, many, poison_allocator,
-                      requires_caching_allocator, requires_cuda)
+from conftest import (DEVICES, HAS_CUDA, SANITIZE, assert_compiled_matches_eager, assert_backward_fills_as_op,
+                      copy_kernels, many, poison_allocator, requires_caching_allocator, requires_cuda)
 from strategies import OFFSET, make_tensor
 
 OPS = torch.ops.gpu_puzzles

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles import tuning
 
-from conftest import (DEVICES, HAS_CUDA, TOL, assert_close_ref, assert_backward_fills_as_op, copy_kernels, device_dtypes, fill_ops, many,
-                      poison_allocator, requires_caching_allocator, requires_cuda)
+from conftest import (DEVICES, HAS_CUDA, TOL, assert_close_ref, assert_backward_fills_as_op, copy_kernels,
+                      device_dtypes, fill_ops, many, poison_allocator, requires_caching_allocator, requires_cuda)
 
 OP = torch.ops.gpu_puzzles.cross_entropy.default
 BWD_OP = torch.ops.gpu_puzzles.cross_entropy_backward.default

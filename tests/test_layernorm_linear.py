@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import gpu_puzzles as gp
 from gpu_puzzles.ops._common import schema_default
 
-from conftest import (DEVICES, TOL, assert_close_ref, assert_compiled_matches_eager, assert_backward_fills_as_op, device_dtypes, many,
-                      poison_allocator, requires_caching_allocator, requires_cuda)
+from conftest import (DEVICES, TOL, assert_close_ref, assert_compiled_matches_eager, assert_backward_fills_as_op,
+                      device_dtypes, many, poison_allocator, requires_caching_allocator, requires_cuda)
 
 unfused = functools.partial(gp.fused_layernorm_linear, algorithm="unfused")
 PLANS = ("fold", "normalize")  # the fused forward's plans (knob layernorm_linear_plan); "auto" picks one
