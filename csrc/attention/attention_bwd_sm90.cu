@@ -421,9 +421,8 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
       if (stage_next) sm.rows[cw][(it + 1) & 1][wtid] = next_row;
       ds_barrier();  // the dS the dQ GEMM reads is written
 
-      // dQ = dS K (this consumer's part).
-      Tensor tQrdS = thr_q.partition_fragment_A(
-          local_tile(sdS, Shape<_64, Int<BN>>{}, make_coord(0, 0)));
+      // dQ = dS K (this consumer's columns; dS is all BM x BN of both consumers).
+      Tensor tQrdS = thr_q.partition_fragment_A(sdS);
       warpgroup_fence_operand(tQrdQ);
       warpgroup_arrive();
       gemm_fresh<BN / 16>(mma_q, tQrdS, tQrKt, tQrdQ);
