@@ -1056,6 +1056,29 @@ def test_cuda_wgmma_backward_falls_back():
 
 
 @requires_cuda
+@pytest.mark.parametrize("D", [64, 128])
+def test_cuda_wgmma_backward_unaligned_o(D):
+    # o's rows need no alignment: the backward's delta kernel reads them by 16-byte loads only
+    # where they are aligned, element by element otherwise, in the same order of sums; so dk and
+    # dv (which depend on o only through delta) match the aligned call bit for bit.
+    _skip_unless_wgmma()
+    q, k, v = make_qkv((2, 3), 200, 200, D, D, "cuda", torch.bfloat16, seed=D)
+    out, lse = OPS.attention(q, k, v, None, True)
+    g = torch.randn_like(out)
+    odd = torch.full((2, 3, 200, D + 1), float("nan"), device="cuda", dtype=out.dtype)[..., 1:]
+    odd.copy_(out)  # row stride D + 1 elements: no row is 16-byte aligned past the first
+    with gp.tuning.override(attention_bwd="wgmma"):
+        _assert_backward_kernel(lambda: OPS.attention_backward(g, q, k, v, odd, lse, None, True), "wgmma", "odd o")
+        dq, dk, dv = OPS.attention_backward(g, q, k, v, odd, lse, None, True)
+        _, dk_a, dv_a = OPS.attention_backward(g, q, k, v, out, lse, None, True)
+    assert torch.equal(dk, dk_a) and torch.equal(dv, dv_a), "unaligned o changed delta"
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    refs = torch.autograd.grad(ref_attention(*leaves, causal=True), leaves, g.double())
+    for name, a, r in zip("qkv", (dq, dk, dv), refs):
+        _assert_close(a, r, torch.bfloat16, f"unaligned o d{name}", grad=True)
+
+
+@requires_cuda
 @pytest.mark.parametrize("B, H, Hkv, S, D", [(1, 11, 11, 4096, 128), (1, 40, 20, 2048, 64)], ids=str)
 def test_cuda_causal_block_order(B, H, Hkv, S, D):
     # The sm_90a causal grids run heaviest blocks first over chunks of (batch, head) rows

@@ -122,34 +122,42 @@ template <class Cfg> constexpr bool bwd_layouts_agree() {
 }
 
 // lse2 = lse * log2(e) and delta = rowsum(dout * o) per query row, padded to kPadRows rows
-// per (batch, head) with lse2 = +inf (P = 0) and delta = 0.
-// One warp per padded row.
-template <class T>
-__global__ void __launch_bounds__(128)
+// per (batch, head) with lse2 = +inf (P = 0) and delta = 0; and the float32 dq accumulator
+// zeroed (BH * Sqp * D floats: D a row), which a separate memset wrote at full bandwidth
+// but as a second pass and launch. D / 8 threads a row, 8 elements each: 16-byte loads
+// where o's rows are 16-byte aligned (kVec; dout's always are: the plan checks).
+template <class T, int D, bool kVec>
+__global__ void __launch_bounds__(256)
 attn_bwd_prep_sm90(Rows<const T> o, Rows<const T> dout, const float* __restrict__ lse, float* __restrict__ lse2,
-                   float* __restrict__ delta, int64_t H, int64_t Sq, int64_t Sqp,
-                   int64_t rows, int D) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;  // whole warp leaves together
+                   float* __restrict__ delta, float* __restrict__ dq_acc, int64_t H, int64_t Sq, int64_t Sqp) {
+  constexpr int kTpr = D / 8;  // threads a row: a power of two dividing the warp
+  static_assert(kTpr <= 32 && (kTpr & (kTpr - 1)) == 0, "row group within a warp");
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (256 / kTpr) + threadIdx.x / kTpr;
+  const int c = (threadIdx.x % kTpr) * 8;
+  float4* z = reinterpret_cast<float4*>(dq_acc + row * D + c);  // the grid covers exactly BH * Sqp rows
+  z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+  z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   const int64_t bh = row / Sqp, i = row - bh * Sqp;
-  if (i >= Sq) {
-    if (lane == 0) {
-      lse2[row] = INFINITY;
-      delta[row] = 0.f;
-    }
-    return;
-  }
-  const HeadIdx hd(bh, H, 1);
-  const T* __restrict__ orow = o.row(hd.b, hd.h, i);
-  const T* __restrict__ drow = dout.row(hd.b, hd.h, i);
   float s = 0.f;
-  for (int d = lane; d < D; d += 32) {
-    s += static_cast<float>(orow[d]) * static_cast<float>(drow[d]);
+  if (i < Sq) {
+    const HeadIdx hd(bh, H, 1);
+    const T* orow = o.row(hd.b, hd.h, i) + c;
+    const uint4 dv = *reinterpret_cast<const uint4*>(dout.row(hd.b, hd.h, i) + c);
+    const T* d8 = reinterpret_cast<const T*>(&dv);
+    if constexpr (kVec) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(orow);
+      const T* o8 = reinterpret_cast<const T*>(&ov);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s += static_cast<float>(o8[e]) * static_cast<float>(d8[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s += static_cast<float>(orow[e]) * static_cast<float>(d8[e]);
+    }
   }
-  s = warp_sum(s);
-  if (lane == 0) {
-    lse2[row] = lse[bh * Sq + i] * kLog2e;
+#pragma unroll
+  for (int w = kTpr / 2; w > 0; w /= 2) s += __shfl_xor_sync(0xffffffffu, s, w);
+  if (c == 0) {
+    lse2[row] = i < Sq ? lse[bh * Sq + i] * kLog2e : INFINITY;
     delta[row] = s;
   }
 }
@@ -163,33 +171,45 @@ __host__ __device__ __forceinline__ int64_t dq_tile_offset(int64_t bh, int qb64,
   return ((bh * (Sqp / 64) + qb64) * (D / DQN) + half) * (64 * DQN);
 }
 
-// dq = scale * accumulator: one float4 (two pairs of adjacent columns, rows 8 apart) a thread.
-// Value i of wgmma thread t of a 64 x N fragment: row 16 (t / 32) + (t % 32) / 4 + 8 ((i >> 1) & 1),
-// column 8 (i >> 2) + 2 (t % 4) + (i & 1).
+// dq = scale * accumulator. Value i of wgmma thread t of a 64 x N fragment sits at row
+// 16 (t / 32) + (t % 32) / 4 + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 (t % 4) + (i & 1); so
+// the float4s j of threads 4 m .. 4 m + 3 (64 contiguous bytes of the tile) hold columns
+// 8 j .. 8 j + 7 of rows r = 16 (m / 8) + m % 8 and r + 8. Each thread takes one such
+// (m, j): two 16-byte stores, and the lanes of a warp run over j first, so that a row's
+// stores are adjacent.
 template <class Cfg, class T>
 __global__ void __launch_bounds__(256)
-attn_bwd_dq_out_sm90(const float* __restrict__ dq_acc, Rows<T> dq, int64_t H, int64_t Sq, int64_t Sqp, int64_t n4,
+attn_bwd_dq_out_sm90(const float* __restrict__ dq_acc, Rows<T> dq, int64_t H, int64_t Sq, int64_t Sqp, int64_t n,
                      float scale) {
-  constexpr int D = Cfg::D, DQN = Cfg::DQN, kTile4 = 16 * DQN;  // float4s a tile
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n4;
+  constexpr int D = Cfg::D, DQN = Cfg::DQN, kJ = DQN / 8;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t tile = e / kTile4;
-    const int in = static_cast<int>(e - tile * kTile4), j = in / 128, t = in % 128;
+    const int j = static_cast<int>(e % kJ), m = static_cast<int>((e / kJ) % 32);
+    const int64_t tile = e / (kJ * 32);
+    const float4* src = reinterpret_cast<const float4*>(dq_acc + tile * (64 * DQN) + 512 * j + 16 * m);
+    float4 f[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) f[q] = src[q];
     const int half = static_cast<int>(tile % (D / DQN));
     const int64_t qb = tile / (D / DQN), nqb = Sqp / 64, bh = qb / nqb;
-    const int64_t row = (qb - bh * nqb) * 64 + 16 * (t / 32) + (t % 32) / 4;
-    const int col = half * DQN + 8 * j + 2 * (t % 4);
-    const float4 x = *reinterpret_cast<const float4*>(dq_acc + 4 * e);
+    const int64_t row = (qb - bh * nqb) * 64 + 16 * (m / 8) + m % 8;
+    const int col = half * DQN + 8 * j;
     const HeadIdx hd(bh, H, 1);
     if (row < Sq) {
-      T* out = dq.row(hd.b, hd.h, row) + col;
-      out[0] = static_cast<T>(x.x * scale);
-      out[1] = static_cast<T>(x.y * scale);
+      uint4 u;
+      u.x = pack2<T>(f[0].x * scale, f[0].y * scale);
+      u.y = pack2<T>(f[1].x * scale, f[1].y * scale);
+      u.z = pack2<T>(f[2].x * scale, f[2].y * scale);
+      u.w = pack2<T>(f[3].x * scale, f[3].y * scale);
+      *reinterpret_cast<uint4*>(dq.row(hd.b, hd.h, row) + col) = u;
     }
     if (row + 8 < Sq) {
-      T* out = dq.row(hd.b, hd.h, row + 8) + col;
-      out[0] = static_cast<T>(x.z * scale);
-      out[1] = static_cast<T>(x.w * scale);
+      uint4 u;
+      u.x = pack2<T>(f[0].z * scale, f[0].w * scale);
+      u.y = pack2<T>(f[1].z * scale, f[1].w * scale);
+      u.z = pack2<T>(f[2].z * scale, f[2].w * scale);
+      u.w = pack2<T>(f[3].z * scale, f[3].w * scale);
+      *reinterpret_cast<uint4*>(dq.row(hd.b, hd.h, row + 8) + col) = u;
     }
   }
 }
@@ -473,12 +493,18 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
   float* delta = lse2 + a.BH() * Sqp;
   float* dq_acc = delta + a.BH() * Sqp;
   {
-    const int64_t rows = a.BH() * Sqp;
-    attn_bwd_prep_sm90<Elem><<<ceil_div_u(rows, 4), 128, 0, stream>>>(
-        rows_of<const Elem>(a.o, a.so), rows_of<const Elem>(a.dout, a.sdo), static_cast<const float*>(a.lse), lse2, delta,
-        a.H, a.Sq, Sqp, rows, D);
-    cudaError_t e = cudaGetLastError();
-    if (e == cudaSuccess) e = cudaMemsetAsync(dq_acc, 0, rows * D * sizeof(float), stream);
+    const int64_t rows = a.BH() * Sqp;  // a multiple of kPadRows, so of the rows a block takes
+    constexpr int kRowsPerBlock = 256 / (D / 8);
+    static_assert(kPadRows % kRowsPerBlock == 0, "whole blocks");
+    const auto o = rows_of<const Elem>(a.o, a.so);
+    const auto dout = rows_of<const Elem>(a.dout, a.sdo);
+    const auto* lse = static_cast<const float*>(a.lse);
+    const unsigned blocks = static_cast<unsigned>(rows / kRowsPerBlock);
+    if (attn_rows_aligned16(a.o, a.so, sizeof(Elem)))
+      attn_bwd_prep_sm90<Elem, D, true><<<blocks, 256, 0, stream>>>(o, dout, lse, lse2, delta, dq_acc, a.H, a.Sq, Sqp);
+    else
+      attn_bwd_prep_sm90<Elem, D, false><<<blocks, 256, 0, stream>>>(o, dout, lse, lse2, delta, dq_acc, a.H, a.Sq, Sqp);
+    const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
   const auto tma_q = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.q, a.Sq, a.H, a.B, a.sq),
@@ -503,10 +529,10 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
         static_cast<int>(Sqp), static_cast<int>(a.Sk), a.scale, a.causal);
   });
   if (e != cudaSuccess) return e;
-  const int64_t n4 = a.BH() * Sqp * D / 4;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n4 + 255) / 256, int64_t{1} << 20));
+  const int64_t n = a.BH() * Sqp * D / 16;  // 16 floats a thread
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{1} << 20));
   attn_bwd_dq_out_sm90<Cfg, Elem>
-      <<<blocks, 256, 0, stream>>>(dq_acc, rows_of<Elem>(a.dq, a.sdq), a.H, a.Sq, Sqp, n4, a.scale);
+      <<<blocks, 256, 0, stream>>>(dq_acc, rows_of<Elem>(a.dq, a.sdq), a.H, a.Sq, Sqp, n, a.scale);
   return cudaGetLastError();
 }
 

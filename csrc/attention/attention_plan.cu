@@ -124,7 +124,7 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
 // cannot describe, the two deterministic mma.sync passes.
 AttnBwdKernel attention_bwd_plan(const AttentionBwdArgs& a, int dev, cudaError_t& err) {
   err = cudaSuccess;
-  // o is read only by the delta kernels (scalar loads): no alignment needed.
+  // o is read only by the delta kernels (16-byte loads where its rows allow): no alignment needed.
   const bool tc = half_type(a.dtype) && tc_head_dims(a.D, a.Dv) && rows16(a.q, a.sq) && rows16(a.k, a.sk) &&
                   rows16(a.v, a.sv) && rows16(a.dout, a.sdo) && rows16(a.dq, a.sdq) && rows16(a.dk, a.sdk) &&
                   rows16(a.dv, a.sdv);
