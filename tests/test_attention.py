@@ -963,6 +963,33 @@ def test_cuda_ws_strided_layouts(layout, D, fwd):
 
 
 @requires_cuda
+@pytest.mark.parametrize("fwd", ["ws", "ws2", "ws3", "ws192"])
+def test_cuda_ws_persistent_grid(fwd):
+    # attention_fwd_grid=persistent: one CTA an SM, each running its share of the query blocks
+    # (a Q buffer and the K/V ring carried from block to block). Every block is computed as with
+    # one CTA a block, so out and lse are bitwise equal; grids of many more blocks than SMs,
+    # causal and full, GQA, tails, Sq != Sk; values vs float64 on one.
+    _skip_unless_wgmma()
+    for (B, H, Hkv, Sq, Sk, D, causal) in [(4, 40, 40, 1000, 1000, 64, True), (3, 24, 8, 700, 1100, 128, True),
+                                           (2, 30, 30, 513, 257, 128, False), (5, 16, 4, 1500, 900, 64, False),
+                                           (1, 2, 2, 129, 129, 64, True)]:
+        what = f"{fwd} B={B} H={H}/{Hkv} Sq={Sq} Sk={Sk} D={D} causal={causal}"
+        q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        res = {}
+        for grid in ("blocks", "persistent"):
+            with gp.tuning.override(attention_fwd=fwd, attention_fwd_grid=grid):
+                _poison_cache()
+                _assert_forward_kernel(lambda: OPS.attention(q, k, v, None, causal, H != Hkv),
+                                       _fwd_label((fwd, None), D), what)
+                res[grid] = OPS.attention(q, k, v, None, causal, H != Hkv)
+        for name, a, b in zip(("out", "lse"), res["persistent"], res["blocks"]):
+            assert torch.equal(a, b), f"{what}: persistent {name} differs from one CTA a block"
+        if Sq == 129:
+            _assert_close(res["persistent"][0], ref_attention(q, k, v, causal=causal), torch.bfloat16, f"{what} out")
+
+
+@requires_cuda
 def test_cuda_ws_expanded_heads_fall_back():
     # k and v expanded over the heads (stride 0): no TMA descriptor takes that, so a forced
     # "ws*" (or the default) runs another tensor-core kernel, with the right values.
@@ -979,22 +1006,24 @@ def test_cuda_ws_expanded_heads_fall_back():
 
 # ---- each backward kernel (the attention_bwd knob) and the default's choice ----------------
 # "wgmma": the warp-specialised sm_90a backward (attention_bwd_sm90.cu: 128 keys a CTA, 64 per
-# consumer warpgroup, query blocks of 64 rows, dq summed in float32 out of order); "mma": the two
-# deterministic mma.sync passes (attention_bwd_sm80.cu).
+# consumer warpgroup, query blocks of 64 rows, dq summed in float32 out of order; at D = 64 its dQ
+# GEMM split by column halves, "wgmma_split", or taken in turns by the consumers, "wgmma_turns",
+# as the shape decides under "wgmma"); "mma": the two deterministic mma.sync passes
+# (attention_bwd_sm80.cu).
 BWD_LENS = [1, 63, 65, 127, 129, 255, 300]
 
 
 def _assert_backward_kernel(fn, want, what):
-    _assert_ran(backward_kernels, fn, want, what)
+    _assert_ran(backward_kernels, fn, want.split("_")[0], what)
 
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("bwd", ["mma", "wgmma"])
+@pytest.mark.parametrize("bwd", ["mma", "wgmma", "wgmma_split", "wgmma_turns"])
 def test_cuda_backward_configs(bwd, dtype):
     # Gradients vs float64 on poisoned memory with the backward forced to one kernel, at lengths
     # around its key block, query block and warpgroup edges (Sq != Sk both ways), and GQA groups.
-    if bwd == "wgmma":
+    if bwd.startswith("wgmma"):
         _skip_unless_wgmma()
     with gp.tuning.override(attention_bwd=bwd):
         for i, Sq in enumerate(BWD_LENS):

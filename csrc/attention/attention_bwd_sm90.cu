@@ -47,6 +47,7 @@
 #include "attention/attention_sm90.cuh"
 #include "common/device.cuh"
 #include "common/func_attr.h"
+#include "common/kernel_choice.h"
 #include "common/online_softmax.cuh"
 
 namespace gpu_puzzles {
@@ -59,7 +60,7 @@ using namespace cute;
 constexpr int64_t kPadRows = 128;
 int64_t padded_rows(int64_t Sq) { return (Sq + kPadRows - 1) / kPadRows * kPadRows; }
 
-template <class Elem, int D_> struct BwdCfg {
+template <class Elem, int D_, bool DqTurns_ = false> struct BwdCfg {
   // A 3-stage Q / dO ring ran 0.93-0.96x this at D = 128 from 4096 rows and 0.99-1.02x at D = 64
   // (benchmarks/results/attention_bwd_stages_h100.json).
   static constexpr int D = D_, BN = 128, BM = 64, kStages = 2;
@@ -69,7 +70,15 @@ template <class Elem, int D_> struct BwdCfg {
   // so it needs the other's dS (a barrier over both). At D = 64, each consumer taking all
   // columns over its own 64 keys, with no barrier, adds twice the float32 partials and ran
   // 0.96-0.97x this (benchmarks/results/attention_bwd_dq_h100.json).
-  static constexpr int DQN = D / 2;
+  //
+  // At D = 64 (kDqTurns) the consumers instead take turns: the consumer of iteration parity
+  // it & 1 computes all of dQ (N = 64), the other goes on to its next block. An N = 32 SS
+  // wgmma reads 1.5x the shared memory an N = 64 one does per FLOP, and the SS GEMMs already
+  // run at the shared-memory rate; at D = 128 all of dQ (64 x 128 float32) would not fit
+  // the registers.
+  static constexpr bool kDqTurns = DqTurns_;
+  static_assert(!kDqTurns || D == 64, "turns: all of dQ in registers at D = 64 only");
+  static constexpr int DQN = kDqTurns ? D : D / 2;
   static_assert(BM == 64 && kPadRows % BM == 0, "BM: one wgmma M, one consumer's dq tile");
   using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<BM>, Int<D>>{}));
   using LayoutQt =  // the same tile as the (D, BM) MN-major B operand of dK += dS^T Q
@@ -303,9 +312,9 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
     Tensor sKt = make_tensor(make_smem_ptr(sm.k), typename Cfg::LayoutKt{});  // (D, BN)
     Tensor tSrK = thr_sdp.partition_fragment_A(local_tile(sK, Shape<_64, Int<D>>{}, make_coord(cw, 0)));
     Tensor tSrV = thr_sdp.partition_fragment_A(local_tile(sV, Shape<_64, Int<D>>{}, make_coord(cw, 0)));
-    // dQ's B operand: K^T, this consumer's columns of D over every key.
+    // dQ's B operand: K^T, this consumer's columns of D (all of them, kDqTurns) over every key.
     Tensor tQrKt = thr_q.partition_fragment_B(local_tile(
-        sKt, Shape<Int<DQN>, Int<BN>>{}, make_coord(cw, 0)));
+        sKt, Shape<Int<DQN>, Int<BN>>{}, make_coord(Cfg::kDqTurns ? 0 : cw, 0)));
 
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<BM>>{});   // S^T: (key, query)
     Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<_64, Int<BM>>{});  // dP^T
@@ -439,29 +448,41 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
       for (int kb = 0; kb < BM / 16; ++kb) cute::gemm(mma_kv, tKVrdS(_, _, kb), tKVrQt(_, _, kb), tKVrdK);
       warpgroup_commit_batch();
       if (stage_next) sm.rows[cw][(it + 1) & 1][wtid] = next_row;
+      // Whether this consumer computes dQ this iteration (turns), and which columns it adds.
+      const bool dq_here = !Cfg::kDqTurns || (it & 1) == cw;
+      const int dq_part = Cfg::kDqTurns ? 0 : cw;
+      if constexpr (Cfg::kDqTurns) {
+        // No wgmma in flight across the branch below (ptxas would serialise them all).
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tKVrdV);
+        warpgroup_fence_operand(tKVrdK);
+        warpgroup_fence_operand(tKVrP);
+        warpgroup_fence_operand(tKVrdS);
+        if (wtid == 0) Barrier::arrive(&sm.empty[st]);  // this consumer's GEMMs have read Q and dO
+      }
       ds_barrier();  // the dS the dQ GEMM reads is written
 
-      // dQ = dS K (this consumer's columns; dS is all BM x BN of both consumers).
-      Tensor tQrdS = thr_q.partition_fragment_A(sdS);
-      warpgroup_fence_operand(tQrdQ);
-      warpgroup_arrive();
-      gemm_fresh<BN / 16>(mma_q, tQrdS, tQrKt, tQrdQ);
-      warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tKVrdV);
-      warpgroup_fence_operand(tKVrdK);
-      warpgroup_fence_operand(tKVrP);
-      warpgroup_fence_operand(tKVrdS);
-      warpgroup_fence_operand(tQrdQ);
-      if (wtid == 0) Barrier::arrive(&sm.empty[st]);  // this consumer's GEMMs have read Q and dO
+      if (dq_here) {
+        // dQ = dS K (this consumer's columns; dS is all BM x BN of both consumers).
+        Tensor tQrdS = thr_q.partition_fragment_A(sdS);
+        warpgroup_fence_operand(tQrdQ);
+        warpgroup_arrive();
+        gemm_fresh<BN / 16>(mma_q, tQrdS, tQrKt, tQrdQ);
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tKVrdV);
+        warpgroup_fence_operand(tKVrdK);
+        warpgroup_fence_operand(tKVrP);
+        warpgroup_fence_operand(tKVrdS);
+        warpgroup_fence_operand(tQrdQ);
+        if (!Cfg::kDqTurns && wtid == 0) Barrier::arrive(&sm.empty[st]);  // Q and dO are read
 
-      // dQ into the float32 accumulator: one float4 atomic add per 4 values of the fragment,
-      // straight from registers (a warp's 32 cover 512 contiguous bytes of the tile). Staging
-      // the tile in shared memory for one bulk reduce-add ran 0.86-0.92x this: the staging
-      // competed with the wgmmas for shared-memory bandwidth.
-      {
+        // dQ into the float32 accumulator: one float4 atomic add per 4 values of the fragment,
+        // straight from registers (a warp's 32 cover 512 contiguous bytes of the tile). Staging
+        // the tile in shared memory for one bulk reduce-add ran 0.86-0.92x this: the staging
+        // competed with the wgmmas for shared-memory bandwidth.
         const int64_t bhq = static_cast<int64_t>(hd.b) * H + hd.h0 + gi;
-        float* dst = dq_acc + dq_tile_offset<D, DQN>(bhq, q0 / 64, cw, Sqp) + wtid * 4;
+        float* dst = dq_acc + dq_tile_offset<D, DQN>(bhq, q0 / 64, dq_part, Sqp) + wtid * 4;
 #pragma unroll
         for (int j = 0; j < DQN / 8; ++j)
           atomicAdd(reinterpret_cast<float4*>(dst + j * 512),
@@ -537,8 +558,15 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
 }
 
 template <class Elem> cudaError_t launch_bwd_d(const AttentionBwdArgs& a, void* ws, int dev, cudaStream_t stream) {
-  return a.D == 64 ? launch_bwd<BwdCfg<Elem, 64>, Elem>(a, ws, dev, stream)
-                   : launch_bwd<BwdCfg<Elem, 128>, Elem>(a, ws, dev, stream);
+  if (a.D != 64) return launch_bwd<BwdCfg<Elem, 128>, Elem>(a, ws, dev, stream);
+  // D = 64: dQ by turns where a CTA sweeps many query blocks (G * Sq >= 2048 rows): there it ran
+  // 1.018-1.031x the column split, at (8,12,1024) causal 0.971x and (16,12,512) causal 0.954x,
+  // where fewer blocks leave the turns uneven (benchmarks/results/attention_bwd_turns_h100.json).
+  // Knob attention_bwd: wgmma_turns / wgmma_split force one.
+  const int forced = knob(Knob::AttentionBwd);  // 3: wgmma_split, 4: wgmma_turns
+  const bool turns = forced == 4 || (forced != 3 && a.G() * a.Sq >= 2048);
+  return turns ? launch_bwd<BwdCfg<Elem, 64, true>, Elem>(a, ws, dev, stream)
+               : launch_bwd<BwdCfg<Elem, 64, false>, Elem>(a, ws, dev, stream);
 }
 
 }  // namespace

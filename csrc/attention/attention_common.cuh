@@ -92,7 +92,7 @@ struct BlockOrder {
     blk = static_cast<int>(r / n);
     bh = c * cb + (r - blk * n);
   }
-  unsigned blocks() const { return static_cast<unsigned>(nbh * gx); }
+  __host__ __device__ __forceinline__ unsigned blocks() const { return static_cast<unsigned>(nbh * gx); }
 };
 
 // Rows a chunk of a causal grid: as many as keep what they read under 16 MB of L2, and at least

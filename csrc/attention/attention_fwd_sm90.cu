@@ -152,11 +152,13 @@ template <class Elem, int D_, int BN_, int Stages_, int Consumers_, bool Overlap
   using MmaO = typename Base::MmaO;
   static constexpr int kTileElems = BN * D;
   static constexpr uint32_t kQBytes = BM * D * sizeof(Elem), kTileBytes = kTileElems * sizeof(Elem);
+  using LayoutQ2 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                          Shape<Int<BM>, Int<D>, _2>{}));  // the TMA's view of both Q buffers
   struct Smem {
-    alignas(1024) Elem q[BM * D];
+    alignas(1024) Elem q[2 * BM * D];  // two items' Q: the next one's loads while this one's runs
     alignas(1024) Elem k[kStages * kTileElems];
     alignas(1024) Elem v[kStages * kTileElems];
-    alignas(8) uint64_t q_full;
+    alignas(8) uint64_t q_full[2], q_empty[2];
     uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem));
@@ -166,6 +168,7 @@ template <class Elem, int D_, int BN_, int Stages_, int Consumers_, bool Overlap
 // GEMM's V^T view put it.
 template <class Cfg> constexpr bool ws_layouts_agree() {
   return ring_stages_agree<typename Cfg::LayoutKV, typename Cfg::LayoutK, Cfg::BN, Cfg::D, Cfg::kStages>() &&
+         ring_stages_agree<typename Cfg::LayoutQ2, typename Cfg::LayoutQ, Cfg::BM, Cfg::D, 2>() &&
          transposed_views_agree<typename Cfg::LayoutK, typename Cfg::LayoutVt, Cfg::BN, Cfg::D>();
 }
 
@@ -401,6 +404,65 @@ attn_fwd_sm90(const Rows<const Elem> q, const Rows<const Elem> k, const Rows<con
 }
 
 
+// The work items of a CTA of the warp-specialised forward: the ordered list (BlockOrder),
+// chunk by chunk, in rounds of gridDim.x items, CTA c taking item c of even rounds and
+// gridDim.x - 1 - c of odd ones. Over a chunk's heaviest-first list (causal) the snake pairs
+// each CTA's heavier items with lighter ones; rounds restart at each chunk, so that the pairing
+// holds in every chunk (rounds running across the chunks handed the same CTAs the heavy
+// items chunk after chunk: (4,32,4096,128) causal ran 0.74x the one-CTA-a-block grid). With one
+// CTA a block, each CTA has one item. A persistent grid (one CTA an SM) loads the next item's Q
+// and K while it finishes the last (double-buffered Q).
+struct WsItem {
+  int bh, b, h, hk;  // (batch, head) row, its batch, query head and kv head (B * H < 2^31: ws_supported)
+  int mblk, n_tiles;
+  int64_t m0;
+};
+
+struct WsItemCursor {
+  int start = 0, count = 0, round = 0;  // the chunk's first item and size; the CTA's round in it
+  // The next item's index in the ordered list, or -1 when the CTA has none left (32-bit: a
+  // launch has fewer than 2^31 items, for_ordered_grids).
+  __device__ __forceinline__ int next(const BlockOrder& order) {
+    const int total = static_cast<int>(order.blocks()), g = static_cast<int>(gridDim.x);
+    const int c = static_cast<int>(blockIdx.x);
+    int per_chunk = static_cast<int>(std::min<int64_t>(static_cast<int64_t>(order.gx) * order.cb, total));
+    if (per_chunk < g) per_chunk = total;  // chunks smaller than a round (order "rows"): one list
+    for (;;) {
+      if (count == 0) count = std::min(per_chunk, total - start);  // entering a chunk
+      const int64_t p = static_cast<int64_t>(round) * g + ((round & 1) ? g - 1 - c : c);
+      if (p < count) {
+        ++round;
+        return start + static_cast<int>(p);
+      }
+      start += count;
+      if (start >= total) return -1;
+      count = 0;
+      round = 0;
+    }
+  }
+};
+
+// Item w of the ordered list: BlockOrder::of in 32-bit arithmetic (64-bit divisions made the
+// producer spill under its register cap).
+template <int BM, int BN>
+__device__ __forceinline__ WsItem ws_item(int w, const BlockOrder& order, int64_t bh0, int H, int G, int Sq, int Sk,
+                                          bool causal) {
+  const int cb = static_cast<int>(order.cb), nbh = static_cast<int>(order.nbh);
+  const int per_chunk = order.gx * cb;
+  const int c = w / per_chunk, r = w - c * per_chunk;
+  const int n = min(cb, nbh - c * cb);  // rows of this chunk (the last may have fewer)
+  const int blk = r / n;
+  WsItem it;
+  it.bh = static_cast<int>(bh0) + c * cb + (r - blk * n);
+  it.b = it.bh / H;
+  it.h = it.bh - it.b * H;
+  it.hk = it.h / G;
+  it.mblk = causal ? order.gx - 1 - blk : blk;  // heaviest first
+  it.m0 = static_cast<int64_t>(it.mblk) * BM;
+  it.n_tiles = key_tiles<BM, BN>(it.m0, Sq, Sk, causal);
+  return it;
+}
+
 template <class Cfg, class Elem, class TmaQ, class TmaKV>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
 attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const TmaKV tma_k,
@@ -416,17 +478,14 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
 
   const int tid = threadIdx.x;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform by construction; tell the compiler
-  int blk;
-  int64_t bh;
-  order.of(blockIdx.x, blk, bh);
-  bh += bh0;
-  const HeadIdx hd(bh, H, H / Hkv);
-  const int mblk = causal ? order.gx - 1 - blk : blk;  // heaviest first
-  const int64_t m0 = static_cast<int64_t>(mblk) * BM;
-  const int n_tiles = key_tiles<BM, BN>(m0, Sq, Sk, causal);
+  const int G = H / Hkv;
 
   if (tid == 0) {
-    TxBarrier::init(&sm.q_full, 1);
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      TxBarrier::init(&sm.q_full[s], 1);
+      Barrier::init(&sm.q_empty[s], Cfg::kConsumers);
+    }
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
       TxBarrier::init(&sm.k_full[s], 1);
@@ -439,175 +498,193 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
   __syncthreads();
 
   if (wg == 0) {
-    // Producer. Tile j goes to stage j % ST; from the stage's second use on, it first waits
-    // until both consumers released the stage's previous tile (the empty barrier's
-    // completion of parity (j / ST - 1) & 1).
+    // Producer. The CTA's key tiles, over all its items, go through the ring in turn: tile kt
+    // to stage kt % ST; from a stage's second use on, it first waits until every consumer
+    // released the stage's previous tile (the empty barrier's completion of parity
+    // (kt / ST - 1) & 1). Q buffer r & 1 likewise, per item r.
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (tid == 0) {
-      const int h = static_cast<int>(hd.h), hk = static_cast<int>(hd.hk), b = static_cast<int>(hd.b);
       Tensor mQ = tma_q.get_tma_tensor(make_shape(Sq, Int<D>{}, H, B));
-      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(mblk, _0{}));  // (BM, D)
-      Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename Cfg::LayoutQ{});
-      auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      TxBarrier::arrive_and_expect_tx(&sm.q_full, Cfg::kQBytes);
-      copy(tma_q.with(sm.q_full), tQg, tQs);
-
       Tensor mK = tma_k.get_tma_tensor(make_shape(Sk, Int<D>{}, Hkv, B));
       Tensor mV = tma_v.get_tma_tensor(make_shape(Sk, Int<D>{}, Hkv, B));
-      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));  // (BN, D, tiles)
-      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+      Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename Cfg::LayoutQ2{});  // (BM, D, 2)
       Tensor sK = make_tensor(make_smem_ptr(sm.k), typename Cfg::LayoutKV{});  // (BN, D, ST)
       Tensor sV = make_tensor(make_smem_ptr(sm.v), typename Cfg::LayoutKV{});
-      auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      for (int j = 0; j < n_tiles; ++j) {
-        const int st = j % ST;
-        const uint32_t parity = static_cast<uint32_t>((j / ST) & 1);
-        if (j >= ST) Barrier::wait(&sm.k_empty[st], parity ^ 1u);
-        TxBarrier::arrive_and_expect_tx(&sm.k_full[st], Cfg::kTileBytes);
-        copy(tma_k.with(sm.k_full[st]), tKg(_, j), tKs(_, st));
-        if (j >= ST) Barrier::wait(&sm.v_empty[st], parity ^ 1u);
-        TxBarrier::arrive_and_expect_tx(&sm.v_full[st], Cfg::kTileBytes);
-        copy(tma_v.with(sm.v_full[st]), tVg(_, j), tVs(_, st));
+      int kt = 0;
+      WsItemCursor items;
+      for (int r = 0;; ++r) {
+        const int w = items.next(order);
+        if (w < 0) break;
+        const WsItem item = ws_item<BM, BN>(w, order, bh0, H, G, Sq, Sk, causal);
+        const int h = item.h, hk = item.hk, b = item.b;
+        const int qs = r & 1;
+        if (r >= 2) Barrier::wait(&sm.q_empty[qs], static_cast<uint32_t>(((r >> 1) & 1) ^ 1));
+        Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(_, _0{}));  // (BM, D, blocks)
+        auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        TxBarrier::arrive_and_expect_tx(&sm.q_full[qs], Cfg::kQBytes);
+        copy(tma_q.with(sm.q_full[qs]), tQg(_, item.mblk), tQs(_, qs));
+
+        Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));  // (BN, D, tiles)
+        Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+        auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+        for (int j = 0; j < item.n_tiles; ++j, ++kt) {
+          const int st = kt % ST;
+          const uint32_t parity = static_cast<uint32_t>((kt / ST) & 1);
+          if (kt >= ST) Barrier::wait(&sm.k_empty[st], parity ^ 1u);
+          TxBarrier::arrive_and_expect_tx(&sm.k_full[st], Cfg::kTileBytes);
+          copy(tma_k.with(sm.k_full[st]), tKg(_, j), tKs(_, st));
+          if (kt >= ST) Barrier::wait(&sm.v_empty[st], parity ^ 1u);
+          TxBarrier::arrive_and_expect_tx(&sm.v_full[st], Cfg::kTileBytes);
+          copy(tma_v.with(sm.v_full[st]), tVg(_, j), tVs(_, st));
+        }
       }
     }
   } else {
-    // Consumers: warpgroup cw owns query rows [m0 + 64 cw, m0 + 64 cw + 64). Every stage
-    // is waited for and released by both, also where a warpgroup skips the math.
+    // Consumers: warpgroup cw owns query rows [m0 + 64 cw, m0 + 64 cw + 64) of each item.
+    // Every stage is waited for and released by all of them, also where one skips the math.
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     const int cw = wg - 1, wtid = tid % 128;
-    const int64_t wrow0 = m0 + 64 * cw;
-    Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename Cfg::LayoutQ{});
     typename Cfg::MmaS mma_s;
     typename Cfg::MmaO mma_o;
     auto thr_s = mma_s.get_thread_slice(wtid);
     auto thr_o = mma_o.get_thread_slice(wtid);
-    Tensor sQw = local_tile(sQ, Shape<_64, Int<D>>{}, make_coord(cw, 0));  // (64, D)
-    Tensor tSrQ = thr_s.partition_fragment_A(sQw);
     Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<BN>>{});
     Tensor tOrO = partition_fragment_C(mma_o, Shape<_64, Int<D>>{});
     Tensor tOrP = make_tensor<Elem>(Shape<Shape<_2, _2, _2>, _1, Int<BN / 16>>{});
     Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<_64, Int<BN>>{}));
     Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<_64, Int<D>>{}));
-    clear(tOrO);
-    float m_r[2] = {-INFINITY, -INFINITY};
-    float l_r[2] = {0.f, 0.f};
-
-    TxBarrier::wait(&sm.q_full, 0);
-    if constexpr (Cfg::kOverlap) {
-      // Intra-warpgroup overlap (FlashAttention-3): step j issues S(j) = Q K(j)^T, then
-      // O += P(j-1) V(j-1), runs tile j's softmax while that product is in flight, and
-      // rescales O by tile j's alpha once it is done. A warpgroup does the math of every
-      // tile or, with its rows all past Sq, of none. Causal, at BM = 192 a tile may lie
-      // wholly above a consumer's rows: masked to -inf, it adds nothing (the first tile
-      // holds key 0, which every row sees, so the running max is finite by then). The
-      // first and the last step are peeled, so that no wgmma is in flight across a branch
-      // (ptxas would serialise).
-      static_assert(BN == 128 && (BM == 128 || BM == 192), "tilings the loop was checked for");
-      const auto sk_at = [&](int st) {
-        return make_tensor(make_smem_ptr(sm.k + st * Cfg::kTileElems), typename Cfg::LayoutK{});
-      };
-      const auto svt_at = [&](int st) {
-        return make_tensor(make_smem_ptr(sm.v + st * Cfg::kTileElems), typename Cfg::LayoutVt{});
-      };
-      // Pingpong (kPingpong): the consumers take turns, in a ring, to issue their GEMMs, so
-      // that one's softmax runs under the others' GEMMs. Each step, consumer cw waits on
-      // named barrier 1 + cw, issues, then arrives on the next one's (0 is __syncthreads').
-      // Each takes n_tiles + 1 turns (the first and the last step peeled); the last consumer
-      // lets 0 start, so its last turn passes on nothing.
-      constexpr int NC = Cfg::kConsumers;
-      const auto sched_sync = [&] {
-        if constexpr (Cfg::kPingpong) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + cw) : "memory");
-      };
-      const auto sched_arrive = [&](bool last) {
-        if constexpr (Cfg::kPingpong) {
-          if (!(last && cw == NC - 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (cw + 1) % NC) : "memory");
-        }
-      };
+    const auto sk_at = [&](int st) {
+      return make_tensor(make_smem_ptr(sm.k + st * Cfg::kTileElems), typename Cfg::LayoutK{});
+    };
+    const auto svt_at = [&](int st) {
+      return make_tensor(make_smem_ptr(sm.v + st * Cfg::kTileElems), typename Cfg::LayoutVt{});
+    };
+    // Pingpong (kPingpong): the consumers take turns, in a ring, to issue their GEMMs, so
+    // that one's softmax runs under the others' GEMMs. Each step, consumer cw waits on
+    // named barrier 1 + cw, issues, then arrives on the next one's (0 is __syncthreads').
+    // Each takes n_tiles + 1 turns an item (the first and the last step peeled), the ring
+    // running on across items; the last consumer lets 0 start, so its very last turn
+    // passes on nothing.
+    constexpr int NC = Cfg::kConsumers;
+    const auto sched_sync = [&] {
+      if constexpr (Cfg::kPingpong) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + cw) : "memory");
+    };
+    const auto sched_arrive = [&](bool last) {
       if constexpr (Cfg::kPingpong) {
-        if (cw == NC - 1) asm volatile("bar.arrive %0, 256;\n" ::"r"(1) : "memory");
+        if (!(last && cw == NC - 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (cw + 1) % NC) : "memory");
       }
-      if (wrow0 < Sq) {
-        TxBarrier::wait(&sm.k_full[0], 0);
-        sched_sync();
-        issue_qk<D>(mma_s, tSrQ, thr_s.partition_fragment_B(sk_at(0)), tSrS);
-        sched_arrive(false);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tSrS);
-        if (wtid == 0) Barrier::arrive(&sm.k_empty[0]);
-        scale_mask<BN>(tSrS, tScS, scale_log2, 0, Sk, wrow0, causal);
-        softmax_rows<BN>(tSrS, m_r, l_r);  // O is still 0: nothing to rescale
-        pack_a<Elem>(tSrS, tOrP);
-        for (int j = 1; j < n_tiles; ++j) {
-          const int st = j % ST, pst = (j - 1) % ST;
-          TxBarrier::wait(&sm.k_full[st], static_cast<uint32_t>((j / ST) & 1));
+    };
+    if constexpr (Cfg::kPingpong) {
+      if (cw == NC - 1) asm volatile("bar.arrive %0, 256;\n" ::"r"(1) : "memory");
+    }
+    const auto stage = [](int t) { return t % ST; };
+    const auto phase = [](int t) { return static_cast<uint32_t>((t / ST) & 1); };
+
+    int kt = 0;  // the ring's tile of this item's first key tile
+    WsItemCursor items;
+    int w = items.next(order);
+    for (int r = 0; w >= 0; ++r) {
+      const int w_next = items.next(order);
+      const bool final_item = w_next < 0;
+      const WsItem item = ws_item<BM, BN>(w, order, bh0, H, G, Sq, Sk, causal);
+      const HeadIdx hd(item.bh, H, G);  // store_rows' (64-bit) view of the same row
+      const int n_tiles = item.n_tiles;
+      const int64_t wrow0 = item.m0 + 64 * cw;
+      const int qs = r & 1;
+      Tensor sQ = make_tensor(make_smem_ptr(sm.q + qs * BM * D), typename Cfg::LayoutQ{});
+      Tensor tSrQ = thr_s.partition_fragment_A(local_tile(sQ, Shape<_64, Int<D>>{}, make_coord(cw, 0)));
+      clear(tOrO);
+      float m_r[2] = {-INFINITY, -INFINITY};
+      float l_r[2] = {0.f, 0.f};
+
+      TxBarrier::wait(&sm.q_full[qs], static_cast<uint32_t>((r >> 1) & 1));
+      if constexpr (Cfg::kOverlap) {
+        // Intra-warpgroup overlap (FlashAttention-3): step j issues S(j) = Q K(j)^T, then
+        // O += P(j-1) V(j-1), runs tile j's softmax while that product is in flight, and
+        // rescales O by tile j's alpha once it is done. A warpgroup does the math of every
+        // tile or, with its rows all past Sq, of none. Causal, at BM = 192 a tile may lie
+        // wholly above a consumer's rows: masked to -inf, it adds nothing (the first tile
+        // holds key 0, which every row sees, so the running max is finite by then). The
+        // first and the last step are peeled, so that no wgmma is in flight across a branch
+        // (ptxas would serialise).
+        static_assert(BN == 128 && (BM == 128 || BM == 192), "tilings the loop was checked for");
+        if (wrow0 < Sq) {
+          TxBarrier::wait(&sm.k_full[stage(kt)], phase(kt));
           sched_sync();
-          issue_qk<D>(mma_s, tSrQ, thr_s.partition_fragment_B(sk_at(st)), tSrS);
-          TxBarrier::wait(&sm.v_full[pst], static_cast<uint32_t>(((j - 1) / ST) & 1));
-          issue_pv<BN>(mma_o, tOrP, thr_o.partition_fragment_B(svt_at(pst)), tOrO);
+          issue_qk<D>(mma_s, tSrQ, thr_s.partition_fragment_B(sk_at(stage(kt))), tSrS);
           sched_arrive(false);
-          warpgroup_wait<1>();  // S(j) done; P(j-1) V(j-1) may still run
+          warpgroup_wait<0>();
           warpgroup_fence_operand(tSrS);
-          if (wtid == 0) Barrier::arrive(&sm.k_empty[st]);
-          const float m_prev[2] = {m_r[0], m_r[1]};
-          scale_mask<BN>(tSrS, tScS, scale_log2, static_cast<int64_t>(j) * BN, Sk, wrow0, causal);
-          softmax_rows<BN>(tSrS, m_r, l_r);
+          if (wtid == 0) Barrier::arrive(&sm.k_empty[stage(kt)]);
+          scale_mask<BN>(tSrS, tScS, scale_log2, 0, Sk, wrow0, causal);
+          softmax_rows<BN>(tSrS, m_r, l_r);  // O is still 0: nothing to rescale
+          pack_a<Elem>(tSrS, tOrP);
+          for (int j = 1; j < n_tiles; ++j) {
+            const int st = stage(kt + j), pst = stage(kt + j - 1);
+            TxBarrier::wait(&sm.k_full[st], phase(kt + j));
+            sched_sync();
+            issue_qk<D>(mma_s, tSrQ, thr_s.partition_fragment_B(sk_at(st)), tSrS);
+            TxBarrier::wait(&sm.v_full[pst], phase(kt + j - 1));
+            issue_pv<BN>(mma_o, tOrP, thr_o.partition_fragment_B(svt_at(pst)), tOrO);
+            sched_arrive(false);
+            warpgroup_wait<1>();  // S(j) done; P(j-1) V(j-1) may still run
+            warpgroup_fence_operand(tSrS);
+            if (wtid == 0) Barrier::arrive(&sm.k_empty[st]);
+            const float m_prev[2] = {m_r[0], m_r[1]};
+            scale_mask<BN>(tSrS, tScS, scale_log2, static_cast<int64_t>(j) * BN, Sk, wrow0, causal);
+            softmax_rows<BN>(tSrS, m_r, l_r);
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tOrO);
+            warpgroup_fence_operand(tOrP);
+            if (wtid == 0) Barrier::arrive(&sm.v_empty[pst]);
+            rescale_o<D>(tOrO, m_prev, m_r);
+            pack_a<Elem>(tSrS, tOrP);
+          }
+          const int lst = stage(kt + n_tiles - 1);
+          TxBarrier::wait(&sm.v_full[lst], phase(kt + n_tiles - 1));
+          sched_sync();
+          issue_pv<BN>(mma_o, tOrP, thr_o.partition_fragment_B(svt_at(lst)), tOrO);
+          sched_arrive(final_item);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           warpgroup_fence_operand(tOrP);
-          if (wtid == 0) Barrier::arrive(&sm.v_empty[pst]);
-          rescale_o<D>(tOrO, m_prev, m_r);
-          pack_a<Elem>(tSrS, tOrP);
+          if (wtid == 0) Barrier::arrive(&sm.v_empty[lst]);
+        } else {
+          // Rows all past Sq: the same waits, turns and releases, without the math.
+          for (int j = 0; j <= n_tiles; ++j) {
+            if (j < n_tiles) TxBarrier::wait(&sm.k_full[stage(kt + j)], phase(kt + j));
+            sched_sync();
+            if (j > 0) TxBarrier::wait(&sm.v_full[stage(kt + j - 1)], phase(kt + j - 1));
+            sched_arrive(j == n_tiles && final_item);
+            if (j < n_tiles && wtid == 0) Barrier::arrive(&sm.k_empty[stage(kt + j)]);
+            if (j > 0 && wtid == 0) Barrier::arrive(&sm.v_empty[stage(kt + j - 1)]);
+          }
         }
-        const int lst = (n_tiles - 1) % ST;
-        TxBarrier::wait(&sm.v_full[lst], static_cast<uint32_t>(((n_tiles - 1) / ST) & 1));
-        sched_sync();
-        issue_pv<BN>(mma_o, tOrP, thr_o.partition_fragment_B(svt_at(lst)), tOrO);
-        sched_arrive(true);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tOrO);
-        warpgroup_fence_operand(tOrP);
-        if (wtid == 0) Barrier::arrive(&sm.v_empty[lst]);
       } else {
-        // Rows all past Sq: the same waits, turns and releases, without the math.
-        for (int j = 0; j <= n_tiles; ++j) {
-          const int st = j % ST, pst = (j + ST - 1) % ST;
-          if (j < n_tiles) TxBarrier::wait(&sm.k_full[st], static_cast<uint32_t>((j / ST) & 1));
-          sched_sync();
-          if (j > 0) TxBarrier::wait(&sm.v_full[pst], static_cast<uint32_t>(((j - 1) / ST) & 1));
-          sched_arrive(j == n_tiles);
-          if (j < n_tiles && wtid == 0) Barrier::arrive(&sm.k_empty[st]);
-          if (j > 0 && wtid == 0) Barrier::arrive(&sm.v_empty[pst]);
+        for (int j = 0; j < n_tiles; ++j) {
+          const int st = stage(kt + j);
+          const uint32_t parity = phase(kt + j);
+          const int64_t n0 = static_cast<int64_t>(j) * BN;
+          // Warpgroup-uniform: rows all past Sq (never stored) or all above this tile's keys.
+          const bool active = wrow0 < Sq && !(causal && n0 > wrow0 + 63);
+          TxBarrier::wait(&sm.k_full[st], parity);
+          if (active) gemm_qk<D>(mma_s, tSrQ, thr_s.partition_fragment_B(sk_at(st)), tSrS);  // completed: K may go
+          if (wtid == 0) Barrier::arrive(&sm.k_empty[st]);
+          if (active) {
+            scale_mask<BN>(tSrS, tScS, scale_log2, n0, Sk, wrow0, causal);
+            softmax_to_p<BN, D, Elem>(tSrS, tOrO, tOrP, m_r, l_r);
+          }
+          TxBarrier::wait(&sm.v_full[st], parity);
+          if (active) gemm_pv<BN>(mma_o, tOrP, thr_o.partition_fragment_B(svt_at(st)), tOrO);
+          if (wtid == 0) Barrier::arrive(&sm.v_empty[st]);
         }
       }
-    } else {
-      for (int j = 0; j < n_tiles; ++j) {
-        const int st = j % ST;
-        const uint32_t parity = static_cast<uint32_t>((j / ST) & 1);
-        const int64_t n0 = static_cast<int64_t>(j) * BN;
-        // Warpgroup-uniform: rows all past Sq (never stored) or all above this tile's keys.
-        const bool active = wrow0 < Sq && !(causal && n0 > wrow0 + 63);
-        Tensor sK = make_tensor(make_smem_ptr(sm.k + st * Cfg::kTileElems), typename Cfg::LayoutK{});
-        Tensor sVt = make_tensor(make_smem_ptr(sm.v + st * Cfg::kTileElems), typename Cfg::LayoutVt{});
-        TxBarrier::wait(&sm.k_full[st], parity);
-        if (active) {
-          Tensor tSrK = thr_s.partition_fragment_B(sK);
-          gemm_qk<D>(mma_s, tSrQ, tSrK, tSrS);  // completed: the stage's K may be refilled
-        }
-        if (wtid == 0) Barrier::arrive(&sm.k_empty[st]);
-        if (active) {
-          scale_mask<BN>(tSrS, tScS, scale_log2, n0, Sk, wrow0, causal);
-          softmax_to_p<BN, D, Elem>(tSrS, tOrO, tOrP, m_r, l_r);
-        }
-        TxBarrier::wait(&sm.v_full[st], parity);
-        if (active) {
-          Tensor tOrV = thr_o.partition_fragment_B(sVt);
-          gemm_pv<BN>(mma_o, tOrP, tOrV, tOrO);
-        }
-        if (wtid == 0) Barrier::arrive(&sm.v_empty[st]);
-      }
+      if (wtid == 0) Barrier::arrive(&sm.q_empty[qs]);  // every GEMM reading this Q is complete
+      kt += n_tiles;
+      store_rows<D>(tOrO, tOcO, m_r, l_r, o, lse, hd, item.bh, wrow0, Sq);
+      w = w_next;
     }
-    store_rows<D>(tOrO, tOcO, m_r, l_r, o, lse, hd, bh, wrow0, Sq);
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // not sm_90a: the host never launches this image (attention_forward_sm90_available)
@@ -657,7 +734,8 @@ cudaError_t launch_sm90_d(const AttentionFwdArgs& a, int warpgroups, int dev, cu
 template <class Elem, int D, int Variant>
 using FwdCfgWs = WsFwdCfg<Elem, D, 128, 2, Variant == 3 ? 3 : 2, Variant >= 1, Variant >= 2>;
 
-template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+template <class Cfg, class Elem>
+cudaError_t launch_ws(const AttentionFwdArgs& a, bool persistent, int dev, cudaStream_t stream) {
   constexpr int D = Cfg::D;
   const auto tma_q = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.q, a.Sq, a.H, a.B, a.sq),
                                    typename Cfg::LayoutQ{}, Shape<Int<Cfg::BM>, Int<D>>{});
@@ -673,8 +751,11 @@ template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a
   const int gx = static_cast<int>((a.Sq + Cfg::BM - 1) / Cfg::BM);
   // What a (batch, head) row's blocks read: its share of K and V (G rows read one kv head).
   const int64_t row_bytes = 2 * a.Sk * D * static_cast<int64_t>(sizeof(Elem)) / a.G();
+  const int sms = device_sm_count(dev, e);  // cached per device
+  if (e != cudaSuccess) return e;
   return for_ordered_grids(a.BH(), gx, a.causal, row_bytes, dev, [&](int64_t bh0, const BlockOrder& order) {
-    kern<<<order.blocks(), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+    const unsigned grid = persistent ? std::min(order.blocks(), static_cast<unsigned>(sms)) : order.blocks();
+    kern<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         tma_q, tma_k, tma_v, rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse), static_cast<int>(a.H),
         static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq), static_cast<int>(a.Sk),
         sl, a.causal);
@@ -682,16 +763,17 @@ template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a
 }
 
 template <class Elem, int Variant>
-cudaError_t launch_ws_d(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
-  return a.D == 64 ? launch_ws<FwdCfgWs<Elem, 64, Variant>, Elem>(a, dev, stream)
-                   : launch_ws<FwdCfgWs<Elem, 128, Variant>, Elem>(a, dev, stream);
+cudaError_t launch_ws_d(const AttentionFwdArgs& a, bool persistent, int dev, cudaStream_t stream) {
+  return a.D == 64 ? launch_ws<FwdCfgWs<Elem, 64, Variant>, Elem>(a, persistent, dev, stream)
+                   : launch_ws<FwdCfgWs<Elem, 128, Variant>, Elem>(a, persistent, dev, stream);
 }
 
-template <class Elem> cudaError_t launch_ws_v(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream) {
-  if (variant == 3 && a.D == 64) return launch_ws<FwdCfgWs<Elem, 64, 3>, Elem>(a, dev, stream);
-  return variant >= 2   ? launch_ws_d<Elem, 2>(a, dev, stream)
-         : variant == 1 ? launch_ws_d<Elem, 1>(a, dev, stream)
-                        : launch_ws_d<Elem, 0>(a, dev, stream);
+template <class Elem>
+cudaError_t launch_ws_v(const AttentionFwdArgs& a, int variant, bool persistent, int dev, cudaStream_t stream) {
+  if (variant == 3 && a.D == 64) return launch_ws<FwdCfgWs<Elem, 64, 3>, Elem>(a, persistent, dev, stream);
+  return variant >= 2   ? launch_ws_d<Elem, 2>(a, persistent, dev, stream)
+         : variant == 1 ? launch_ws_d<Elem, 1>(a, persistent, dev, stream)
+                        : launch_ws_d<Elem, 0>(a, persistent, dev, stream);
 }
 
 }  // namespace
@@ -732,12 +814,13 @@ cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, in
 
 bool attention_forward_ws_supported(const AttentionFwdArgs& a) {
   return tma_operand_ok(a.sq, a.Sq, a.H, a.B) && tma_operand_ok(a.sk, a.Sk, a.Hkv, a.B) &&
-         tma_operand_ok(a.sv, a.Sk, a.Hkv, a.B) && a.Sk > 0;
+         tma_operand_ok(a.sv, a.Sk, a.Hkv, a.B) && a.Sk > 0 && a.BH() < (int64_t{1} << 31);
 }
 
-cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream) {
-  return a.dtype == DType::BFloat16 ? launch_ws_v<cutlass::bfloat16_t>(a, variant, dev, stream)
-                                    : launch_ws_v<cutlass::half_t>(a, variant, dev, stream);
+cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, bool persistent, int dev,
+                                     cudaStream_t stream) {
+  return a.dtype == DType::BFloat16 ? launch_ws_v<cutlass::bfloat16_t>(a, variant, persistent, dev, stream)
+                                    : launch_ws_v<cutlass::half_t>(a, variant, persistent, dev, stream);
 }
 
 }  // namespace gpu_puzzles

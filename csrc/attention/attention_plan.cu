@@ -69,6 +69,10 @@ double wave_fill(int64_t ctas, int sms) {
 //    0.88x) (benchmarks/results/attention_sweep_h100.txt, attention_small_sweep_h100.txt).
 //    At D = 64 from 2048 query rows, with three consumers (ws192): 1.03-1.09x ws3 there, and
 //    0.95-0.97x at 512-1024 rows, where 192-row blocks pad more (attention_ws192_h100.txt).
+//    Its grid is persistent, one CTA an SM, each running its share of the query blocks (the
+//    next block's Q and K load while the last one finishes): 1.006-1.21x one CTA a block over
+//    twelve shapes, GPT-2's (8,12,1024,64) causal 1.14x (attention_fwd_grid_h100.json; knob
+//    attention_fwd_grid=blocks for the other).
 //    Operands TMA cannot describe (stride-0 broadcast heads) and Sk = 0 also take the
 //    choices below.
 //  * D = 128 there otherwise: the wgmma kernel. 3 warpgroups (192 query rows per CTA) run
@@ -96,7 +100,8 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
     if (a.Sk >= 1024 || a.BH() * ((a.Sq + 127) / 128) >= 2 * int64_t{sms}) ws = a.D == 64 && a.Sq >= 2048 ? 3 : 2;
   }
   if (ws >= 0 && attention_forward_ws_supported(a)) {
-    if (attention_forward_sm90_available(dev, err)) return {AttnFwdKernel::WgmmaWs, 0, 3, ws};
+    if (attention_forward_sm90_available(dev, err))
+      return {AttnFwdKernel::WgmmaWs, 0, 3, ws, knob(Knob::AttentionFwdGrid) != 1};
     if (err != cudaSuccess) return simt;
   }
   int wg = is("wgmma") ? 2 : is("wgmma3") ? 3 : 0;
@@ -120,8 +125,9 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
 
 // Default, fp16/bf16 with D == Dv in {64, 128} and 16-byte aligned operands (else SIMT): on
 // a 9.x GPU (sm_90a build), unless deterministic algorithms are asked for, the warp-specialised
-// wgmma backward (one pass, dq summed by float32 atomics); elsewhere, and for operands its TMA
-// cannot describe, the two deterministic mma.sync passes.
+// wgmma backward (one pass, dq summed by float32 atomics; at D = 64 its dQ scheme by shape,
+// attention_bwd_sm90.cu); elsewhere, and for operands its TMA cannot describe, the two
+// deterministic mma.sync passes.
 AttnBwdKernel attention_bwd_plan(const AttentionBwdArgs& a, int dev, cudaError_t& err) {
   err = cudaSuccess;
   // o is read only by the delta kernels (16-byte loads where its rows allow): no alignment needed.
@@ -131,7 +137,7 @@ AttnBwdKernel attention_bwd_plan(const AttentionBwdArgs& a, int dev, cudaError_t
   if (!tc) return AttnBwdKernel::Simt;
 #if defined(GPU_PUZZLES_WITH_SM90A)
   const char* forced = knob_value(Knob::AttentionBwd);
-  const bool want = forced != nullptr ? std::strcmp(forced, "wgmma") == 0 : !a.deterministic;
+  const bool want = forced != nullptr ? std::strncmp(forced, "wgmma", 5) == 0 : !a.deterministic;
   if (want && attention_backward_sm90_supported(a)) {
     if (attention_forward_sm90_available(dev, err)) return AttnBwdKernel::Wgmma;
     if (err != cudaSuccess) return AttnBwdKernel::Simt;
@@ -165,7 +171,7 @@ LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stre
 #if defined(GPU_PUZZLES_WITH_SM90A)
     case AttnFwdKernel::Wgmma: return static_cast<LaunchStatus>(attention_forward_sm90(a, p.warpgroups, dev, stream));
     case AttnFwdKernel::WgmmaWs:
-      return static_cast<LaunchStatus>(attention_forward_sm90_ws(a, p.variant, dev, stream));
+      return static_cast<LaunchStatus>(attention_forward_sm90_ws(a, p.variant, p.persistent, dev, stream));
 #endif
     case AttnFwdKernel::Mma:
     case AttnFwdKernel::MmaR32: return static_cast<LaunchStatus>(attention_fwd_mma(a, p, dev, stream));
