@@ -216,6 +216,9 @@ GQA_BENCH_SHAPES = [(4, 32, 8, 2048, 64, True), (1, 32, 8, 4096, 128, True)]
 
 
 BENCH_SHAPES = [(4, 32, 4096, 4096, 128, False), (4, 32, 4096, 4096, 128, True), (8, 16, 2048, 2048, 64, False)]
+# The other rows of the attention issue's table (causal at D = 64, a short and a long sequence at
+# D = 128), without the unfused path.
+TABLE_SHAPES = [(8, 16, 2048, 2048, 64, True), (2, 16, 1024, 1024, 128, True), (1, 32, 16384, 16384, 128, True)]
 
 # GPT-2 124M's attention, batch 8 x 1024, causal: q/k/v as the model hands them over (views of its
 # fused projection) and the same shape contiguous beside it.
@@ -230,6 +233,7 @@ def bench_cases(device):
     if device.type == "cpu":
         return cases(device, CPU_SHAPES, dtype=torch.float32, compile_=False, unfused=False)
     return (cases(device, BENCH_SHAPES)
+            + cases(device, TABLE_SHAPES, unfused=False)
             + cases(device, [GPT2_SHAPE], unfused=False, layout="qkv views", prefix="GPT-2 qkv views ")
             + cases(device, [GPT2_SHAPE], unfused=False, prefix="GPT-2 contiguous ")
             + gqa_cases(device, GQA_BENCH_SHAPES))
