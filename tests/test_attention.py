@@ -1085,6 +1085,38 @@ def test_cuda_wgmma_backward_falls_back():
 
 
 @requires_cuda
+@pytest.mark.parametrize("bwd", ["wgmma_split", "wgmma_turns"])
+def test_cuda_wgmma_backward_persistent_grid(bwd):
+    # attention_bwd_grid=persistent: one CTA an SM, each running its share of the key blocks (the
+    # Q / dO ring carried on, K / V reloaded once released). Each block is computed as with one
+    # CTA a block: dk and dv bitwise equal, dq within rounding (float32 atomics in any order);
+    # grids of many more key blocks than SMs, causal and full, GQA, tails, Sq != Sk; values vs
+    # float64 on one.
+    _skip_unless_wgmma()
+    for (B, H, Hkv, Sq, Sk, D, causal) in [(4, 40, 40, 1000, 1000, 64, True), (3, 24, 8, 700, 1100, 128, True),
+                                           (2, 30, 30, 513, 257, 128, False), (5, 16, 4, 1500, 900, 64, False),
+                                           (2, 3, 3, 129, 300, 64, True)]:
+        what = f"{bwd} B={B} H={H}/{Hkv} Sq={Sq} Sk={Sk} D={D} causal={causal}"
+        q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out, lse = OPS.attention(q, k, v, None, causal, H != Hkv)
+        g = torch.randn_like(out)
+        res = {}
+        for grid in ("blocks", "persistent"):
+            with gp.tuning.override(attention_bwd=bwd, attention_bwd_grid=grid):
+                _poison_cache()
+                call = lambda: OPS.attention_backward(g, q, k, v, out, lse, None, causal, H != Hkv)  # noqa: E731
+                _assert_backward_kernel(call, "wgmma", what)
+                res[grid] = call()
+        _assert_same_grads(res["persistent"], res["blocks"], f"{what}: persistent vs one CTA a block")
+        if Sq == 129:
+            leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            refs = torch.autograd.grad(ref_attention(*leaves, causal=causal), leaves, g.double())
+            for name, a, r in zip("qkv", res["persistent"], refs):
+                _assert_close(a, r, torch.bfloat16, f"{what} d{name}", grad=True)
+
+
+@requires_cuda
 @pytest.mark.parametrize("D", [64, 128])
 def test_cuda_wgmma_backward_unaligned_o(D):
     # o's rows need no alignment: the backward's delta kernel reads them by 16-byte loads only

@@ -11,10 +11,15 @@
 //    causal); dV_w += P^T dO and dK_w += dS^T Q (RS wgmma: P^T, dS^T from registers, dO
 //    and Q read MN-major from the very tiles the TMA wrote K-major); dS^T to shared
 //    memory (double-buffered), then dQ = dS K (SS, both MN-major): each consumer takes
-//    half of D's columns over all 128 keys (after a barrier over both) and adds the result
-//    to a float32 accumulator in global memory by float4 atomics from its registers.
+//    half of D's columns over all 128 keys (after a barrier over both), or at D = 64 the
+//    consumers take turns computing all of it (BwdCfg::kDqTurns), and adds the result to a
+//    float32 accumulator in global memory by float4 atomics from its registers.
 //  * dK, dV live in registers across the whole sweep (GQA: over all G query heads) and
 //    are written once; dq = scale * accumulator in a last elementwise kernel.
+//  * The grid is persistent where that stays balanced (one CTA an SM; WorkCursor,
+//    attention_common.cuh): a CTA runs its share of the key blocks in turn, the Q / dO ring
+//    running on from block to block; the next block's K and V load once both consumers
+//    released the last's (kv_empty), while they store its dK and dV.
 // dQ's float32 additions come in any order: not bitwise reproducible; the plan sends
 // deterministic runs to the two-pass mma.sync backward (attention_bwd_sm80.cu).
 //
@@ -116,7 +121,7 @@ template <class Elem, int D_, bool DqTurns_ = false> struct BwdCfg {
     alignas(1024) Elem dout[kStages * BM * D];
     alignas(1024) Elem ds[2 * BM * BN];
     alignas(16) float rows[2][2][2 * BM];  // per consumer: lse2 then delta of a query block, by iteration parity
-    alignas(8) uint64_t kv_full;
+    alignas(8) uint64_t kv_full, kv_empty;
     uint64_t full[kStages], empty[kStages];
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem));
@@ -240,19 +245,30 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
 
   const int tid = threadIdx.x;
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);  // warp-uniform by construction; tell the compiler
-  int nblk;  // causal: block 0 has the most query blocks, and starts first
-  int64_t bhk;
-  order.of(blockIdx.x, nblk, bhk);
-  bhk += bh0;
   const int G = H / Hkv;
-  const KvHeadIdx hd(bhk, Hkv, G);
-  const int n0 = nblk * BN;
-  const int q_begin = causal ? n0 / BM * BM : 0;
-  const int n_qt = q_begin < Sq ? (Sq - q_begin + BM - 1) / BM : 0;
-  const int n_it = n_qt * G;  // iteration it: query head h0 + it / n_qt, its block it % n_qt
+  // The CTA's items (WorkCursor): key block nblk of kv row bhk, nblk 0 first (causal: it has the
+  // most query blocks); iteration it of an item: query head h0 + it / n_qt, its block it % n_qt.
+  struct Item {
+    int b, hk, h0, nblk, n0, q_begin, n_qt, n_it;
+  };
+  const auto item_at = [&](int w) {
+    Item t;
+    int row;
+    order.of32(w, t.nblk, row);
+    const int bhk = static_cast<int>(bh0) + row;  // B * Hkv < 2^31 (supported())
+    t.b = bhk / Hkv;
+    t.hk = bhk - t.b * Hkv;
+    t.h0 = t.hk * G;
+    t.n0 = t.nblk * BN;
+    t.q_begin = causal ? t.n0 / BM * BM : 0;
+    t.n_qt = t.q_begin < Sq ? (Sq - t.q_begin + BM - 1) / BM : 0;
+    t.n_it = t.n_qt * G;
+    return t;
+  };
 
   if (tid == 0) {
     TxBarrier::init(&sm.kv_full, 1);
+    Barrier::init(&sm.kv_empty, 2);
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
       TxBarrier::init(&sm.full[s], 1);
@@ -265,41 +281,49 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (tid == 0) {
-      const int b = static_cast<int>(hd.b), hk = static_cast<int>(hd.hk), h0 = static_cast<int>(hd.h0);
+      // Item r's K and V: loaded once both consumers released item r - 1's (kv_empty). The Q / dO
+      // tiles of all items go through the ring in turn: tile qt to stage qt % ST.
       Tensor mK = tma_k.get_tma_tensor(make_shape(Sk, Int<D>{}, Hkv, B));
       Tensor mV = tma_v.get_tma_tensor(make_shape(Sk, Int<D>{}, Hkv, B));
-      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(nblk, _0{}));
-      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<BN>, Int<D>>{}, make_coord(nblk, _0{}));
       Tensor sK = make_tensor(make_smem_ptr(sm.k), typename Cfg::LayoutK{});
       Tensor sV = make_tensor(make_smem_ptr(sm.v), typename Cfg::LayoutK{});
-      auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      TxBarrier::arrive_and_expect_tx(&sm.kv_full, Cfg::kKVBytes);
-      copy(tma_k.with(sm.kv_full), tKg, tKs);
-      copy(tma_v.with(sm.kv_full), tVg, tVs);
-
       Tensor mQ = tma_q.get_tma_tensor(make_shape(Sq, Int<D>{}, H, B));
       Tensor mdO = tma_do.get_tma_tensor(make_shape(Sq, Int<D>{}, H, B));
       Tensor sQ = make_tensor(make_smem_ptr(sm.q), typename Cfg::LayoutQRing{});  // (BM, D, ST)
       Tensor sdO = make_tensor(make_smem_ptr(sm.dout), typename Cfg::LayoutQRing{});
-      for (int it = 0; it < n_it; ++it) {
-        const int st = it % ST;
-        const int gi = it / n_qt, qblk = q_begin / BM + (it - gi * n_qt);
-        if (it >= ST) Barrier::wait(&sm.empty[st], static_cast<uint32_t>(((it / ST) & 1) ^ 1));
-        Tensor gQ = local_tile(mQ(_, _, h0 + gi, b), Shape<Int<BM>, Int<D>>{}, make_coord(_, _0{}));  // (BM, D, n)
-        Tensor gdO = local_tile(mdO(_, _, h0 + gi, b), Shape<Int<BM>, Int<D>>{}, make_coord(_, _0{}));
-        auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        auto [tdOg, tdOs] =
-            tma_partition(tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-        TxBarrier::arrive_and_expect_tx(&sm.full[st], Cfg::kStageBytes);
-        copy(tma_q.with(sm.full[st]), tQg(_, qblk), tQs(_, st));
-        copy(tma_do.with(sm.full[st]), tdOg(_, qblk), tdOs(_, st));
+      int qt = 0;
+      WorkCursor items;
+      for (int r = 0;; ++r) {
+        const int w = items.next(order);
+        if (w < 0) break;
+        const Item t = item_at(w);
+        if (r > 0) Barrier::wait(&sm.kv_empty, static_cast<uint32_t>((r - 1) & 1));
+        Tensor gK = local_tile(mK(_, _, t.hk, t.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));  // (BN, D, n)
+        Tensor gV = local_tile(mV(_, _, t.hk, t.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+        auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+        TxBarrier::arrive_and_expect_tx(&sm.kv_full, Cfg::kKVBytes);
+        copy(tma_k.with(sm.kv_full), tKg(_, t.nblk), tKs);
+        copy(tma_v.with(sm.kv_full), tVg(_, t.nblk), tVs);
+        for (int it = 0; it < t.n_it; ++it, ++qt) {
+          const int st = qt % ST;
+          const int gi = it / t.n_qt, qblk = t.q_begin / BM + (it - gi * t.n_qt);
+          if (qt >= ST) Barrier::wait(&sm.empty[st], static_cast<uint32_t>(((qt / ST) & 1) ^ 1));
+          Tensor gQ = local_tile(mQ(_, _, t.h0 + gi, t.b), Shape<Int<BM>, Int<D>>{}, make_coord(_, _0{}));
+          Tensor gdO = local_tile(mdO(_, _, t.h0 + gi, t.b), Shape<Int<BM>, Int<D>>{}, make_coord(_, _0{}));
+          auto [tQg, tQs] =
+              tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+          auto [tdOg, tdOs] =
+              tma_partition(tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+          TxBarrier::arrive_and_expect_tx(&sm.full[st], Cfg::kStageBytes);
+          copy(tma_q.with(sm.full[st]), tQg(_, qblk), tQs(_, st));
+          copy(tma_do.with(sm.full[st]), tdOg(_, qblk), tdOs(_, st));
+        }
       }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     const int cw = wg - 1, wtid = tid % 128;
-    const int key0 = n0 + 64 * cw;  // this warpgroup's first key
     typename Cfg::MmaSdP mma_sdp;
     typename Cfg::MmaKV mma_kv;
     typename Cfg::MmaQ mma_q;
@@ -327,8 +351,6 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, Int<BM>>{}));
     Tensor tKVc = thr_kv.partition_C(make_identity_tensor(Shape<_64, Int<D>>{}));
     Tensor tQc = thr_q.partition_C(make_identity_tensor(Shape<_64, Int<DQN>>{}));
-    clear(tKVrdV);
-    clear(tKVrdK);
     // stmatrix call p stores 4 8 x 8 blocks of dS^T: block j is registers ds32(4 p + j), i.e.
     // accumulator rows (keys) 16 warp + 8 (j & 1) + (0..7), columns (queries) 8 (2 p + (j >> 1)) + (0..7)
     // (value i of the fragment: row half (i >> 1) & 1, column block i >> 2). Lane l gives the
@@ -353,151 +375,167 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
     // during iteration it - 1 and stores it to rows[cw][it & 1] before that iteration's
     // ds_barrier, which also follows every read of rows[cw][(it - 1) & 1]: so the staging
     // needs no barrier of its own.
+    // Across items likewise: an item's first rows are stored after the last item's final
+    // ds_barrier and before this item's first one.
     static_assert(2 * BM == 128, "one row value a consumer thread");
-    const auto row_value = [&](int it2) {
-      const int g2 = it2 / n_qt;
-      const int64_t r0 = (static_cast<int64_t>(hd.b) * H + hd.h0 + g2) * Sqp + q_begin + (it2 - g2 * n_qt) * BM;
-      return wtid < BM ? lse2[r0 + wtid] : delta[r0 + wtid - BM];
-    };
-    if (n_it > 0) sm.rows[cw][0][wtid] = row_value(0);
-    ds_barrier();
+    int qt = 0;  // the Q / dO ring's tile of this item's first iteration
+    WorkCursor items;
+    for (int r = 0;; ++r) {
+      const int w = items.next(order);
+      if (w < 0) break;
+      const Item t = item_at(w);
+      const int n_qt = t.n_qt, n_it = t.n_it, q_begin = t.q_begin;
+      const int key0 = t.n0 + 64 * cw;  // this warpgroup's first key
+      const auto row_value = [&](int it2) {
+        const int g2 = it2 / n_qt;
+        const int64_t r0 = (static_cast<int64_t>(t.b) * H + t.h0 + g2) * Sqp + q_begin + (it2 - g2 * n_qt) * BM;
+        return wtid < BM ? lse2[r0 + wtid] : delta[r0 + wtid - BM];
+      };
+      clear(tKVrdV);
+      clear(tKVrdK);
+      if (n_it > 0) sm.rows[cw][0][wtid] = row_value(0);
+      ds_barrier();
 
-    TxBarrier::wait(&sm.kv_full, 0);
-    for (int it = 0; it < n_it; ++it) {
-      const int st = it % ST;
-      const int gi = it / n_qt;
-      const int q0 = q_begin + (it - gi * n_qt) * BM;
-      const bool stage_next = it + 1 < n_it;
-      const float next_row = stage_next ? row_value(it + 1) : 0.f;
-      TxBarrier::wait(&sm.full[st], static_cast<uint32_t>((it / ST) & 1));
-      Tensor sQ = make_tensor(make_smem_ptr(sm.q + st * BM * D), typename Cfg::LayoutQ{});
-      Tensor sdO = make_tensor(make_smem_ptr(sm.dout + st * BM * D), typename Cfg::LayoutQ{});
-      Tensor sQt = make_tensor(make_smem_ptr(sm.q + st * BM * D), typename Cfg::LayoutQt{});
-      Tensor sdOt = make_tensor(make_smem_ptr(sm.dout + st * BM * D), typename Cfg::LayoutQt{});
-      Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
-      Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+      TxBarrier::wait(&sm.kv_full, static_cast<uint32_t>(r & 1));
+      for (int it = 0; it < n_it; ++it) {
+        const int st = (qt + it) % ST;
+        const int gi = it / n_qt;
+        const int q0 = q_begin + (it - gi * n_qt) * BM;
+        const bool stage_next = it + 1 < n_it;
+        const float next_row = stage_next ? row_value(it + 1) : 0.f;
+        TxBarrier::wait(&sm.full[st], static_cast<uint32_t>(((qt + it) / ST) & 1));
+        Tensor sQ = make_tensor(make_smem_ptr(sm.q + st * BM * D), typename Cfg::LayoutQ{});
+        Tensor sdO = make_tensor(make_smem_ptr(sm.dout + st * BM * D), typename Cfg::LayoutQ{});
+        Tensor sQt = make_tensor(make_smem_ptr(sm.q + st * BM * D), typename Cfg::LayoutQt{});
+        Tensor sdOt = make_tensor(make_smem_ptr(sm.dout + st * BM * D), typename Cfg::LayoutQt{});
+        Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+        Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
 
-      // S^T = K_w Q^T and dP^T = V_w dO^T, two batches: P^T is computed while dP^T runs.
-      warpgroup_fence_operand(tSrS);
-      warpgroup_fence_operand(tSrdP);
-      warpgroup_arrive();
-      gemm_fresh<D / 16>(mma_sdp, tSrK, tSrQ, tSrS);
-      warpgroup_commit_batch();
-      gemm_fresh<D / 16>(mma_sdp, tSrV, tSrdO, tSrdP);
-      warpgroup_commit_batch();
-
-      // P^T; key r sees query c iff key < Sk and (!causal || key <= query). Values i, i + 1
-      // are queries c, c + 1 (c even) of one key: their lse2 / delta are one 8-byte load.
-      const float* l2 = sm.rows[cw][it & 1];
-      const float* dl = sm.rows[cw][it & 1] + BM;
-      const bool need_mask = key0 + 64 > Sk || (causal && key0 + 63 > q0);
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(tSrS);
-#pragma unroll
-      for (int i = 0; i < size(tSrS); i += 2) {
-        const int r = get<0>(tScS(i)), c = get<1>(tScS(i));
-        const float2 l = *reinterpret_cast<const float2*>(l2 + c);
-        float p0 = exp2_ftz(tSrS(i) * sl - l.x), p1 = exp2_ftz(tSrS(i + 1) * sl - l.y);  // padded rows: 0
-        if (need_mask) {
-          const int key = key0 + r;
-          if (key >= Sk || (causal && key > q0 + c)) p0 = 0.f;
-          if (key >= Sk || (causal && key > q0 + c + 1)) p1 = 0.f;
-        }
-        tSrS(i) = p0;
-        tSrS(i + 1) = p1;
-      }
-      pack_a<Elem>(tSrS, tKVrP);
-
-      // dV += P^T dO runs while dS^T = P^T (dP^T - delta) is computed.
-      Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
-      Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrdP);
-      warpgroup_fence_operand(tKVrdV);
-      warpgroup_fence_operand(tKVrP);
-      warpgroup_arrive();
-#pragma unroll
-      for (int kb = 0; kb < BM / 16; ++kb) cute::gemm(mma_kv, tKVrP(_, _, kb), tKVrdOt(_, _, kb), tKVrdV);
-      warpgroup_commit_batch();
-#pragma unroll
-      for (int i = 0; i < size(tSrdP); i += 2) {
-        const float2 d = *reinterpret_cast<const float2*>(dl + get<1>(tScS(i)));
-        tSrdP(i) = tSrS(i) * (tSrdP(i) - d.x);
-        tSrdP(i + 1) = tSrS(i + 1) * (tSrdP(i + 1) - d.y);
-      }
-      pack_a<Elem>(tSrdP, tKVrdS);
-      // dS^T to the dQ GEMM's A tile (query c, key 64 cw + r), 8 x 8 blocks at a time (stmatrix).
-      Tensor sdS = make_tensor(make_smem_ptr(sm.ds + (it & 1) * BM * BN), typename Cfg::LayoutdS{});
-      {
-        Tensor ds32 = recast<uint32_t>(tKVrdS);
-        const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(sm.ds + (it & 1) * BM * BN));
-#pragma unroll
-        for (int p = 0; p < BM / 16; ++p)
-          asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                           base + ds_row_off[p]),
-                       "r"(ds32(4 * p)), "r"(ds32(4 * p + 1)), "r"(ds32(4 * p + 2)), "r"(ds32(4 * p + 3))
-                       : "memory");
-      }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> wgmma's reads
-
-      // dK += dS^T Q runs while the other consumer finishes its half of dS.
-      warpgroup_fence_operand(tKVrdK);
-      warpgroup_fence_operand(tKVrdS);
-      warpgroup_arrive();
-#pragma unroll
-      for (int kb = 0; kb < BM / 16; ++kb) cute::gemm(mma_kv, tKVrdS(_, _, kb), tKVrQt(_, _, kb), tKVrdK);
-      warpgroup_commit_batch();
-      if (stage_next) sm.rows[cw][(it + 1) & 1][wtid] = next_row;
-      // Whether this consumer computes dQ this iteration (turns), and which columns it adds.
-      const bool dq_here = !Cfg::kDqTurns || (it & 1) == cw;
-      const int dq_part = Cfg::kDqTurns ? 0 : cw;
-      if constexpr (Cfg::kDqTurns) {
-        // No wgmma in flight across the branch below (ptxas would serialise them all).
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tKVrdV);
-        warpgroup_fence_operand(tKVrdK);
-        warpgroup_fence_operand(tKVrP);
-        warpgroup_fence_operand(tKVrdS);
-        if (wtid == 0) Barrier::arrive(&sm.empty[st]);  // this consumer's GEMMs have read Q and dO
-      }
-      ds_barrier();  // the dS the dQ GEMM reads is written
-
-      if (dq_here) {
-        // dQ = dS K (this consumer's columns; dS is all BM x BN of both consumers).
-        Tensor tQrdS = thr_q.partition_fragment_A(sdS);
-        warpgroup_fence_operand(tQrdQ);
+        // S^T = K_w Q^T and dP^T = V_w dO^T, two batches: P^T is computed while dP^T runs.
+        warpgroup_fence_operand(tSrS);
+        warpgroup_fence_operand(tSrdP);
         warpgroup_arrive();
-        gemm_fresh<BN / 16>(mma_q, tQrdS, tQrKt, tQrdQ);
+        gemm_fresh<D / 16>(mma_sdp, tSrK, tSrQ, tSrS);
         warpgroup_commit_batch();
+        gemm_fresh<D / 16>(mma_sdp, tSrV, tSrdO, tSrdP);
+        warpgroup_commit_batch();
+
+        // P^T; key r sees query c iff key < Sk and (!causal || key <= query). Values i, i + 1
+        // are queries c, c + 1 (c even) of one key: their lse2 / delta are one 8-byte load.
+        const float* l2 = sm.rows[cw][it & 1];
+        const float* dl = sm.rows[cw][it & 1] + BM;
+        const bool need_mask = key0 + 64 > Sk || (causal && key0 + 63 > q0);
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+#pragma unroll
+        for (int i = 0; i < size(tSrS); i += 2) {
+          const int r = get<0>(tScS(i)), c = get<1>(tScS(i));
+          const float2 l = *reinterpret_cast<const float2*>(l2 + c);
+          float p0 = exp2_ftz(tSrS(i) * sl - l.x), p1 = exp2_ftz(tSrS(i + 1) * sl - l.y);  // padded rows: 0
+          if (need_mask) {
+            const int key = key0 + r;
+            if (key >= Sk || (causal && key > q0 + c)) p0 = 0.f;
+            if (key >= Sk || (causal && key > q0 + c + 1)) p1 = 0.f;
+          }
+          tSrS(i) = p0;
+          tSrS(i + 1) = p1;
+        }
+        pack_a<Elem>(tSrS, tKVrP);
+
+        // dV += P^T dO runs while dS^T = P^T (dP^T - delta) is computed.
+        Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
+        Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
         warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrdP);
         warpgroup_fence_operand(tKVrdV);
-        warpgroup_fence_operand(tKVrdK);
         warpgroup_fence_operand(tKVrP);
+        warpgroup_arrive();
+#pragma unroll
+        for (int kb = 0; kb < BM / 16; ++kb) cute::gemm(mma_kv, tKVrP(_, _, kb), tKVrdOt(_, _, kb), tKVrdV);
+        warpgroup_commit_batch();
+#pragma unroll
+        for (int i = 0; i < size(tSrdP); i += 2) {
+          const float2 d = *reinterpret_cast<const float2*>(dl + get<1>(tScS(i)));
+          tSrdP(i) = tSrS(i) * (tSrdP(i) - d.x);
+          tSrdP(i + 1) = tSrS(i + 1) * (tSrdP(i + 1) - d.y);
+        }
+        pack_a<Elem>(tSrdP, tKVrdS);
+        // dS^T to the dQ GEMM's A tile (query c, key 64 cw + r), 8 x 8 blocks at a time (stmatrix).
+        Tensor sdS = make_tensor(make_smem_ptr(sm.ds + (it & 1) * BM * BN), typename Cfg::LayoutdS{});
+        {
+          Tensor ds32 = recast<uint32_t>(tKVrdS);
+          const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(sm.ds + (it & 1) * BM * BN));
+#pragma unroll
+          for (int p = 0; p < BM / 16; ++p)
+            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                             base + ds_row_off[p]),
+                         "r"(ds32(4 * p)), "r"(ds32(4 * p + 1)), "r"(ds32(4 * p + 2)), "r"(ds32(4 * p + 3))
+                         : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> wgmma's reads
+
+        // dK += dS^T Q runs while the other consumer finishes its half of dS.
+        warpgroup_fence_operand(tKVrdK);
         warpgroup_fence_operand(tKVrdS);
-        warpgroup_fence_operand(tQrdQ);
-        if (!Cfg::kDqTurns && wtid == 0) Barrier::arrive(&sm.empty[st]);  // Q and dO are read
-
-        // dQ into the float32 accumulator: one float4 atomic add per 4 values of the fragment,
-        // straight from registers (a warp's 32 cover 512 contiguous bytes of the tile). Staging
-        // the tile in shared memory for one bulk reduce-add ran 0.86-0.92x this: the staging
-        // competed with the wgmmas for shared-memory bandwidth.
-        const int64_t bhq = static_cast<int64_t>(hd.b) * H + hd.h0 + gi;
-        float* dst = dq_acc + dq_tile_offset<D, DQN>(bhq, q0 / 64, dq_part, Sqp) + wtid * 4;
+        warpgroup_arrive();
 #pragma unroll
-        for (int j = 0; j < DQN / 8; ++j)
-          atomicAdd(reinterpret_cast<float4*>(dst + j * 512),
-                    make_float4(tQrdQ(4 * j), tQrdQ(4 * j + 1), tQrdQ(4 * j + 2), tQrdQ(4 * j + 3)));
+        for (int kb = 0; kb < BM / 16; ++kb) cute::gemm(mma_kv, tKVrdS(_, _, kb), tKVrQt(_, _, kb), tKVrdK);
+        warpgroup_commit_batch();
+        if (stage_next) sm.rows[cw][(it + 1) & 1][wtid] = next_row;
+        // Whether this consumer computes dQ this iteration (turns), and which columns it adds.
+        const bool dq_here = !Cfg::kDqTurns || (it & 1) == cw;
+        const int dq_part = Cfg::kDqTurns ? 0 : cw;
+        if constexpr (Cfg::kDqTurns) {
+          // No wgmma in flight across the branch below (ptxas would serialise them all).
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tKVrdV);
+          warpgroup_fence_operand(tKVrdK);
+          warpgroup_fence_operand(tKVrP);
+          warpgroup_fence_operand(tKVrdS);
+          if (wtid == 0) Barrier::arrive(&sm.empty[st]);  // this consumer's GEMMs have read Q and dO
+        }
+        ds_barrier();  // the dS the dQ GEMM reads is written
+
+        if (dq_here) {
+          // dQ = dS K (this consumer's columns; dS is all BM x BN of both consumers).
+          Tensor tQrdS = thr_q.partition_fragment_A(sdS);
+          warpgroup_fence_operand(tQrdQ);
+          warpgroup_arrive();
+          gemm_fresh<BN / 16>(mma_q, tQrdS, tQrKt, tQrdQ);
+          warpgroup_commit_batch();
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tKVrdV);
+          warpgroup_fence_operand(tKVrdK);
+          warpgroup_fence_operand(tKVrP);
+          warpgroup_fence_operand(tKVrdS);
+          warpgroup_fence_operand(tQrdQ);
+          if (!Cfg::kDqTurns && wtid == 0) Barrier::arrive(&sm.empty[st]);  // Q and dO are read
+
+          // dQ into the float32 accumulator: one float4 atomic add per 4 values of the fragment,
+          // straight from registers (a warp's 32 cover 512 contiguous bytes of the tile). Staging
+          // the tile in shared memory for one bulk reduce-add ran 0.86-0.92x this: the staging
+          // competed with the wgmmas for shared-memory bandwidth.
+          const int64_t bhq = static_cast<int64_t>(t.b) * H + t.h0 + gi;
+          float* dst = dq_acc + dq_tile_offset<D, DQN>(bhq, q0 / 64, dq_part, Sqp) + wtid * 4;
+#pragma unroll
+          for (int j = 0; j < DQN / 8; ++j)
+            atomicAdd(reinterpret_cast<float4*>(dst + j * 512),
+                      make_float4(tQrdQ(4 * j), tQrdQ(4 * j + 1), tQrdQ(4 * j + 2), tQrdQ(4 * j + 3)));
+        }
       }
-    }
 
-    // dK = scale * sum dS^T Q, dV = sum P^T dO: this warpgroup's 64 key rows.
+      qt += n_it;
+      if (wtid == 0) Barrier::arrive(&sm.kv_empty);  // every GEMM of this consumer reading K and V is complete
+
+      // dK = scale * sum dS^T Q, dV = sum P^T dO: this warpgroup's 64 key rows.
 #pragma unroll
-    for (int i = 0; i < size(tKVrdK); i += 2) {
-      const int key = key0 + get<0>(tKVc(i)), c = get<1>(tKVc(i));
-      if (key < Sk) {
-        *reinterpret_cast<uint32_t*>(dk.row(hd.b, hd.hk, key) + c) =
-            pack2<Elem>(tKVrdK(i) * scale, tKVrdK(i + 1) * scale);
-        *reinterpret_cast<uint32_t*>(dv.row(hd.b, hd.hk, key) + c) = pack2<Elem>(tKVrdV(i), tKVrdV(i + 1));
+      for (int i = 0; i < size(tKVrdK); i += 2) {
+        const int key = key0 + get<0>(tKVc(i)), c = get<1>(tKVc(i));
+        if (key < Sk) {
+          *reinterpret_cast<uint32_t*>(dk.row(t.b, t.hk, key) + c) =
+              pack2<Elem>(tKVrdK(i) * scale, tKVrdK(i + 1) * scale);
+          *reinterpret_cast<uint32_t*>(dv.row(t.b, t.hk, key) + c) = pack2<Elem>(tKVrdV(i), tKVrdV(i + 1));
+        }
       }
     }
   }
@@ -507,7 +545,7 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
 }
 
 template <class Cfg, class Elem>
-cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cudaStream_t stream) {
+cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, bool persistent, int dev, cudaStream_t stream) {
   constexpr int D = Cfg::D;
   const int64_t Sqp = padded_rows(a.Sq);
   float* lse2 = static_cast<float*>(workspace);
@@ -543,8 +581,13 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
   const int gx = static_cast<int>(ceil_div_u(a.Sk, Cfg::BN));
   // What a kv head's blocks read and add to: Q, dO and the float32 dq of its G query heads.
   const int64_t row_bytes = a.G() * a.Sq * D * static_cast<int64_t>(2 * sizeof(Elem) + sizeof(float));
+  const int sms = device_sm_count(dev, e);  // cached per device
+  if (e != cudaSuccess) return e;
   e = for_ordered_grids(a.BHkv(), gx, a.causal, row_bytes, dev, [&](int64_t bh0, const BlockOrder& order) {
-    kern<<<order.blocks(), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+    // Knob "persistent" (2) forces it; by default only where the order keeps the CTAs balanced.
+    const bool persist = persistent && (knob(Knob::AttentionBwdGrid) == 2 || persistent_balanced(order, a.causal, sms));
+    const unsigned grid = persist ? std::min(order.blocks(), static_cast<unsigned>(sms)) : order.blocks();
+    kern<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         tma_q, tma_do, tma_k, tma_v, lse2, delta, dq_acc, rows_of<Elem>(a.dk, a.sdk), rows_of<Elem>(a.dv, a.sdv),
         static_cast<int>(a.H), static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq),
         static_cast<int>(Sqp), static_cast<int>(a.Sk), a.scale, a.causal);
@@ -558,15 +601,22 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
 }
 
 template <class Elem> cudaError_t launch_bwd_d(const AttentionBwdArgs& a, void* ws, int dev, cudaStream_t stream) {
-  if (a.D != 64) return launch_bwd<BwdCfg<Elem, 128>, Elem>(a, ws, dev, stream);
+  // A persistent grid (one CTA an SM, each running its share of the key blocks) loads the next
+  // block's Q / dO tiles while the last one's GEMMs finish, and its K / V while the last one's
+  // dK / dV are stored: 1.007-1.015x one CTA a block on full grids, 1.067x at GPT-2's causal
+  // (8,12,1024,64); where the causal order's chunks are of one to two rounds, 0.57-0.78x, so
+  // there (persistent_balanced) one CTA a block (attention_bwd_grid_h100.json). Knob
+  // attention_bwd_grid=blocks / persistent forces one.
+  const bool persistent = knob(Knob::AttentionBwdGrid) != 1;
+  if (a.D != 64) return launch_bwd<BwdCfg<Elem, 128>, Elem>(a, ws, persistent, dev, stream);
   // D = 64: dQ by turns where a CTA sweeps many query blocks (G * Sq >= 2048 rows): there it ran
   // 1.018-1.031x the column split, at (8,12,1024) causal 0.971x and (16,12,512) causal 0.954x,
   // where fewer blocks leave the turns uneven (benchmarks/results/attention_bwd_turns_h100.json).
   // Knob attention_bwd: wgmma_turns / wgmma_split force one.
   const int forced = knob(Knob::AttentionBwd);  // 3: wgmma_split, 4: wgmma_turns
   const bool turns = forced == 4 || (forced != 3 && a.G() * a.Sq >= 2048);
-  return turns ? launch_bwd<BwdCfg<Elem, 64, true>, Elem>(a, ws, dev, stream)
-               : launch_bwd<BwdCfg<Elem, 64, false>, Elem>(a, ws, dev, stream);
+  return turns ? launch_bwd<BwdCfg<Elem, 64, true>, Elem>(a, ws, persistent, dev, stream)
+               : launch_bwd<BwdCfg<Elem, 64, false>, Elem>(a, ws, persistent, dev, stream);
 }
 
 }  // namespace
@@ -575,7 +625,8 @@ bool attention_backward_sm90_supported(const AttentionBwdArgs& a) {
   // int32 TMA coordinates and kernel row indices; padded lse2 rows below 2^31 as well.
   return tma_operand_ok(a.sq, a.Sq, a.H, a.B) && tma_operand_ok(a.sdo, a.Sq, a.H, a.B) &&
          tma_operand_ok(a.sk, a.Sk, a.Hkv, a.B) && tma_operand_ok(a.sv, a.Sk, a.Hkv, a.B) && a.Sk > 0 &&
-         a.Sq > 0 && padded_rows(a.Sq) < (int64_t{1} << 31) && a.H < (int64_t{1} << 31);
+         a.Sq > 0 && padded_rows(a.Sq) < (int64_t{1} << 31) && a.H < (int64_t{1} << 31) &&
+         a.BHkv() < (int64_t{1} << 31);
 }
 
 int64_t attention_backward_sm90_workspace_bytes(const AttentionBwdArgs& a) {

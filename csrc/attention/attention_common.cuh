@@ -92,8 +92,58 @@ struct BlockOrder {
     blk = static_cast<int>(r / n);
     bh = c * cb + (r - blk * n);
   }
+  // of() in 32-bit arithmetic, for launches of fewer than 2^31 blocks (for_ordered_grids) whose
+  // rows fit an int: the persistent kernels' producers decode an item per block under a
+  // 24-register cap, where 64-bit divisions spilled.
+  __device__ __forceinline__ void of32(int idx, int& blk, int& row) const {
+    const int cb32 = static_cast<int>(cb), per_chunk = gx * cb32;
+    const int c = idx / per_chunk, r = idx - c * per_chunk;
+    const int n = min(cb32, static_cast<int>(nbh) - c * cb32);
+    blk = r / n;
+    row = c * cb32 + (r - blk * n);
+  }
   __host__ __device__ __forceinline__ unsigned blocks() const { return static_cast<unsigned>(nbh * gx); }
 };
+
+// The items (blocks of an ordered list, BlockOrder) a CTA of a persistent grid runs, in turn:
+// chunk by chunk, in rounds of gridDim.x items, CTA c taking item c of even rounds and
+// gridDim.x - 1 - c of odd ones. Over a chunk's heaviest-first list (causal) the snake pairs
+// each CTA's heavier items with lighter ones; rounds restart at each chunk, so that the pairing
+// holds in every chunk (rounds running across the chunks handed the same CTAs the heavy items
+// chunk after chunk: the (4,32,4096,128) causal forward ran 0.74x one CTA a block). With one CTA
+// a block, each CTA has one item.
+struct WorkCursor {
+  int start = 0, count = 0, round = 0;  // the chunk's first item and size; the CTA's round in it
+  // The next item's index, or -1 when the CTA has none left (32-bit: for_ordered_grids).
+  __device__ __forceinline__ int next(const BlockOrder& order) {
+    const int total = static_cast<int>(order.blocks()), g = static_cast<int>(gridDim.x);
+    const int c = static_cast<int>(blockIdx.x);
+    int per_chunk = static_cast<int>(std::min<int64_t>(static_cast<int64_t>(order.gx) * order.cb, total));
+    if (per_chunk < g) per_chunk = total;  // chunks smaller than a round (order "rows"): one list
+    for (;;) {
+      if (count == 0) count = std::min(per_chunk, total - start);  // entering a chunk
+      const int64_t p = static_cast<int64_t>(round) * g + ((round & 1) ? g - 1 - c : c);
+      if (p < count) {
+        ++round;
+        return start + static_cast<int>(p);
+      }
+      start += count;
+      if (start >= total) return -1;
+      count = 0;
+      round = 0;
+    }
+  }
+};
+
+// Whether a persistent grid (WorkCursor) keeps the CTAs of this order balanced. The snake pairs a
+// CTA's heavier and lighter blocks only over chunks of about two rounds or more: over chunks of
+// one to two rounds, the CTAs of the first round take the heaviest blocks alone, chunk after chunk
+// (the (4,32,4096,128) causal backward, chunks of 160 blocks on 132 SMs, ran 0.60x one CTA a block;
+// benchmarks/results/attention_bwd_grid_h100.json). Full grids (blocks of equal work) always.
+inline bool persistent_balanced(const BlockOrder& o, bool causal, int sms) {
+  if (!causal || o.blocks() <= static_cast<unsigned>(sms)) return true;
+  return static_cast<int64_t>(o.gx) * o.cb * 10 >= int64_t{19} * sms;
+}
 
 // Rows a chunk of a causal grid: as many as keep what they read under 16 MB of L2, and at least
 // a wave of CTAs (one CTA an SM). All rows at once thrash the L2 (forward (4,32,4096,128): 1.57

@@ -404,13 +404,7 @@ attn_fwd_sm90(const Rows<const Elem> q, const Rows<const Elem> k, const Rows<con
 }
 
 
-// The work items of a CTA of the warp-specialised forward: the ordered list (BlockOrder),
-// chunk by chunk, in rounds of gridDim.x items, CTA c taking item c of even rounds and
-// gridDim.x - 1 - c of odd ones. Over a chunk's heaviest-first list (causal) the snake pairs
-// each CTA's heavier items with lighter ones; rounds restart at each chunk, so that the pairing
-// holds in every chunk (rounds running across the chunks handed the same CTAs the heavy
-// items chunk after chunk: (4,32,4096,128) causal ran 0.74x the one-CTA-a-block grid). With one
-// CTA a block, each CTA has one item. A persistent grid (one CTA an SM) loads the next item's Q
+// A persistent grid (one CTA an SM, WorkCursor in attention_common.cuh) loads the next item's Q
 // and K while it finishes the last (double-buffered Q).
 struct WsItem {
   int bh, b, h, hk;  // (batch, head) row, its batch, query head and kv head (B * H < 2^31: ws_supported)
@@ -418,42 +412,14 @@ struct WsItem {
   int64_t m0;
 };
 
-struct WsItemCursor {
-  int start = 0, count = 0, round = 0;  // the chunk's first item and size; the CTA's round in it
-  // The next item's index in the ordered list, or -1 when the CTA has none left (32-bit: a
-  // launch has fewer than 2^31 items, for_ordered_grids).
-  __device__ __forceinline__ int next(const BlockOrder& order) {
-    const int total = static_cast<int>(order.blocks()), g = static_cast<int>(gridDim.x);
-    const int c = static_cast<int>(blockIdx.x);
-    int per_chunk = static_cast<int>(std::min<int64_t>(static_cast<int64_t>(order.gx) * order.cb, total));
-    if (per_chunk < g) per_chunk = total;  // chunks smaller than a round (order "rows"): one list
-    for (;;) {
-      if (count == 0) count = std::min(per_chunk, total - start);  // entering a chunk
-      const int64_t p = static_cast<int64_t>(round) * g + ((round & 1) ? g - 1 - c : c);
-      if (p < count) {
-        ++round;
-        return start + static_cast<int>(p);
-      }
-      start += count;
-      if (start >= total) return -1;
-      count = 0;
-      round = 0;
-    }
-  }
-};
-
-// Item w of the ordered list: BlockOrder::of in 32-bit arithmetic (64-bit divisions made the
-// producer spill under its register cap).
+// Item w of the ordered list.
 template <int BM, int BN>
 __device__ __forceinline__ WsItem ws_item(int w, const BlockOrder& order, int64_t bh0, int H, int G, int Sq, int Sk,
                                           bool causal) {
-  const int cb = static_cast<int>(order.cb), nbh = static_cast<int>(order.nbh);
-  const int per_chunk = order.gx * cb;
-  const int c = w / per_chunk, r = w - c * per_chunk;
-  const int n = min(cb, nbh - c * cb);  // rows of this chunk (the last may have fewer)
-  const int blk = r / n;
+  int blk, row;
+  order.of32(w, blk, row);
   WsItem it;
-  it.bh = static_cast<int>(bh0) + c * cb + (r - blk * n);
+  it.bh = static_cast<int>(bh0) + row;
   it.b = it.bh / H;
   it.h = it.bh - it.b * H;
   it.hk = it.h / G;
@@ -511,7 +477,7 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
       Tensor sK = make_tensor(make_smem_ptr(sm.k), typename Cfg::LayoutKV{});  // (BN, D, ST)
       Tensor sV = make_tensor(make_smem_ptr(sm.v), typename Cfg::LayoutKV{});
       int kt = 0;
-      WsItemCursor items;
+      WorkCursor items;
       for (int r = 0;; ++r) {
         const int w = items.next(order);
         if (w < 0) break;
@@ -582,7 +548,7 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
     const auto phase = [](int t) { return static_cast<uint32_t>((t / ST) & 1); };
 
     int kt = 0;  // the ring's tile of this item's first key tile
-    WsItemCursor items;
+    WorkCursor items;
     int w = items.next(order);
     for (int r = 0; w >= 0; ++r) {
       const int w_next = items.next(order);
@@ -754,7 +720,9 @@ cudaError_t launch_ws(const AttentionFwdArgs& a, bool persistent, int dev, cudaS
   const int sms = device_sm_count(dev, e);  // cached per device
   if (e != cudaSuccess) return e;
   return for_ordered_grids(a.BH(), gx, a.causal, row_bytes, dev, [&](int64_t bh0, const BlockOrder& order) {
-    const unsigned grid = persistent ? std::min(order.blocks(), static_cast<unsigned>(sms)) : order.blocks();
+    // Knob "persistent" (2) forces it; by default only where the order keeps the CTAs balanced.
+    const bool persist = persistent && (knob(Knob::AttentionFwdGrid) == 2 || persistent_balanced(order, a.causal, sms));
+    const unsigned grid = persist ? std::min(order.blocks(), static_cast<unsigned>(sms)) : order.blocks();
     kern<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         tma_q, tma_k, tma_v, rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse), static_cast<int>(a.H),
         static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq), static_cast<int>(a.Sk),

@@ -70,9 +70,10 @@ double wave_fill(int64_t ctas, int sms) {
 //    At D = 64 from 2048 query rows, with three consumers (ws192): 1.03-1.09x ws3 there, and
 //    0.95-0.97x at 512-1024 rows, where 192-row blocks pad more (attention_ws192_h100.txt).
 //    Its grid is persistent, one CTA an SM, each running its share of the query blocks (the
-//    next block's Q and K load while the last one finishes): 1.006-1.21x one CTA a block over
-//    twelve shapes, GPT-2's (8,12,1024,64) causal 1.14x (attention_fwd_grid_h100.json; knob
-//    attention_fwd_grid=blocks for the other).
+//    next block's Q and K load while the last one finishes), where the causal order keeps the
+//    CTAs balanced (persistent_balanced): 1.006-1.21x one CTA a block over twelve shapes,
+//    GPT-2's (8,12,1024,64) causal 1.14x (attention_fwd_grid_h100.json; knob
+//    attention_fwd_grid=blocks / persistent forces one).
 //    Operands TMA cannot describe (stride-0 broadcast heads) and Sk = 0 also take the
 //    choices below.
 //  * D = 128 there otherwise: the wgmma kernel. 3 warpgroups (192 query rows per CTA) run

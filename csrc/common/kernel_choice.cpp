@@ -33,6 +33,7 @@ const std::array<KnobSpec, static_cast<int>(Knob::Count)>& knob_table() {
       {"attention_bwd", {"mma", "wgmma", "wgmma_split", "wgmma_turns"}},
       {"attention_order", {"rows", "longest"}},
       {"attention_fwd_grid", {"blocks", "persistent"}},
+      {"attention_bwd_grid", {"blocks", "persistent"}},
       {"layernorm_linear_evt", {"evt", "cublas"}},
       {"layernorm_linear_pdl", {"pdl", "plain"}},
       {"layernorm_linear_plan", {"fold", "normalize"}},

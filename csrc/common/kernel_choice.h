@@ -21,7 +21,8 @@ enum class Knob : int {
   AttentionBwd,        // backward: mma (two passes, deterministic) | wgmma (sm_90a, dq by atomics) |
                        // wgmma_split | wgmma_turns (wgmma, D = 64: dQ by column halves | by turns)
   AttentionOrder,      // sm_90a causal grids: rows ((batch, head)-major) | longest (heaviest blocks first)
-  AttentionFwdGrid,    // warp-specialised forward's grid: blocks (one CTA a query block) | persistent (default)
+  AttentionFwdGrid,    // ws forward's grid: blocks (one CTA a query block) | persistent (default where balanced)
+  AttentionBwdGrid,    // wgmma backward's grid: blocks (one CTA a key block) | persistent (default where balanced)
   LayerNormLinearEvt,  // sm_90 fused forward: evt (CUTLASS epilogue) | cublas
   LayerNormLinearPdl,  // EVT launches: pdl (programmatic dependent) | plain
   LayerNormLinearPlan,  // fused forward: fold (gamma into W) | normalize (xn, then cuBLAS)
