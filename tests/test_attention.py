@@ -962,6 +962,18 @@ def test_cuda_ws_strided_layouts(layout, D, fwd):
         _assert_close(out, ref_attention(q, k, v, causal=causal), torch.bfloat16, f"{what} out")
 
 
+def _grid_cases(label, small):
+    """(what, q, k, v, causal) for the persistent-grid tests: grids of many more blocks than SMs,
+    causal and full, GQA, tails, Sq != Sk, then `small` (B, H, Hkv, Sq, Sk, D, causal), whose values
+    the tests also check against float64 (Sq = 129)."""
+    for (B, H, Hkv, Sq, Sk, D, causal) in [(4, 40, 40, 1000, 1000, 64, True), (3, 24, 8, 700, 1100, 128, True),
+                                           (2, 30, 30, 513, 257, 128, False), (5, 16, 4, 1500, 900, 64, False),
+                                           small]:
+        q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        yield f"{label} B={B} H={H}/{Hkv} Sq={Sq} Sk={Sk} D={D} causal={causal}", q, k, v, causal
+
+
 @requires_cuda
 @pytest.mark.parametrize("fwd", ["ws", "ws2", "ws3", "ws192"])
 def test_cuda_ws_persistent_grid(fwd):
@@ -970,12 +982,8 @@ def test_cuda_ws_persistent_grid(fwd):
     # one CTA a block, so out and lse are bitwise equal; grids of many more blocks than SMs,
     # causal and full, GQA, tails, Sq != Sk; values vs float64 on one.
     _skip_unless_wgmma()
-    for (B, H, Hkv, Sq, Sk, D, causal) in [(4, 40, 40, 1000, 1000, 64, True), (3, 24, 8, 700, 1100, 128, True),
-                                           (2, 30, 30, 513, 257, 128, False), (5, 16, 4, 1500, 900, 64, False),
-                                           (1, 2, 2, 129, 129, 64, True)]:
-        what = f"{fwd} B={B} H={H}/{Hkv} Sq={Sq} Sk={Sk} D={D} causal={causal}"
-        q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for what, q, k, v, causal in _grid_cases(fwd, (1, 2, 2, 129, 129, 64, True)):
+        H, Hkv, Sq, D = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
         res = {}
         for grid in ("blocks", "persistent"):
             with gp.tuning.override(attention_fwd=fwd, attention_fwd_grid=grid):
@@ -1093,12 +1101,8 @@ def test_cuda_wgmma_backward_persistent_grid(bwd):
     # grids of many more key blocks than SMs, causal and full, GQA, tails, Sq != Sk; values vs
     # float64 on one.
     _skip_unless_wgmma()
-    for (B, H, Hkv, Sq, Sk, D, causal) in [(4, 40, 40, 1000, 1000, 64, True), (3, 24, 8, 700, 1100, 128, True),
-                                           (2, 30, 30, 513, 257, 128, False), (5, 16, 4, 1500, 900, 64, False),
-                                           (2, 3, 3, 129, 300, 64, True)]:
-        what = f"{bwd} B={B} H={H}/{Hkv} Sq={Sq} Sk={Sk} D={D} causal={causal}"
-        q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for what, q, k, v, causal in _grid_cases(bwd, (2, 3, 3, 129, 300, 64, True)):
+        H, Hkv, Sq = q.shape[1], k.shape[1], q.shape[2]
         out, lse = OPS.attention(q, k, v, None, causal, H != Hkv)
         g = torch.randn_like(out)
         res = {}
