@@ -545,7 +545,7 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
 }
 
 template <class Cfg, class Elem>
-cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, bool persistent, int dev, cudaStream_t stream) {
+cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cudaStream_t stream) {
   constexpr int D = Cfg::D;
   const int64_t Sqp = padded_rows(a.Sq);
   float* lse2 = static_cast<float*>(workspace);
@@ -581,13 +581,14 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, bool persiste
   const int gx = static_cast<int>(ceil_div_u(a.Sk, Cfg::BN));
   // What a kv head's blocks read and add to: Q, dO and the float32 dq of its G query heads.
   const int64_t row_bytes = a.G() * a.Sq * D * static_cast<int64_t>(2 * sizeof(Elem) + sizeof(float));
-  const int sms = device_sm_count(dev, e);  // cached per device
-  if (e != cudaSuccess) return e;
-  e = for_ordered_grids(a.BHkv(), gx, a.causal, row_bytes, dev, [&](int64_t bh0, const BlockOrder& order) {
-    // Knob "persistent" (2) forces it; by default only where the order keeps the CTAs balanced.
-    const bool persist = persistent && (knob(Knob::AttentionBwdGrid) == 2 || persistent_balanced(order, a.causal, sms));
-    const unsigned grid = persist ? std::min(order.blocks(), static_cast<unsigned>(sms)) : order.blocks();
-    kern<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+  // A persistent grid (one CTA an SM, each running its share of the key blocks) loads the next
+  // block's Q / dO tiles while the last one's GEMMs finish, and its K / V while the last one's
+  // dK / dV are stored: 1.007-1.015x one CTA a block on full grids, 1.067x at GPT-2's causal
+  // (8,12,1024,64); where the causal order's chunks are of one to two rounds, 0.57-0.78x, so
+  // there one CTA a block (grid_ctas; attention_bwd_grid_h100.json).
+  e = for_ordered_grids(a.BHkv(), gx, a.causal, row_bytes, Knob::AttentionBwdGrid, dev,
+                        [&](int64_t bh0, const BlockOrder& order, unsigned ctas) {
+    kern<<<ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         tma_q, tma_do, tma_k, tma_v, lse2, delta, dq_acc, rows_of<Elem>(a.dk, a.sdk), rows_of<Elem>(a.dv, a.sdv),
         static_cast<int>(a.H), static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq),
         static_cast<int>(Sqp), static_cast<int>(a.Sk), a.scale, a.causal);
@@ -601,22 +602,15 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, bool persiste
 }
 
 template <class Elem> cudaError_t launch_bwd_d(const AttentionBwdArgs& a, void* ws, int dev, cudaStream_t stream) {
-  // A persistent grid (one CTA an SM, each running its share of the key blocks) loads the next
-  // block's Q / dO tiles while the last one's GEMMs finish, and its K / V while the last one's
-  // dK / dV are stored: 1.007-1.015x one CTA a block on full grids, 1.067x at GPT-2's causal
-  // (8,12,1024,64); where the causal order's chunks are of one to two rounds, 0.57-0.78x, so
-  // there (persistent_balanced) one CTA a block (attention_bwd_grid_h100.json). Knob
-  // attention_bwd_grid=blocks / persistent forces one.
-  const bool persistent = knob(Knob::AttentionBwdGrid) != 1;
-  if (a.D != 64) return launch_bwd<BwdCfg<Elem, 128>, Elem>(a, ws, persistent, dev, stream);
+  if (a.D != 64) return launch_bwd<BwdCfg<Elem, 128>, Elem>(a, ws, dev, stream);
   // D = 64: dQ by turns where a CTA sweeps many query blocks (G * Sq >= 2048 rows): there it ran
   // 1.018-1.031x the column split, at (8,12,1024) causal 0.971x and (16,12,512) causal 0.954x,
   // where fewer blocks leave the turns uneven (benchmarks/results/attention_bwd_turns_h100.json).
   // Knob attention_bwd: wgmma_turns / wgmma_split force one.
   const int forced = knob(Knob::AttentionBwd);  // 3: wgmma_split, 4: wgmma_turns
   const bool turns = forced == 4 || (forced != 3 && a.G() * a.Sq >= 2048);
-  return turns ? launch_bwd<BwdCfg<Elem, 64, true>, Elem>(a, ws, persistent, dev, stream)
-               : launch_bwd<BwdCfg<Elem, 64, false>, Elem>(a, ws, persistent, dev, stream);
+  return turns ? launch_bwd<BwdCfg<Elem, 64, true>, Elem>(a, ws, dev, stream)
+               : launch_bwd<BwdCfg<Elem, 64, false>, Elem>(a, ws, dev, stream);
 }
 
 }  // namespace

@@ -135,14 +135,19 @@ struct WorkCursor {
   }
 };
 
-// Whether a persistent grid (WorkCursor) keeps the CTAs of this order balanced. The snake pairs a
-// CTA's heavier and lighter blocks only over chunks of about two rounds or more: over chunks of
-// one to two rounds, the CTAs of the first round take the heaviest blocks alone, chunk after chunk
-// (the (4,32,4096,128) causal backward, chunks of 160 blocks on 132 SMs, ran 0.60x one CTA a block;
-// benchmarks/results/attention_bwd_grid_h100.json). Full grids (blocks of equal work) always.
-inline bool persistent_balanced(const BlockOrder& o, bool causal, int sms) {
-  if (!causal || o.blocks() <= static_cast<unsigned>(sms)) return true;
-  return static_cast<int64_t>(o.gx) * o.cb * 10 >= int64_t{19} * sms;
+// The CTAs of a launch of `o`: a persistent grid (one CTA an SM, each running its blocks in turn,
+// WorkCursor) where it keeps the CTAs balanced, else one CTA a block; `grid_knob` (blocks |
+// persistent) forces one. The snake pairs a CTA's heavier and lighter blocks only over chunks of
+// about two rounds or more: over chunks of one to two rounds, the CTAs of the first round take
+// the heaviest blocks alone, chunk after chunk (the (4,32,4096,128) causal backward, chunks of 160
+// blocks on 132 SMs, ran 0.60x one CTA a block; benchmarks/results/attention_bwd_grid_h100.json).
+// Full grids (blocks of equal work) are always balanced.
+inline unsigned grid_ctas(const BlockOrder& o, bool causal, int sms, Knob grid_knob) {
+  const int forced = knob(grid_knob);  // 1: blocks, 2: persistent
+  const bool balanced = !causal || o.blocks() <= static_cast<unsigned>(sms) ||
+                        static_cast<int64_t>(o.gx) * o.cb * 10 >= int64_t{19} * sms;
+  const bool persistent = forced == 2 || (forced == 0 && balanced);
+  return persistent ? std::min(o.blocks(), static_cast<unsigned>(sms)) : o.blocks();
 }
 
 // Rows a chunk of a causal grid: as many as keep what they read under 16 MB of L2, and at least
@@ -163,17 +168,20 @@ inline int64_t chunk_rows(bool causal, int64_t nbh, int gx, int sms, int64_t byt
 }
 
 // The sm_90a kernels' 1D grids over BH (batch, head) rows of gx blocks each: calls
-// f(bh0, order) for launches of order.blocks() CTAs (rows bh0 on), each fitting gridDim.x
-// (2^31 - 1), in the order above (chunk_rows with `bytes_per_row` and device dev's SM count).
+// f(bh0, order, ctas) for launches of order.blocks() blocks (rows bh0 on) on `ctas` CTAs
+// (grid_ctas with `grid_knob`), each fitting gridDim.x (2^31 - 1), in the order above
+// (chunk_rows with `bytes_per_row` and device dev's SM count).
 template <typename F>
-cudaError_t for_ordered_grids(int64_t BH, int gx, bool causal, int64_t bytes_per_row, int dev, F&& f) {
+cudaError_t for_ordered_grids(int64_t BH, int gx, bool causal, int64_t bytes_per_row, Knob grid_knob, int dev,
+                              F&& f) {
   cudaError_t e = cudaSuccess;
   const int sms = device_sm_count(dev, e);
   if (e != cudaSuccess) return e;
   const int64_t step = std::max<int64_t>(1, ((int64_t{1} << 31) - 1) / std::max(gx, 1));
   for (int64_t bh0 = 0; bh0 < BH; bh0 += step) {
     const int64_t nbh = std::min<int64_t>(step, BH - bh0);
-    f(bh0, BlockOrder{nbh, chunk_rows(causal, nbh, gx, sms, bytes_per_row), gx});
+    const BlockOrder order{nbh, chunk_rows(causal, nbh, gx, sms, bytes_per_row), gx};
+    f(bh0, order, grid_ctas(order, causal, sms, grid_knob));
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }

@@ -24,10 +24,9 @@ cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, in
 // consumer's GEMMs overlapping its softmax; 2 = ws3, ws2 with the consumers taking turns;
 // 3 = ws192, ws3 with three consumers, D = 64 only), for the same calls where ws_supported(a)
 // also holds (strides the TMA takes, Sk > 0); same image as above. Causal grids run their
-// heaviest blocks first (BlockOrder, attention_common.cuh). persistent: a grid of one CTA an SM,
-// each CTA running its share of the query blocks in turn (else one CTA a block).
+// heaviest blocks first (BlockOrder, attention_common.cuh), on a persistent grid where balanced
+// (grid_ctas; knob attention_fwd_grid).
 bool attention_forward_ws_supported(const AttentionFwdArgs& a);
-cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, bool persistent, int dev,
-                                     cudaStream_t stream);
+cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream);
 
 }  // namespace gpu_puzzles

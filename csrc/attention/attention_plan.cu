@@ -71,7 +71,7 @@ double wave_fill(int64_t ctas, int sms) {
 //    0.95-0.97x at 512-1024 rows, where 192-row blocks pad more (attention_ws192_h100.txt).
 //    Its grid is persistent, one CTA an SM, each running its share of the query blocks (the
 //    next block's Q and K load while the last one finishes), where the causal order keeps the
-//    CTAs balanced (persistent_balanced): 1.006-1.21x one CTA a block over twelve shapes,
+//    CTAs balanced (grid_ctas): 1.006-1.21x one CTA a block over twelve shapes,
 //    GPT-2's (8,12,1024,64) causal 1.14x (attention_fwd_grid_h100.json; knob
 //    attention_fwd_grid=blocks / persistent forces one).
 //    Operands TMA cannot describe (stride-0 broadcast heads) and Sk = 0 also take the
@@ -101,8 +101,7 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
     if (a.Sk >= 1024 || a.BH() * ((a.Sq + 127) / 128) >= 2 * int64_t{sms}) ws = a.D == 64 && a.Sq >= 2048 ? 3 : 2;
   }
   if (ws >= 0 && attention_forward_ws_supported(a)) {
-    if (attention_forward_sm90_available(dev, err))
-      return {AttnFwdKernel::WgmmaWs, 0, 3, ws, knob(Knob::AttentionFwdGrid) != 1};
+    if (attention_forward_sm90_available(dev, err)) return {AttnFwdKernel::WgmmaWs, 0, 3, ws};
     if (err != cudaSuccess) return simt;
   }
   int wg = is("wgmma") ? 2 : is("wgmma3") ? 3 : 0;
@@ -172,7 +171,7 @@ LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stre
 #if defined(GPU_PUZZLES_WITH_SM90A)
     case AttnFwdKernel::Wgmma: return static_cast<LaunchStatus>(attention_forward_sm90(a, p.warpgroups, dev, stream));
     case AttnFwdKernel::WgmmaWs:
-      return static_cast<LaunchStatus>(attention_forward_sm90_ws(a, p.variant, p.persistent, dev, stream));
+      return static_cast<LaunchStatus>(attention_forward_sm90_ws(a, p.variant, dev, stream));
 #endif
     case AttnFwdKernel::Mma:
     case AttnFwdKernel::MmaR32: return static_cast<LaunchStatus>(attention_fwd_mma(a, p, dev, stream));

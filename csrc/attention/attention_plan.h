@@ -27,7 +27,6 @@ struct AttnFwdPlan {
   // WgmmaWs: 0 ws, 1 ws2 (consumers' GEMMs overlap their softmax), 2 ws3 (+ pingpong);
   // 3 ws192 (ws3 with 3 consumers, 192 rows; D = 64 only)
   int variant = 0;
-  bool persistent = false;  // WgmmaWs: one CTA an SM, each running several query blocks
 };
 
 enum class AttnBwdKernel {
