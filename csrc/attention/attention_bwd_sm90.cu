@@ -13,7 +13,8 @@
 //    memory (double-buffered), then dQ = dS K (SS, both MN-major): each consumer takes
 //    half of D's columns over all 128 keys (after a barrier over both), or at D = 64 the
 //    consumers take turns computing all of it (BwdCfg::kDqTurns), and adds the result to a
-//    float32 accumulator in global memory by float4 atomics from its registers.
+//    float32 accumulator in global memory: at D = 128 through shared memory, by a writer warp's
+//    bulk reduce-add (BwdCfg::kBulkDq), else by float4 atomics from its registers.
 //  * dK, dV live in registers across the whole sweep (GQA: over all G query heads) and
 //    are written once; dq = scale * accumulator in a last elementwise kernel.
 //  * The grid is persistent where that stays balanced (one CTA an SM; WorkCursor,
@@ -84,6 +85,14 @@ template <class Elem, int D_, bool DqTurns_ = false> struct BwdCfg {
   static constexpr bool kDqTurns = DqTurns_;
   static_assert(!kDqTurns || D == 64, "turns: all of dQ in registers at D = 64 only");
   static constexpr int DQN = kDqTurns ? D : D / 2;
+  // dQ tiles to global memory: each consumer stores its float32 tile to shared memory and a
+  // writer warp of the producer warpgroup adds it with one bulk reduce-add (FA3's dQ writer).
+  // The float4 atomics from registers it replaces held the consumers at the next use of their
+  // registers until the queue of atomics had drained, the warpgroups in step: at D = 128 the
+  // writer ran 1.05-1.12x them at five shapes of 1024-16384 rows, 0.95x at (2,16,1024,128)
+  // causal; at D = 64 (column split) 0.92-0.94x, so there the atomics stay
+  // (benchmarks/results/attention_bwd_bulk_h100.json).
+  static constexpr bool kBulkDq = D == 128;
   static_assert(BM == 64 && kPadRows % BM == 0, "BM: one wgmma M, one consumer's dq tile");
   using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<BM>, Int<D>>{}));
   using LayoutQt =  // the same tile as the (D, BM) MN-major B operand of dK += dS^T Q
@@ -120,6 +129,7 @@ template <class Elem, int D_, bool DqTurns_ = false> struct BwdCfg {
     alignas(1024) Elem q[kStages * BM * D];
     alignas(1024) Elem dout[kStages * BM * D];
     alignas(1024) Elem ds[2 * BM * BN];
+    alignas(128) float dq[kBulkDq ? 2 : 1][kBulkDq ? 64 * DQN : 4];  // per consumer: its dQ tile, tile order
     alignas(16) float rows[2][2][2 * BM];  // per consumer: lse2 then delta of a query block, by iteration parity
     alignas(8) uint64_t kv_full, kv_empty;
     uint64_t full[kStages], empty[kStages];
@@ -127,6 +137,16 @@ template <class Elem, int D_, bool DqTurns_ = false> struct BwdCfg {
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem));
   static_assert((BM * D * sizeof(Elem)) % 1024 == 0 && (BM * BN * sizeof(Elem)) % 1024 == 0, "1024-byte tiles");
 };
+
+// Named barriers (0 is __syncthreads'): 1 both consumers' dS written; 2 + c consumer c's dQ
+// tile stored (the writer warp waits); 4 + c that buffer read by the bulk copy (consumer c waits).
+__device__ __forceinline__ void named_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+constexpr int kDqSyncThreads = 128 + 32;  // a consumer warpgroup and the writer warp
 
 template <class Cfg> constexpr bool bwd_layouts_agree() {
   constexpr int D = Cfg::D, BM = Cfg::BM, BN = Cfg::BN;
@@ -320,6 +340,40 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
           copy(tma_do.with(sm.full[st]), tdOg(_, qblk), tdOs(_, st));
         }
       }
+    } else if (Cfg::kBulkDq && tid / 32 == 1) {
+      // The dQ writer: it walks the consumers' items and iterations, and per iteration takes
+      // both consumers' tiles (named barriers 2 + c), adds each with one bulk reduce-add, and
+      // releases the buffers once the copies have read them (4 + c).
+      constexpr uint32_t kTileBytes = 64 * DQN * sizeof(float);
+      named_arrive(4, kDqSyncThreads);
+      named_arrive(5, kDqSyncThreads);
+      WorkCursor items;
+      for (;;) {
+        const int w = items.next(order);
+        if (w < 0) break;
+        const Item t = item_at(w);
+        for (int gi = 0; gi < G; ++gi) {
+          const int64_t bhq = static_cast<int64_t>(t.b) * H + t.h0 + gi;
+          for (int qi = 0; qi < t.n_qt; ++qi) {
+            named_sync(2, kDqSyncThreads);
+            named_sync(3, kDqSyncThreads);
+            if (tid == 32) {
+#pragma unroll
+              for (int c = 0; c < 2; ++c)
+                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                                 dq_acc + dq_tile_offset<D, DQN>(bhq, t.q_begin / 64 + qi, c, Sqp)),
+                             "r"(static_cast<uint32_t>(__cvta_generic_to_shared(sm.dq[c]))), "n"(kTileBytes)
+                             : "memory");
+              asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+              asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+            }
+            __syncwarp();
+            named_arrive(4, kDqSyncThreads);
+            named_arrive(5, kDqSyncThreads);
+          }
+        }
+      }
+      if (tid == 32) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
@@ -386,23 +440,23 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
       const Item t = item_at(w);
       const int n_qt = t.n_qt, n_it = t.n_it, q_begin = t.q_begin;
       const int key0 = t.n0 + 64 * cw;  // this warpgroup's first key
-      const auto row_value = [&](int it2) {
-        const int g2 = it2 / n_qt;
-        const int64_t r0 = (static_cast<int64_t>(t.b) * H + t.h0 + g2) * Sqp + q_begin + (it2 - g2 * n_qt) * BM;
+      const auto row_value = [&](int g2, int qi2) {  // of query head h0 + g2, its block qi2 from q_begin
+        const int64_t r0 = (static_cast<int64_t>(t.b) * H + t.h0 + g2) * Sqp + q_begin + qi2 * BM;
         return wtid < BM ? lse2[r0 + wtid] : delta[r0 + wtid - BM];
       };
       clear(tKVrdV);
       clear(tKVrdK);
-      if (n_it > 0) sm.rows[cw][0][wtid] = row_value(0);
+      if (n_it > 0) sm.rows[cw][0][wtid] = row_value(0, 0);
       ds_barrier();
 
       TxBarrier::wait(&sm.kv_full, static_cast<uint32_t>(r & 1));
+      int gi = 0, qi = 0;  // iteration it's query head h0 + gi and block qi: counters, not divisions
       for (int it = 0; it < n_it; ++it) {
         const int st = (qt + it) % ST;
-        const int gi = it / n_qt;
-        const int q0 = q_begin + (it - gi * n_qt) * BM;
+        const int q0 = q_begin + qi * BM;
+        const int qn = qi + 1 == n_qt ? 0 : qi + 1, gn = qn == 0 ? gi + 1 : gi;  // the next iteration's
         const bool stage_next = it + 1 < n_it;
-        const float next_row = stage_next ? row_value(it + 1) : 0.f;
+        const float next_row = stage_next ? row_value(gn, qn) : 0.f;
         TxBarrier::wait(&sm.full[st], static_cast<uint32_t>(((qt + it) / ST) & 1));
         Tensor sQ = make_tensor(make_smem_ptr(sm.q + st * BM * D), typename Cfg::LayoutQ{});
         Tensor sdO = make_tensor(make_smem_ptr(sm.dout + st * BM * D), typename Cfg::LayoutQ{});
@@ -429,16 +483,17 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
         warpgroup_fence_operand(tSrS);
 #pragma unroll
         for (int i = 0; i < size(tSrS); i += 2) {
-          const int r = get<0>(tScS(i)), c = get<1>(tScS(i));
-          const float2 l = *reinterpret_cast<const float2*>(l2 + c);
-          float p0 = exp2_ftz(tSrS(i) * sl - l.x), p1 = exp2_ftz(tSrS(i + 1) * sl - l.y);  // padded rows: 0
-          if (need_mask) {
-            const int key = key0 + r;
-            if (key >= Sk || (causal && key > q0 + c)) p0 = 0.f;
-            if (key >= Sk || (causal && key > q0 + c + 1)) p1 = 0.f;
+          const float2 l = *reinterpret_cast<const float2*>(l2 + get<1>(tScS(i)));
+          tSrS(i) = exp2_ftz(tSrS(i) * sl - l.x);  // padded rows: 0
+          tSrS(i + 1) = exp2_ftz(tSrS(i + 1) * sl - l.y);
+        }
+        // The mask in a loop of its own: tested inside the loop above, ptxas branched per pair.
+        if (need_mask) {
+#pragma unroll
+          for (int i = 0; i < size(tSrS); ++i) {
+            const int key = key0 + get<0>(tScS(i)), c = get<1>(tScS(i));
+            if (key >= Sk || (causal && key > q0 + c)) tSrS(i) = 0.f;
           }
-          tSrS(i) = p0;
-          tSrS(i + 1) = p1;
         }
         pack_a<Elem>(tSrS, tKVrP);
 
@@ -511,17 +566,30 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
           warpgroup_fence_operand(tQrdQ);
           if (!Cfg::kDqTurns && wtid == 0) Barrier::arrive(&sm.empty[st]);  // Q and dO are read
 
-          // dQ into the float32 accumulator: one float4 atomic add per 4 values of the fragment,
-          // straight from registers (a warp's 32 cover 512 contiguous bytes of the tile). Staging
-          // the tile in shared memory for one bulk reduce-add ran 0.86-0.92x this: the staging
-          // competed with the wgmmas for shared-memory bandwidth.
           const int64_t bhq = static_cast<int64_t>(t.b) * H + t.h0 + gi;
-          float* dst = dq_acc + dq_tile_offset<D, DQN>(bhq, q0 / 64, dq_part, Sqp) + wtid * 4;
+          const int64_t tile = dq_tile_offset<D, DQN>(bhq, q0 / 64, dq_part, Sqp);
+          if constexpr (Cfg::kBulkDq) {
+            // The tile to shared memory in the accumulator's order (float4 j of thread t at
+            // 4 (128 j + t): conflict-free), for the writer warp's bulk reduce-add.
+            named_sync(4 + cw, kDqSyncThreads);  // the buffer's last tile is read
 #pragma unroll
-          for (int j = 0; j < DQN / 8; ++j)
-            atomicAdd(reinterpret_cast<float4*>(dst + j * 512),
-                      make_float4(tQrdQ(4 * j), tQrdQ(4 * j + 1), tQrdQ(4 * j + 2), tQrdQ(4 * j + 3)));
+            for (int j = 0; j < DQN / 8; ++j)
+              *reinterpret_cast<float4*>(&sm.dq[cw][j * 512 + wtid * 4]) =
+                  make_float4(tQrdQ(4 * j), tQrdQ(4 * j + 1), tQrdQ(4 * j + 2), tQrdQ(4 * j + 3));
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> the bulk copy
+            named_arrive(2 + cw, kDqSyncThreads);
+          } else {
+            // One float4 atomic add per 4 values of the fragment, straight from registers (a
+            // warp's 32 cover 512 contiguous bytes of the tile).
+            float* dst = dq_acc + tile + wtid * 4;
+#pragma unroll
+            for (int j = 0; j < DQN / 8; ++j)
+              atomicAdd(reinterpret_cast<float4*>(dst + j * 512),
+                        make_float4(tQrdQ(4 * j), tQrdQ(4 * j + 1), tQrdQ(4 * j + 2), tQrdQ(4 * j + 3)));
+          }
         }
+        gi = gn;
+        qi = qn;
       }
 
       qt += n_it;
@@ -538,6 +606,7 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
         }
       }
     }
+    if constexpr (Cfg::kBulkDq) named_sync(4 + cw, kDqSyncThreads);  // the writer's last release
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // not sm_90a: the host never launches this image (attention_forward_sm90_available)
