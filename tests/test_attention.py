@@ -440,6 +440,16 @@ def test_cuda_forward_backward_scale(dtype, causal):
     _cuda_check((2,), 70, 90, 64, 64, causal, dtype, "scale=1.0", scale=1.0)
 
 
+@requires_cuda
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+@pytest.mark.parametrize("D", [64, 128])
+def test_cuda_nonpositive_scale(scale, D):
+    # The warp-specialised forward (the default from 1024 keys on a 9.x GPU) takes the row max
+    # before scaling, which holds for scale > 0 only; other scales take the other kernels.
+    for causal in (False, True):
+        _cuda_check((1, 2), 1100, 1100, D, D, causal, torch.bfloat16, f"scale={scale} causal={causal}", scale=scale)
+
+
 # The fast configs at ~4096, lengths not multiples of 64/128: (lead, Sq, Sk, causal).
 LONG_CASES = [((1, 2), 4100, 4100, False), ((1, 2), 4100, 4100, True), ((1,), 1000, 4097, True),
               ((1,), 4097, 1000, True)]

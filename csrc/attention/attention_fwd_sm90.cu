@@ -192,15 +192,15 @@ __device__ __forceinline__ void gemm_qk(Mma& mma_s, const TQ& tSrQ, const TK& tS
   warpgroup_fence_operand(tSrS);
 }
 
-// Scale to the log2 domain and mask. Key c (tile-relative) is visible to tile row r
+// Scale to the log2 domain (kScale) and mask. Key c (tile-relative) is visible to tile row r
 // iff c < kv_lim and (!causal || c <= r + diag). Two loops, so that tiles needing no mask
 // branch past the mask's compares (ptxas predicates them when they sit in one loop).
-template <bool kMask, class TS, class TC>
+template <bool kMask, bool kScale, class TS, class TC>
 __device__ __forceinline__ void scale_mask_loop(TS& tSrS, const TC& tScS, float scale_log2, int kv_lim, int diag,
                                                 bool causal) {
 #pragma unroll
   for (int i = 0; i < size(tSrS); ++i) {
-    float x = tSrS(i) * scale_log2;
+    float x = kScale ? tSrS(i) * scale_log2 : tSrS(i);
     if constexpr (kMask) {
       const int r = get<0>(tScS(i)), c = get<1>(tScS(i));
       if (c >= kv_lim || (causal && c > r + diag)) x = -INFINITY;
@@ -209,15 +209,16 @@ __device__ __forceinline__ void scale_mask_loop(TS& tSrS, const TC& tScS, float 
   }
 }
 
-template <int BN, class TS, class TC>
+// kScale = false: the mask alone, the scores left unscaled (softmax_rows_unscaled).
+template <int BN, bool kScale = true, class TS, class TC>
 __device__ __forceinline__ void scale_mask(TS& tSrS, const TC& tScS, float scale_log2, int64_t n0, int64_t Sk,
                                            int64_t wrow0, bool causal) {
   if ((n0 + BN > Sk) || (causal && n0 + BN - 1 > wrow0)) {
     const int kv_lim = static_cast<int>(std::min<int64_t>(Sk - n0, BN));
     const int diag = static_cast<int>(std::max<int64_t>(std::min<int64_t>(wrow0 - n0, BN), -2 * BN));
-    scale_mask_loop<true>(tSrS, tScS, scale_log2, kv_lim, diag, causal);
-  } else {
-    scale_mask_loop<false>(tSrS, tScS, scale_log2, 0, 0, false);
+    scale_mask_loop<true, kScale>(tSrS, tScS, scale_log2, kv_lim, diag, causal);
+  } else if constexpr (kScale) {
+    scale_mask_loop<false, true>(tSrS, tScS, scale_log2, 0, 0, false);
   }
 }
 
@@ -277,14 +278,32 @@ __device__ __forceinline__ void store_rows(TO& tOrO, const TC& tOcO, const float
 // For the overlapped consumer loop of the warp-specialised kernel: the softmax without the
 // O rescale (done once the running P V product is complete).
 
-// online_softmax_step with no output fragment: m, l and the probabilities only.
+// online_softmax_step with no output fragment, on the unscaled scores (masked ones -inf): m,
+// l and the probabilities. The row max is taken before scaling, then P = 2^(s scale_log2 - m)
+// by one FFMA and one MUFU.EX2 a value, where scaling first took an FMUL a value more. m is
+// the same as when scaling first (rounding is monotonic: max(s) scale_log2 rounds to
+// max(s scale_log2)); scale_log2 > 0 (attention_forward_ws_supported).
 template <int BN, class TS>
-__device__ __forceinline__ void softmax_rows(TS& tSrS, float (&m_r)[2], float (&l_r)[2]) {
+__device__ __forceinline__ void softmax_rows_unscaled(TS& tSrS, float scale_log2, float (&m_r)[2], float (&l_r)[2]) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h)  // with no output n-tiles the second accessor is never called
-    online_softmax_step<true, false, BN / 8, 0>([&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
-                                                [&](int nb, int e) -> float& { return tSrS(4 * nb + e); }, m_r[h],
-                                                l_r[h], h);
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
+    mx = fmaxf(m_r[h], quad_max(mx) * scale_log2);
+    const float base = mx == -INFINITY ? 0.f : mx;  // row still fully masked
+    const float alpha = exp2_ftz(m_r[h] - base);   // old max -inf -> 0
+    m_r[h] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      tSrS(4 * nt + 2 * h) = exp2_ftz(fmaf(tSrS(4 * nt + 2 * h), scale_log2, -base));
+      sum += tSrS(4 * nt + 2 * h);
+      tSrS(4 * nt + 2 * h + 1) = exp2_ftz(fmaf(tSrS(4 * nt + 2 * h + 1), scale_log2, -base));
+      sum += tSrS(4 * nt + 2 * h + 1);
+    }
+    l_r[h] = l_r[h] * alpha + sum;
+  }
 }
 
 // O *= alpha, alpha = 2^(m_prev - m) as online_softmax_step computes it.
@@ -583,8 +602,8 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
           warpgroup_wait<0>();
           warpgroup_fence_operand(tSrS);
           if (wtid == 0) Barrier::arrive(&sm.k_empty[stage(kt)]);
-          scale_mask<BN>(tSrS, tScS, scale_log2, 0, Sk, wrow0, causal);
-          softmax_rows<BN>(tSrS, m_r, l_r);  // O is still 0: nothing to rescale
+          scale_mask<BN, false>(tSrS, tScS, scale_log2, 0, Sk, wrow0, causal);
+          softmax_rows_unscaled<BN>(tSrS, scale_log2, m_r, l_r);  // O is still 0: nothing to rescale
           pack_a<Elem>(tSrS, tOrP);
           for (int j = 1; j < n_tiles; ++j) {
             const int st = stage(kt + j), pst = stage(kt + j - 1);
@@ -598,8 +617,8 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
             warpgroup_fence_operand(tSrS);
             if (wtid == 0) Barrier::arrive(&sm.k_empty[st]);
             const float m_prev[2] = {m_r[0], m_r[1]};
-            scale_mask<BN>(tSrS, tScS, scale_log2, static_cast<int64_t>(j) * BN, Sk, wrow0, causal);
-            softmax_rows<BN>(tSrS, m_r, l_r);
+            scale_mask<BN, false>(tSrS, tScS, scale_log2, static_cast<int64_t>(j) * BN, Sk, wrow0, causal);
+            softmax_rows_unscaled<BN>(tSrS, scale_log2, m_r, l_r);
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
             warpgroup_fence_operand(tOrP);
@@ -775,8 +794,9 @@ cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, in
 }
 
 bool attention_forward_ws_supported(const AttentionFwdArgs& a) {
+  // scale > 0: the row max is taken before scaling (softmax_rows_unscaled).
   return tma_operand_ok(a.sq, a.Sq, a.H, a.B) && tma_operand_ok(a.sk, a.Sk, a.Hkv, a.B) &&
-         tma_operand_ok(a.sv, a.Sk, a.Hkv, a.B) && a.Sk > 0 && a.BH() < (int64_t{1} << 31);
+         tma_operand_ok(a.sv, a.Sk, a.Hkv, a.B) && a.Sk > 0 && a.BH() < (int64_t{1} << 31) && a.scale > 0.f;
 }
 
 cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream) {
