@@ -279,31 +279,14 @@ __device__ __forceinline__ void store_rows(TO& tOrO, const TC& tOcO, const float
 // O rescale (done once the running P V product is complete).
 
 // online_softmax_step with no output fragment, on the unscaled scores (masked ones -inf): m,
-// l and the probabilities. The row max is taken before scaling, then P = 2^(s scale_log2 - m)
-// by one FFMA and one MUFU.EX2 a value, where scaling first took an FMUL a value more. m is
-// the same as when scaling first (rounding is monotonic: max(s) scale_log2 rounds to
-// max(s scale_log2)); scale_log2 > 0 (attention_forward_ws_supported).
+// l and the probabilities only; scale_log2 > 0 (attention_forward_ws_supported).
 template <int BN, class TS>
 __device__ __forceinline__ void softmax_rows_unscaled(TS& tSrS, float scale_log2, float (&m_r)[2], float (&l_r)[2]) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(tSrS(4 * nt + 2 * h), tSrS(4 * nt + 2 * h + 1)));
-    mx = fmaxf(m_r[h], quad_max(mx) * scale_log2);
-    const float base = mx == -INFINITY ? 0.f : mx;  // row still fully masked
-    const float alpha = exp2_ftz(m_r[h] - base);   // old max -inf -> 0
-    m_r[h] = mx;
-    float sum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      tSrS(4 * nt + 2 * h) = exp2_ftz(fmaf(tSrS(4 * nt + 2 * h), scale_log2, -base));
-      sum += tSrS(4 * nt + 2 * h);
-      tSrS(4 * nt + 2 * h + 1) = exp2_ftz(fmaf(tSrS(4 * nt + 2 * h + 1), scale_log2, -base));
-      sum += tSrS(4 * nt + 2 * h + 1);
-    }
-    l_r[h] = l_r[h] * alpha + sum;
-  }
+  for (int h = 0; h < 2; ++h)  // with no output n-tiles the second accessor is never called
+    online_softmax_step<true, false, BN / 8, 0, true>([&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
+                                                      [&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
+                                                      m_r[h], l_r[h], h, scale_log2);
 }
 
 // O *= alpha, alpha = 2^(m_prev - m) as online_softmax_step computes it.

@@ -35,21 +35,27 @@ template <bool kFtz> __device__ __forceinline__ float online_exp2(float x) {
 // kFtz: exp2_ftz instead of exp2f. kPairs: an n-tile's two values are added to each other,
 // then to the sum (the mma.sync kernels), else one at a time (the wgmma kernel); the same
 // to rounding, kept per kernel so that each compiles to the code it was validated with.
-template <bool kFtz, bool kPairs, int NS, int NO, class S, class O>
-__device__ __forceinline__ void online_softmax_step(S&& s, O&& o, float& m, float& l, int h) {
-  float mx = m;
+// kUnscaled: s holds the scores before scaling by scale_log2 > 0; the row max is taken on
+// them and scaled once (the same m: rounding is monotonic), and each exponent
+// s scale_log2 - m is one FFMA instead of an FMUL before the max and an FADD after it.
+template <bool kFtz, bool kPairs, int NS, int NO, bool kUnscaled = false, class S, class O>
+__device__ __forceinline__ void online_softmax_step(S&& s, O&& o, float& m, float& l, int h,
+                                                    float scale_log2 = 1.f) {
+  float mx = kUnscaled ? -INFINITY : m;
 #pragma unroll
   for (int nt = 0; nt < NS; ++nt) mx = fmaxf(mx, fmaxf(s(nt, 2 * h), s(nt, 2 * h + 1)));
   mx = quad_max(mx);
+  if constexpr (kUnscaled) mx = fmaxf(m, mx * scale_log2);
   const float base = mx == -INFINITY ? 0.f : mx;      // row still fully masked
   const float alpha = online_exp2<kFtz>(m - base);  // old max -inf -> 0
   m = mx;
+  const auto exponent = [&](float x) { return kUnscaled ? fmaf(x, scale_log2, -base) : x - base; };
   float sum = 0.f;
 #pragma unroll
   for (int nt = 0; nt < NS; ++nt) {
-    s(nt, 2 * h) = online_exp2<kFtz>(s(nt, 2 * h) - base);
+    s(nt, 2 * h) = online_exp2<kFtz>(exponent(s(nt, 2 * h)));
     if constexpr (!kPairs) sum += s(nt, 2 * h);
-    s(nt, 2 * h + 1) = online_exp2<kFtz>(s(nt, 2 * h + 1) - base);
+    s(nt, 2 * h + 1) = online_exp2<kFtz>(exponent(s(nt, 2 * h + 1)));
     if constexpr (kPairs) {
       sum += s(nt, 2 * h) + s(nt, 2 * h + 1);
     } else {
