@@ -138,14 +138,8 @@ template <class Elem, int D_, bool DqTurns_ = false> struct BwdCfg {
   static_assert((BM * D * sizeof(Elem)) % 1024 == 0 && (BM * BN * sizeof(Elem)) % 1024 == 0, "1024-byte tiles");
 };
 
-// Named barriers (0 is __syncthreads'): 1 both consumers' dS written; 2 + c consumer c's dQ
-// tile stored (the writer warp waits); 4 + c that buffer read by the bulk copy (consumer c waits).
-__device__ __forceinline__ void named_sync(int id, int n) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
+// Named barriers (named_sync / named_arrive): 1 both consumers' dS written; 2 + c consumer c's
+// dQ tile stored (the writer warp waits); 4 + c that buffer read by the bulk copy (consumer c waits).
 constexpr int kDqSyncThreads = 128 + 32;  // a consumer warpgroup and the writer warp
 
 template <class Cfg> constexpr bool bwd_layouts_agree() {
@@ -423,7 +417,7 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
     const float sl = scale * kLog2e;
 
     // The barrier after both consumers' dS is written (each one's dQ reads both halves).
-    const auto ds_barrier = [] { asm volatile("bar.sync 1, 256;\n" ::: "memory"); };
+    const auto ds_barrier = [] { named_sync(1, 256); };
     // The lse2 / delta rows of iteration it, this consumer's copy: thread wtid (2 BM = 128)
     // loads value wtid (lse2 of query wtid, then delta of query wtid - BM) from global memory
     // during iteration it - 1 and stores it to rows[cw][it & 1] before that iteration's

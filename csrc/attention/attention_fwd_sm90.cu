@@ -536,15 +536,15 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
     // passes on nothing.
     constexpr int NC = Cfg::kConsumers;
     const auto sched_sync = [&] {
-      if constexpr (Cfg::kPingpong) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + cw) : "memory");
+      if constexpr (Cfg::kPingpong) named_sync(1 + cw, 256);
     };
     const auto sched_arrive = [&](bool last) {
       if constexpr (Cfg::kPingpong) {
-        if (!(last && cw == NC - 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (cw + 1) % NC) : "memory");
+        if (!(last && cw == NC - 1)) named_arrive(1 + (cw + 1) % NC, 256);
       }
     };
     if constexpr (Cfg::kPingpong) {
-      if (cw == NC - 1) asm volatile("bar.arrive %0, 256;\n" ::"r"(1) : "memory");
+      if (cw == NC - 1) named_arrive(1, 256);
     }
     const auto stage = [](int t) { return t % ST; };
     const auto phase = [](int t) { return static_cast<uint32_t>((t / ST) & 1); };

@@ -30,6 +30,16 @@ template <class Elem> __device__ __forceinline__ uint32_t pack2(float lo, float 
   return r;
 }
 
+// Named barrier id (0 is __syncthreads') over n threads, a multiple of 32: wait for all, or
+// only arrive (release to the waiters, no wait). The memory clobber keeps the compiler from
+// moving loads and stores across (CUTLASS's NamedBarrier has none, and renumbers the ids).
+__device__ __forceinline__ void named_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
 // A (S, D, heads, batch) view of one operand for the TMA. The host gives a dim of extent 1
 // stride 0 (attention.cpp: kernel_strides); the descriptor gets 16 bytes there instead (its
 // coordinate is always 0).
