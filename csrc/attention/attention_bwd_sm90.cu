@@ -560,8 +560,6 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
           warpgroup_fence_operand(tQrdQ);
           if (!Cfg::kDqTurns && wtid == 0) Barrier::arrive(&sm.empty[st]);  // Q and dO are read
 
-          const int64_t bhq = static_cast<int64_t>(t.b) * H + t.h0 + gi;
-          const int64_t tile = dq_tile_offset<D, DQN>(bhq, q0 / 64, dq_part, Sqp);
           if constexpr (Cfg::kBulkDq) {
             // The tile to shared memory in the accumulator's order (float4 j of thread t at
             // 4 (128 j + t): conflict-free), for the writer warp's bulk reduce-add.
@@ -575,7 +573,8 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
           } else {
             // One float4 atomic add per 4 values of the fragment, straight from registers (a
             // warp's 32 cover 512 contiguous bytes of the tile).
-            float* dst = dq_acc + tile + wtid * 4;
+            const int64_t bhq = static_cast<int64_t>(t.b) * H + t.h0 + gi;
+            float* dst = dq_acc + dq_tile_offset<D, DQN>(bhq, q0 / 64, dq_part, Sqp) + wtid * 4;
 #pragma unroll
             for (int j = 0; j < DQN / 8; ++j)
               atomicAdd(reinterpret_cast<float4*>(dst + j * 512),

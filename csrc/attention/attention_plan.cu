@@ -125,8 +125,8 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
 
 // Default, fp16/bf16 with D == Dv in {64, 128} and 16-byte aligned operands (else SIMT): on
 // a 9.x GPU (sm_90a build), unless deterministic algorithms are asked for, the warp-specialised
-// wgmma backward (one pass, dq summed by float32 atomics; at D = 64 its dQ scheme by shape,
-// attention_bwd_sm90.cu); elsewhere, and for operands its TMA cannot describe, the two
+// wgmma backward (one pass, dq summed in float32 in any order; at D = 64 its dQ scheme by
+// shape, attention_bwd_sm90.cu); elsewhere, and for operands its TMA cannot describe, the two
 // deterministic mma.sync passes.
 AttnBwdKernel attention_bwd_plan(const AttentionBwdArgs& a, int dev, cudaError_t& err) {
   err = cudaSuccess;

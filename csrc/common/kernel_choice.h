@@ -18,7 +18,7 @@ enum class Knob : int {
   SoftmaxSmemAlign,    // smem/bulk rows, the most specialised kernel allowed: aligned | same | shifted
   AttentionFwd,        // forward kernel: mma | mma_r32 | wgmma | wgmma3 | ws | ws2 | ws3 | ws192
   AttentionFwdWarps,   // mma kernel's warps per block: 4 | 8
-  AttentionBwd,        // backward: mma (two passes, deterministic) | wgmma (sm_90a, dq by atomics) |
+  AttentionBwd,        // backward: mma (two passes, deterministic) | wgmma (sm_90a, dq in any order) |
                        // wgmma_split | wgmma_turns (wgmma, D = 64: dQ by column halves | by turns)
   AttentionOrder,      // sm_90a causal grids: rows ((batch, head)-major) | longest (heaviest blocks first)
   AttentionFwdGrid,    // ws forward's grid: blocks (one CTA a query block) | persistent (default where balanced)
