@@ -106,7 +106,8 @@ def main(argv=None):
             for n in threads:
                 for case in cases:
                     with cpu_threads(n):
-                        new = run_case(case, device, copy_gbs, rep=rep, backlog=not args.no_backlog)
+                        new = run_case(case, device, copy_gbs, rep=rep, backlog=not args.no_backlog,
+                                       rounds=case.rounds, pooled=case.pooled)
                     for r in new:
                         r["copy_GBps"] = copy_gbs
                         for k in ("bwd_bytes", "bwd_flops"):

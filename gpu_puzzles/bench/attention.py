@@ -229,14 +229,23 @@ GPT2_SHAPE = (8, 12, 1024, 1024, 64, True)
 CPU_SHAPES = [(1, 4, 256, 256, 64, False), (2, 12, 256, 256, 64, True)]
 
 
+# CUDA rows: the implementations take turns in this many rounds and each row is the median of
+# all its calls, so that no implementation is timed alone right after the rows before it (see
+# docs/benchmarks.md, "How we time").
+BENCH_ROUNDS = 5
+
+
 def bench_cases(device):
     if device.type == "cpu":
         return cases(device, CPU_SHAPES, dtype=torch.float32, compile_=False, unfused=False)
-    return (cases(device, BENCH_SHAPES)
-            + cases(device, TABLE_SHAPES, unfused=False)
-            + cases(device, [GPT2_SHAPE], unfused=False, layout="qkv views", prefix="GPT-2 qkv views ")
-            + cases(device, [GPT2_SHAPE], unfused=False, prefix="GPT-2 contiguous ")
-            + gqa_cases(device, GQA_BENCH_SHAPES))
+    out = (cases(device, BENCH_SHAPES)
+           + cases(device, TABLE_SHAPES, unfused=False)
+           + cases(device, [GPT2_SHAPE], unfused=False, layout="qkv views", prefix="GPT-2 qkv views ")
+           + cases(device, [GPT2_SHAPE], unfused=False, prefix="GPT-2 contiguous ")
+           + gqa_cases(device, GQA_BENCH_SHAPES))
+    for c in out:
+        c.rounds, c.pooled = BENCH_ROUNDS, True
+    return out
 
 
 def tour_cases(device):

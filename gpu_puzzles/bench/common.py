@@ -313,6 +313,10 @@ class Case:
     bytes: Optional[int] = None  # minimal DRAM traffic of the timed work
     flops: Optional[int] = None
     params: dict = field(default_factory=dict)
+    # The CLI's run_case arguments for this case (None: run_case's defaults): the attention rows
+    # take turns and pool their calls, as the LayerNorm+Linear sweep does.
+    rounds: Optional[int] = None
+    pooled: bool = False
 
 
 def git_commit() -> str:
@@ -349,8 +353,10 @@ def run_case(case: Case, device: torch.device, copy_gbs: float, rep: int = 40, w
     if rounds is None:
         rounds = CPU_ROUNDS if device.type == "cpu" else 1
     best, hosts, errors, samples = {}, {}, {}, {}
-    for _ in range(rounds):
-        for label, fn in impls:
+    for r in range(rounds):
+        # Each round starts one implementation later: none always follows the same one (a GPU's
+        # clock after a heavy kernel is not what it is after a light one).
+        for label, fn in impls[r % len(impls):] + impls[:r % len(impls)]:
             if label in errors:
                 continue
             try:
