@@ -86,6 +86,32 @@ def test_time_ms_fn_returning_none(monkeypatch):
     assert time_ms(lambda: None, [()], torch.device("cpu"), warmup=1, rep=2, keep_outputs=True) >= 0
 
 
+def test_run_case_rounds_start_one_implementation_later():
+    # Each round starts one implementation later, so none always runs right after the same one;
+    # every implementation still gets its calls in every round.
+    order = []
+
+    def impl(label):
+        return lambda x: order.append(label) or x + 1
+
+    case = common.Case("op", "case", "fwd", lambda: (torch.ones(4),), {k: impl(k) for k in "abc"})
+    rows = common.run_case(case, torch.device("cpu"), 0.0, rep=6, warmup=1, rounds=3)
+    assert [r["impl"] for r in rows] == ["a", "b", "c"] and all(r["ms"] >= 0 for r in rows)
+    per_turn = len(order) // 9  # a turn: its warm-up (every input set once) and 6 // 3 timed calls
+    assert per_turn >= 2 and len(order) == 9 * per_turn
+    turns = [order[i:i + per_turn] for i in range(0, len(order), per_turn)]
+    assert all(len(set(t)) == 1 for t in turns)
+    firsts = [t[0] for t in turns]
+    assert firsts == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def test_attention_bench_rows_take_turns(monkeypatch):
+    from gpu_puzzles.bench import attention
+    monkeypatch.setattr(attention, "_unfused_fits", lambda *a: False)  # asks the GPU for free memory
+    cases = attention.bench_cases(torch.device("cuda"))  # builds no tensors: make() is lazy
+    assert cases and all(c.rounds == attention.BENCH_ROUNDS and c.pooled for c in cases)
+
+
 def test_tour_speed_rows_name_our_main_implementation():
     # The tour's "ours" column: the impl "ours", else "ours fused" (LayerNorm+Linear), never blank
     # when either ran; fwd+bwd rows are left to `python -m gpu_puzzles.bench`.
