@@ -26,7 +26,7 @@ import gpu_puzzles as gp
 from torch.profiler import ProfilerActivity, profile
 
 from gpu_puzzles.bench import layernorm_linear as L
-from gpu_puzzles.bench.common import _sleep_cycles_per_ms, n_sets_for
+from gpu_puzzles.bench.common import _sleep_cycles_per_ms, in_turn, n_sets_for
 
 SHAPES = [(8192, 4096, 4096), (16384, 1024, 4096)]
 ROUNDS, PER_ROUND = 8, 3
@@ -35,8 +35,7 @@ ROUNDS, PER_ROUND = 8, 3
 def timeline(impls, sets, device):
     """{label: [[(kernel name, start us, end us), ...] per call]} from one profiled sequence."""
     labels = list(impls)
-    seq = [labels[(r + i) % len(labels)] for r in range(ROUNDS) for i in range(len(labels))
-           for _ in range(PER_ROUND)]
+    seq = [label for r in range(ROUNDS) for label in in_turn(labels, r) for _ in range(PER_ROUND)]
     for fn in impls.values():  # warm-up: every set once
         for s in sets:
             fn(*s)

@@ -337,6 +337,14 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def in_turn(items: list, r: int) -> list:
+    """The order of round r when implementations take turns: each round starts one item later,
+    so none always runs right after the same other one (a GPU's clock after a heavy kernel is not
+    what it is after a light one)."""
+    k = r % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def run_case(case: Case, device: torch.device, copy_gbs: float, rep: int = 40, warmup: int = 5,
              skip: tuple = (), backlog: bool = True, rounds: Optional[int] = None,
              pooled: bool = False) -> list[dict]:
@@ -354,9 +362,7 @@ def run_case(case: Case, device: torch.device, copy_gbs: float, rep: int = 40, w
         rounds = CPU_ROUNDS if device.type == "cpu" else 1
     best, hosts, errors, samples = {}, {}, {}, {}
     for r in range(rounds):
-        # Each round starts one implementation later: none always follows the same one (a GPU's
-        # clock after a heavy kernel is not what it is after a light one).
-        for label, fn in impls[r % len(impls):] + impls[:r % len(impls)]:
+        for label, fn in in_turn(impls, r):
             if label in errors:
                 continue
             try:
