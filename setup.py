@@ -264,6 +264,22 @@ def extensions():
     return [ext]
 
 
+def _sm90a_up_to_date(obj, cmd):
+    """obj was built by the same command and is newer than its source and every header nvcc
+    listed for it (obj.d), as ninja decides for the other files: the sm_90a files are the
+    slowest of the build, so an unchanged one is not compiled again."""
+    try:
+        with open(obj + ".cmd") as f:
+            if f.read() != " ".join(cmd):
+                return False
+        with open(obj + ".d") as f:
+            deps = f.read().replace("\\\n", " ").split(":", 1)[1].split()
+        built = os.path.getmtime(obj)
+        return all(os.path.getmtime(d) < built for d in deps)
+    except (OSError, IndexError):
+        return False
+
+
 class Sm90aBuildExtension(BuildExtension):
     """BuildExtension that first compiles an extension's ``sm90a_sources`` with nvcc for
     sm_90a only (wgmma/TMA need the arch-specific target) and links the objects in; and
@@ -300,12 +316,18 @@ class Sm90aBuildExtension(BuildExtension):
                 obj = os.path.join(out_dir, os.path.splitext(os.path.basename(src))[0] + ".o")
                 cmd = nvcc + ["-c", os.path.join(ROOT, src), "-o", obj, "-Xcompiler", "-fPIC",
                               "-gencode=arch=compute_90a,code=sm_90a"] + COMMON_NVCC_FLAGS + ext.sm90a_flags
-                print("gpu_puzzles: sm_90a: " + " ".join(cmd))
-                procs.append(subprocess.Popen(cmd))  # the files build side by side
                 objs.append(obj)
-            for p in procs:
+                if _sm90a_up_to_date(obj, cmd):
+                    print("gpu_puzzles: sm_90a: up to date: " + obj)
+                    continue
+                print("gpu_puzzles: sm_90a: " + " ".join(cmd))
+                # -MD/-MF: nvcc lists the headers the object depends on, for the check above.
+                procs.append((subprocess.Popen(cmd + ["-MD", "-MF", obj + ".d"]), obj, cmd))  # side by side
+            for p, obj, cmd in procs:
                 if p.wait() != 0:
                     raise RuntimeError("gpu_puzzles: nvcc failed on an sm_90a source (command above)")
+                with open(obj + ".cmd", "w") as f:  # only once built: a failed build is never up to date
+                    f.write(" ".join(cmd))
             ext.extra_objects = list(ext.extra_objects or []) + objs
         super().build_extensions()
 
