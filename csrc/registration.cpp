@@ -60,6 +60,8 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps=1e-05) -> (Tensor, Tensor, Tensor)");
   m.def("layer_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
   // y = linear_weight @ layer_norm(x) + linear_bias, without writing layer_norm(x); returns (y, mean, rstd).
+  // linear_weight/bias may be float16/bfloat16 under a float32 x (as autocast hands them over):
+  // the norm then runs in x's dtype, the linear and y in linear_weight's.
   m.def("fused_layernorm_linear(Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor? linear_bias=None, float eps=1e-05) -> (Tensor, Tensor, Tensor)");
   // -> (dx, d ln_weight, d ln_bias, d linear_weight, d linear_bias)
   m.def("fused_layernorm_linear_backward(Tensor grad_out, Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -94,13 +96,14 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   // logits; 0 at ignored rows), all the backward keeps besides the logits.
   // Both read strided logits rows in place, so inductor may hand over its padded layout of
   // an odd-V GEMM output as it is (the default, exact eager strides, costs a copy each way).
-  m.def("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, str reduction=\"mean\") -> (Tensor, Tensor)",
+  // loss_dtype: the loss's dtype (None: the logits'); autocast sets float32, as for F.cross_entropy.
+  m.def("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, str reduction=\"mean\", ScalarType? loss_dtype=None) -> (Tensor, Tensor)",
         {at::Tag::needs_fixed_stride_order});
   m.def("cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, int ignore_index, str reduction) -> Tensor",
         {at::Tag::needs_fixed_stride_order});
   // cross_entropy(hidden @ weight.T + bias, target) without storing the logits (row chunks).
   // output_mask (hidden, weight, bias): the gradients computed in the forward, for a
   // loss of 1 (the backward scales them); unrequested ones are empty. reduction mean|sum.
-  // -> (loss, grad_hidden, grad_weight, grad_bias)
-  m.def("fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, str reduction=\"mean\", bool[3] output_mask=[False, False, False]) -> (Tensor, Tensor, Tensor, Tensor)");
+  // loss_dtype as cross_entropy's (None: hidden's dtype). -> (loss, grad_hidden, grad_weight, grad_bias)
+  m.def("fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, str reduction=\"mean\", bool[3] output_mask=[False, False, False], ScalarType? loss_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)");
 }

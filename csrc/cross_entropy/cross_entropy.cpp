@@ -201,9 +201,19 @@ Tensor finalize(const Tensor& loss_rows, const Tensor& target, int64_t ignore, R
 
 // ---- cross_entropy ---------------------------------------------------------------
 
-Tensor2 cross_entropy_impl(const Tensor& logits, const Tensor& target, int64_t ignore, c10::string_view reduction) {
+// The loss's dtype: loss_dtype (a floating type), else the logits'.
+at::ScalarType loss_type(c10::optional<at::ScalarType> loss_dtype, at::ScalarType logits, const char* op) {
+  if (!loss_dtype.has_value()) return logits;
+  TORCH_CHECK(is_supported_float(*loss_dtype), op, ": loss_dtype must be float32, float64, float16 or bfloat16, got ",
+              *loss_dtype);
+  return *loss_dtype;
+}
+
+Tensor2 cross_entropy_impl(const Tensor& logits, const Tensor& target, int64_t ignore, c10::string_view reduction,
+                           c10::optional<at::ScalarType> loss_dtype) {
   const char* op = "cross_entropy";
   check_logits(logits, op);
+  const at::ScalarType out_type = loss_type(loss_dtype, logits.scalar_type(), op);
   const Reduction red = parse_reduction(reduction, op);
   const auto rows_shape = logits.sizes().slice(0, logits.dim() - 1);
   check_target(target, rows_shape, logits, op, "logits");
@@ -217,7 +227,7 @@ Tensor2 cross_entropy_impl(const Tensor& logits, const Tensor& target, int64_t i
   const Tensor loss_rows = at::empty({target.numel()}, logits.options().dtype(acc));
   Tensor lse = at::empty(target.sizes(), logits.options().dtype(acc));
   forward_rows(logits, target, ignore, loss_rows, lse);
-  return {finalize(loss_rows, target, ignore, red, logits.scalar_type()), lse};
+  return {finalize(loss_rows, target, ignore, red, out_type), lse};
 }
 
 Tensor cross_entropy_backward_impl(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
@@ -249,9 +259,12 @@ Tensor cross_entropy_backward_impl(const Tensor& grad_loss, const Tensor& logits
     scale = grad_loss.to(acc).reshape({-1}).contiguous();
 #ifdef WITH_CUDA
   } else if (logits.is_cuda()) {
-    const Tensor g = grad_loss.to(logits.scalar_type());  // the kernel reads it in the logits' dtype
+    // grad_loss is read in its own dtype (no cast kernel) when that shares the logits'
+    // accumulate type, never in the logits' half dtype: a float32 grad_loss of 65536
+    // (GradScaler's first scale, under autocast's float32 loss) would be inf in float16.
+    const Tensor g = acc_type(grad_loss.scalar_type()) == acc ? grad_loss : grad_loss.to(acc);
     scale = reduce_cuda(Tensor(), target, ignore, red == Reduction::Mean, g, logits.options().dtype(acc),
-                        logits.scalar_type())
+                        g.scalar_type())
                 .reshape({1});
 #endif
   } else {
@@ -293,9 +306,11 @@ void accumulate_mm(Tensor& acc, const Tensor& a, const Tensor& b) {
 }
 
 Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& target, const c10::optional<Tensor>& bias,
-                   int64_t ignore, c10::string_view reduction, std::array<bool, 3> mask) {
+                   int64_t ignore, c10::string_view reduction, std::array<bool, 3> mask,
+                   c10::optional<at::ScalarType> loss_dtype) {
   const char* op = "fused_linear_cross_entropy";
   check_float(hidden, "fused_linear_cross_entropy: hidden");
+  const at::ScalarType out_type = loss_type(loss_dtype, hidden.scalar_type(), op);
   TORCH_CHECK(hidden.dim() >= 1, op, ": hidden must have at least 1 dimension (..., H), got a 0-d tensor");
   check_same_dtype(weight, hidden, "fused_linear_cross_entropy: weight", "hidden");
   check_same_device(weight, hidden, "fused_linear_cross_entropy: weight", "hidden");
@@ -323,9 +338,9 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
   if (cpu && is_half(hidden.scalar_type())) {  // the CPU computes half types in float
     const auto f = [](const Tensor& t) { return t.to(at::kFloat); };
     auto [l, gh, gw, gb] = fused_impl(f(hidden), f(weight), target, has_bias ? c10::optional<Tensor>(f(*bias)) : bias,
-                                      ignore, reduction, mask);
+                                      ignore, reduction, mask, out_type);
     const auto dt = hidden.scalar_type();
-    return {l.to(dt), gh.to(dt), gw.to(dt), gb.to(dt)};
+    return {l, gh.to(dt), gw.to(dt), gb.to(dt)};
   }
 #ifdef WITH_CUDA
   c10::optional<c10::cuda::CUDAGuard> guard;
@@ -408,7 +423,7 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
   wp.reset();
   bp.reset();
   if (want_w && Vp != V) gw = gw.narrow(0, 0, V);
-  const Tensor loss = finalize(loss_rows, t1, ignore, red, dt);
+  const Tensor loss = finalize(loss_rows, t1, ignore, red, out_type);
   if (late_scale) {
     const Tensor s0 = scale.reshape({});
     if (want_h) gh.mul_(s0);

@@ -2,6 +2,7 @@
 // cross_entropy keeps the logits, target and per-row lse; its backward is one pass over
 // the logits. fused_linear_cross_entropy computes its gradients in the forward (the
 // logits exist only chunk by chunk there), for a loss of 1; the backward scales them.
+#include <algorithm>
 #include <array>
 #include <string>
 
@@ -18,13 +19,14 @@ using Tensor4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
 struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target, int64_t ignore_index,
-                               c10::string_view reduction) {
+                               c10::string_view reduction, c10::optional<at::ScalarType> loss_dtype) {
     static const auto op =
-        typed_op<Tensor2(const Tensor&, const Tensor&, int64_t, c10::string_view)>("gpu_puzzles::cross_entropy");
+        typed_op<Tensor2(const Tensor&, const Tensor&, int64_t, c10::string_view, c10::optional<at::ScalarType>)>(
+            "gpu_puzzles::cross_entropy");
     Tensor loss, lse;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(loss, lse) = op.call(logits, target, ignore_index, reduction);
+      std::tie(loss, lse) = op.call(logits, target, ignore_index, reduction, loss_dtype);
     }
     ctx->save_for_backward({logits, target, lse});
     non_differentiable(ctx, {lse});
@@ -36,27 +38,27 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
                                            c10::string_view)>("gpu_puzzles::cross_entropy_backward");
-    if (!grads[0].defined() || !ctx->needs_input_grad(0)) return variable_list(4);
+    if (!grads[0].defined() || !ctx->needs_input_grad(0)) return variable_list(5);
     const auto s = ctx->get_saved_variables();
     const std::string reduction = ctx->saved_data["reduction"].toStringRef();
     const Tensor g = op.call(grads[0], s[0], s[1], s[2], ctx->saved_data["ignore_index"].toInt(), reduction);
-    return {g, Tensor(), Tensor(), Tensor()};
+    return {g, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 using FusedSig = Tensor4(const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&, int64_t,
-                         c10::string_view, std::array<bool, 3>);
+                         c10::string_view, std::array<bool, 3>, c10::optional<at::ScalarType>);
 
 struct FusedLinearCeFunction : public torch::autograd::Function<FusedLinearCeFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight, const Tensor& target,
                                const c10::optional<Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
-                               bool need_h, bool need_w, bool need_b) {
+                               bool need_h, bool need_w, bool need_b, c10::optional<at::ScalarType> loss_dtype) {
     static const auto op = typed_op<FusedSig>("gpu_puzzles::fused_linear_cross_entropy");
     Tensor loss, gh, gw, gb;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       std::tie(loss, gh, gw, gb) = op.call(hidden, weight, target, bias, ignore_index, reduction,
-                                           std::array<bool, 3>{need_h, need_w, need_b});
+                                           std::array<bool, 3>{need_h, need_w, need_b}, loss_dtype);
     }
     ctx->save_for_backward({gh, gw, gb});
     non_differentiable(ctx, {gh, gw, gb});
@@ -67,7 +69,7 @@ struct FusedLinearCeFunction : public torch::autograd::Function<FusedLinearCeFun
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(9);
+    variable_list out(10);
     if (!grads[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
     const bool mask[3] = {ctx->saved_data["need_h"].toBool(), ctx->saved_data["need_w"].toBool(),
@@ -75,27 +77,46 @@ struct FusedLinearCeFunction : public torch::autograd::Function<FusedLinearCeFun
     // The saved gradients are those of a loss of 1: scale by grad_loss (0-d).
     const int slot[3] = {0, 1, 3};
     for (int i = 0; i < 3; ++i)
-      if (mask[i] && ctx->needs_input_grad(slot[i])) out[slot[i]] = s[i].mul(grads[0].to(s[i].scalar_type()));
+      if (mask[i] && ctx->needs_input_grad(slot[i])) out[slot[i]] = scaled(s[i], grads[0]);
+    return out;
+  }
+
+  // g * grad_loss in float, written in g's dtype. A float32 grad_loss (autocast's loss)
+  // cast to g's half dtype first would be rounded (bf16) or overflow (fp16: GradScaler's
+  // first scale, 65536, is inf there). Slices keep the float temporary small.
+  static Tensor scaled(const Tensor& g, const Tensor& grad_loss) {
+    const auto dt = g.scalar_type();
+    if (dt != at::kHalf && dt != at::kBFloat16) return g.mul(grad_loss.to(dt));
+    const Tensor scale = grad_loss.to(at::kFloat);
+    Tensor out = at::empty(g.sizes(), g.options());
+    const Tensor src = g.contiguous().view({-1}), dst = out.view({-1});
+    const int64_t n = src.numel(), step = int64_t(1) << 24;
+    for (int64_t i = 0; i < n; i += step) {
+      const int64_t len = std::min(step, n - i);
+      Tensor d = dst.narrow(0, i, len);
+      at::mul_out(d, src.narrow(0, i, len).to(at::kFloat), scale);
+    }
     return out;
   }
 };
 
 Tensor4 fused_autograd(const Tensor& hidden, const Tensor& weight, const Tensor& target,
                        const c10::optional<Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
-                       std::array<bool, 3> output_mask) {
+                       std::array<bool, 3> output_mask, c10::optional<at::ScalarType> loss_dtype) {
   // Gradients only where autograd will ask for them (or the caller did).
   const bool grad = at::GradMode::is_enabled();
   const bool has_bias = bias.has_value() && bias->defined();
   const bool need_h = output_mask[0] || (grad && hidden.requires_grad());
   const bool need_w = output_mask[1] || (grad && weight.requires_grad());
   const bool need_b = output_mask[2] || (grad && has_bias && bias->requires_grad());
-  auto r = FusedLinearCeFunction::apply(hidden, weight, target, bias, ignore_index, reduction, need_h, need_w, need_b);
+  auto r = FusedLinearCeFunction::apply(hidden, weight, target, bias, ignore_index, reduction, need_h, need_w, need_b,
+                                        loss_dtype);
   return {r[0], r[1], r[2], r[3]};
 }
 
 Tensor2 cross_entropy_autograd(const Tensor& logits, const Tensor& target, int64_t ignore_index,
-                               c10::string_view reduction) {
-  auto r = CrossEntropyFunction::apply(logits, target, ignore_index, reduction);
+                               c10::string_view reduction, c10::optional<at::ScalarType> loss_dtype) {
+  auto r = CrossEntropyFunction::apply(logits, target, ignore_index, reduction, loss_dtype);
   return {r[0], r[1]};
 }
 

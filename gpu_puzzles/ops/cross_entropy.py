@@ -31,9 +31,9 @@ def _acc(dtype):
 
 
 @torch.library.register_fake("gpu_puzzles::cross_entropy")
-def _cross_entropy_fake(logits, target, ignore_index=-100, reduction="mean"):
+def _cross_entropy_fake(logits, target, ignore_index=-100, reduction="mean", loss_dtype=None):
     torch._check(logits.dim() >= 1, lambda: "cross_entropy: logits must have at least 1 dimension")
-    loss = logits.new_empty(target.shape if reduction == "none" else ())
+    loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=loss_dtype or logits.dtype)
     return loss, logits.new_empty(logits.shape[:-1], dtype=_acc(logits.dtype))
 
 
@@ -63,12 +63,12 @@ def _cross_entropy_backward_fake(grad_loss, logits, target, lse, ignore_index, r
 
 @torch.library.register_fake("gpu_puzzles::fused_linear_cross_entropy")
 def _fused_fake(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
-                output_mask=(False, False, False)):
+                output_mask=(False, False, False), loss_dtype=None):
     torch._check(reduction != "none", lambda: "fused_linear_cross_entropy: reduction must be 'mean' or 'sum'")
     gh = hidden.new_empty(hidden.shape if output_mask[0] else (0,))
     gw = weight.new_empty(weight.shape if output_mask[1] else (0,))
     gb = weight.new_empty(bias.shape if bias is not None and output_mask[2] else (0,))
-    return hidden.new_empty(()), gh, gw, gb
+    return hidden.new_empty((), dtype=loss_dtype or hidden.dtype), gh, gw, gb
 
 
 # Autograd is registered in C++ (csrc/cross_entropy/cross_entropy_autograd.cpp).
@@ -80,8 +80,8 @@ class _CrossEntropyTraced(torch.autograd.Function):
     """cross_entropy as torch.compile traces it: our forward op, the backward in ATen ops."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction):
-        loss, lse = _cross_entropy(logits, target, ignore_index, reduction)
+    def forward(ctx, logits, target, ignore_index, reduction, loss_dtype):
+        loss, lse = _cross_entropy(logits, target, ignore_index, reduction, loss_dtype)
         ctx.save_for_backward(logits, target, lse)
         ctx.ignore_index, ctx.reduction = ignore_index, reduction
         return loss
@@ -98,27 +98,31 @@ class _CrossEntropyTraced(torch.autograd.Function):
         scale = torch.where(valid, scale, 0.0).unsqueeze(-1)
         onehot = torch.arange(logits.shape[-1], device=logits.device) == target.unsqueeze(-1)
         grad = (torch.exp(logits.to(acc) - lse.unsqueeze(-1)) - onehot.to(acc)) * scale
-        return grad.to(logits.dtype), None, None, None
+        return grad.to(logits.dtype), None, None, None, None
 
 
-def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", *,
+                  loss_dtype: Optional[torch.dtype] = None) -> Tensor:
     """``F.cross_entropy(logits, target, ignore_index=..., reduction=...)`` with the
     classes in the **last** dim: ``logits`` ``(..., V)``, ``target`` ``(...)`` int64 or int32.
 
     ``reduction``: ``"mean"`` (over the non-ignored targets; none of them gives NaN, as
     PyTorch), ``"sum"`` or ``"none"`` (shape of ``target``). The loss has the logits'
-    dtype. A target outside ``[0, V)`` that is not ``ignore_index`` raises on the CPU; on
-    CUDA it gives a NaN loss for its row (no out-of-bounds read, no host sync).
+    dtype, or ``loss_dtype``; under ``torch.autocast`` float32, as ``F.cross_entropy``'s
+    there (the logits are still read in their own dtype, never copied). A target outside
+    ``[0, V)`` that is not ``ignore_index`` raises on the CPU; on CUDA it gives a NaN loss
+    for its row (no out-of-bounds read, no host sync).
     Strided logits such as ``logits[:, :-1]`` are read in place when the last dim is
     contiguous.
     """
     if torch.compiler.is_compiling() and py_knob("cross_entropy_compiled_backward") == "inductor":
-        return _CrossEntropyTraced.apply(logits, target, ignore_index, reduction)
-    return _cross_entropy(logits, target, ignore_index, reduction)[0]
+        return _CrossEntropyTraced.apply(logits, target, ignore_index, reduction, loss_dtype)
+    return _cross_entropy(logits, target, ignore_index, reduction, loss_dtype)[0]
 
 
 def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
-                               ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+                               ignore_index: int = -100, reduction: str = "mean", *,
+                               loss_dtype: Optional[torch.dtype] = None) -> Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without storing the logits.
 
     ``hidden`` ``(..., H)``, ``weight`` ``(V, H)`` (a transposed view is fine: tied
@@ -126,6 +130,8 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, b
     The rows run in chunks (knob ``cross_entropy_chunk`` overrides their size); the
     gradients of ``hidden``, ``weight`` and ``bias`` are computed in the forward for
     the inputs that require them (float32 accumulation across chunks), so the backward
-    costs one scaling. ``reduction``: ``"mean"`` or ``"sum"``.
+    costs one scaling. ``reduction``: ``"mean"`` or ``"sum"``. The loss has ``hidden``'s
+    dtype, or ``loss_dtype``. Under ``torch.autocast`` the GEMMs run in the autocast dtype
+    and the loss is float32, as ``F.linear`` followed by ``F.cross_entropy`` there.
     """
-    return _fused(hidden, weight, target, bias, ignore_index, reduction)[0]
+    return _fused(hidden, weight, target, bias, ignore_index, reduction, loss_dtype=loss_dtype)[0]
