@@ -109,21 +109,29 @@ void check_stats(const Tensor* mean, const Tensor& rstd, const Tensor& x, const 
   }
 }
 
-void check_grad(const Tensor& g, at::IntArrayRef want, const Tensor& x, const char* op) {
+// grad_out has the output's shape and dtype (ref: x for the norms, linear_weight for the fused ops).
+void check_grad(const Tensor& g, at::IntArrayRef want, const Tensor& ref, const char* ref_name, const char* op) {
   TORCH_CHECK(g.sizes() == want, op, ": grad_out has shape ", g.sizes(), " but the output has shape ", want);
-  check_same_dtype(g, x, (std::string(op) + ": grad_out").c_str(), "x");
-  check_same_device(g, x, (std::string(op) + ": grad_out").c_str(), "x");
+  check_same_dtype(g, ref, (std::string(op) + ": grad_out").c_str(), ref_name);
+  check_same_device(g, ref, (std::string(op) + ": grad_out").c_str(), ref_name);
 }
 
+bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// The linear's dtype is x's, or a half type under a float32 x: the mix torch.autocast hands
+// over (the norm then runs in float32, the linear and the output in linear_weight's dtype).
 int64_t check_linear(const Tensor& x, const Tensor& W, const c10::optional<Tensor>& b, int64_t H, const char* op) {
   const std::string o(op);
-  check_same_dtype(W, x, (o + ": linear_weight").c_str(), "x");
+  TORCH_CHECK(W.scalar_type() == x.scalar_type() || (x.scalar_type() == at::kFloat && is_half(W.scalar_type())),
+              op, ": linear_weight has dtype ", W.scalar_type(), " but x has dtype ", x.scalar_type(),
+              "; they must match, or x be float32 under a float16 or bfloat16 linear_weight (the norm then runs "
+              "in float32 and the linear in linear_weight's dtype, as under torch.autocast)");
   check_same_device(W, x, (o + ": linear_weight").c_str(), "x");
   TORCH_CHECK(W.dim() == 2 && W.size(1) == H, op, ": linear_weight must have shape (N, ", H,
               ") to match x's last dimension, got ", W.sizes());
   const int64_t N = W.size(0);
   if (b.has_value()) {
-    check_same_dtype(*b, x, (o + ": linear_bias").c_str(), "x");
+    check_same_dtype(*b, W, (o + ": linear_bias").c_str(), "linear_weight");
     check_same_device(*b, x, (o + ": linear_bias").c_str(), "x");
     TORCH_CHECK(b->dim() == 1 && b->size(0) == N, op, ": linear_bias must have shape (", N,
                 ",) to match linear_weight, got ", b->sizes());
@@ -177,7 +185,7 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
   const bool rms = norm == Norm::kRms;
   const char* op = rms ? "rms_norm_backward" : "layer_norm_backward";
   const int64_t H = check_ln(x_, weight_, rms ? nullptr : &weight_, op);
-  check_grad(grad_, x_.sizes(), x_, op);
+  check_grad(grad_, x_.sizes(), x_, "x", op);
   check_stats(rms ? nullptr : &mean_, rstd_, x_, op);
   const Tensor x = x_.contiguous(), g = weight_.contiguous(), dy = grad_.contiguous();
   const Tensor mean = rms ? Tensor() : mean_.contiguous(), rstd = rstd_.contiguous();
@@ -214,11 +222,12 @@ bool w_transposed(const Tensor& W) { return !W.is_contiguous() && W.t().is_conti
 
 // The normalise plan: our LayerNorm writes xn (and the statistics), then one cuBLAS GEMM
 // with the bias in its epilogue (addmm, as F.linear), reading W through its strides.
+// A half W under a float32 x: xn is normalised in float32 and cast for the GEMM.
 // Returns (y (M, N), mean, rstd).
 Tensor3 normalize_forward(const Tensor& x, const Tensor& g, const Tensor* be, const Tensor& W,
                           const c10::optional<Tensor>& b, int64_t M, int64_t H, double eps, bool cuda) {
   auto [xn, mean, rstd] = layer_norm_impl(x, g, be, eps, cuda);
-  const Tensor xn2 = xn.view({M, H});
+  const Tensor xn2 = xn.view({M, H}).to(W.scalar_type());
   return {b ? at::addmm(*b, xn2, W.t()) : at::mm(xn2, W.t()), mean, rstd};
 }
 
@@ -240,7 +249,8 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb
   // wc (below) is a fresh allocation, aligned as the CUTLASS GEMM needs: only x's alignment matters here.
   if (cuda) evt_possible = layernorm_linear_evt_possible(x.data_ptr(), x.data_ptr(), M, N, H, to_dtype(x.scalar_type()));
 #endif
-  const Plan fwd = layernorm_linear::fused_forward_plan(M, N, H, W_.is_contiguous(), evt_possible);
+  const Plan fwd = layernorm_linear::fused_forward_plan(M, N, H, W_.is_contiguous(), evt_possible,
+                                                       W_.scalar_type() == x.scalar_type());
   if (!fwd.fold) {
     auto [y, mean, rstd] = normalize_forward(x, g, lb_, W_, b, M, H, eps, cuda);
     return {y.view(out_shape(x, N)), mean, rstd};
@@ -368,7 +378,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
   const Norm norm = norm_of(lb_);
   const int64_t H = check_ln(x_, lw_, lb_, op);
   const int64_t N = check_linear(x_, W_, c10::nullopt, H, op);
-  check_grad(grad_, at::IntArrayRef(out_shape(x_, N)), x_, op);
+  check_grad(grad_, at::IntArrayRef(out_shape(x_, N)), W_, "linear_weight", op);
   check_stats(lb_ ? &mean_ : nullptr, rstd_, x_, op);
   // W as it comes: cuBLAS reads any view with a unit stride through its transpose flags.
   const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_ ? lb_->contiguous() : Tensor(), &W = W_;
@@ -376,12 +386,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
   auto ptr = [](const Tensor& t) -> void* { return t.defined() ? t.data_ptr() : nullptr; };
   const int64_t M = x.numel() / H;
   const Tensor dy = grad_.contiguous().view({M, N});
+  // A half W under a float32 x (autocast): the GEMMs run in W's dtype, the norm's backward
+  // in x's; dxn and xn are cast between them.
+  const auto wt_type = W.scalar_type();
   // dW in W's own layout, so that autograd's accumulation into a transposed parameter
   // (Conv1D's (H, N) weight, seen here through .t()) needs no copy: (xn^T dy)^T then.
   const bool wt = w_transposed(W);
-  auto dw_gemm = [&](const Tensor& xn_) {
+  auto dw_gemm = [&](const Tensor& xn0) {
+    const Tensor xn_ = xn0.to(wt_type);
     if (!wt) return at::mm(dy.t(), xn_);  // (N, H)
-    Tensor dWt = at::empty({H, N}, x.options());
+    Tensor dWt = at::empty({H, N}, dy.options());
     at::mm_out(dWt, xn_.t(), dy);
     return dWt.t();
   };
@@ -391,7 +405,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
 #ifdef WITH_CUDA
     // The LayerNorm backward reads x anyway: it writes xn too, instead of a separate
     // pass over x (benchmarks/lnlinear_prep_variants.cu), and dx over dxn.
-    Tensor dxn = at::mm(dy, W).view(x.sizes());  // (.., H)
+    Tensor dxn = at::mm(dy, W).view(x.sizes()).to(x.scalar_type());  // (.., H)
     auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda, lb_ ? &be : nullptr, &xn, norm);
     dxn.reset();
     Tensor dW = dw_gemm(xn);  // (N, H)
@@ -400,10 +414,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
     // the dW GEMM left in L2 (see layernorm_linear_colsum).
     Tensor db;
     if (want_db) {
-      db = at::empty({N}, x.options());
+      db = at::empty({N}, dy.options());
       Tensor ws = at::empty({layernorm_linear_bias_grad_workspace(M, N)}, x.options().dtype(stat_type(x)));
       GP_CUDA_CHECK_STATUS(layernorm_linear_bias_grad_cuda(dy.data_ptr(), db.data_ptr(), ws.data_ptr(), M, N,
-                                                           to_dtype(x.scalar_type()), current_stream()));
+                                                           to_dtype(wt_type), current_stream()));
     }
     return {dx, dg, dbeta, dW, db};
 #endif
@@ -411,8 +425,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
   GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), ptr(be), xn.data_ptr(), ptr(mean), rstd.data_ptr(),
                                       M, H, 0.0, to_dtype(x.scalar_type()), true, norm);
   Tensor db = want_db ? dy.sum(0) : Tensor();
-  Tensor dW = dw_gemm(xn);                     // (N, H)
-  Tensor dxn = at::mm(dy, W).view(x.sizes());  // (.., H)
+  Tensor dW = dw_gemm(xn);                                              // (N, H)
+  Tensor dxn = at::mm(dy, W).view(x.sizes()).to(x.scalar_type());  // (.., H)
   xn.reset();
   auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda, nullptr, nullptr, norm);
   return {dx, dg, dbeta, dW, db};
@@ -423,6 +437,7 @@ Tensor naive_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const 
                   const c10::optional<Tensor>& b_, double eps, bool cuda) {
   const char* op = "fused_layernorm_linear_naive";
   const int64_t H = check_ln(x_, lw_, &lb_, op);
+  check_same_dtype(W_, x_, "fused_layernorm_linear_naive: linear_weight", "x");  // one dtype in the kernel
   const int64_t N = check_linear(x_, W_, b_, H, op);
   const Tensor x = x_.contiguous(), g = lw_.contiguous(), be = lb_.contiguous(), W = W_.contiguous();
   const c10::optional<Tensor> b = b_.has_value() ? c10::optional<Tensor>(b_->contiguous()) : c10::nullopt;
@@ -511,7 +526,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_rms_backward_op(const Tensor& g
                                                                  const Tensor& W, const Tensor& r, bool has_bias) {
   const OnXDevice<CUDA> on(x);
   auto [dx, dnw, unused, dW, db] = fused_backward_impl(g, x, nw, nullptr, W, Tensor(), r, CUDA, has_bias);
-  return {dx, dnw, dW, has_bias ? db : at::empty({0}, x.options())};
+  return {dx, dnw, dW, has_bias ? db : at::empty({0}, W.options())};
 }
 
 }  // namespace

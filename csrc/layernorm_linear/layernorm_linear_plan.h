@@ -137,9 +137,12 @@ constexpr int64_t kEvtBigTileMinK = 2048;  // as kBigMinK in layernorm_linear_ev
 constexpr int64_t kFoldMinOutput = int64_t(1) << 23;
 
 // w_rows: W is (N, K) row-major (what the fold kernels read). evt_possible: as for
-// Stage::kGemm. The result's evt/pdl apply to the fold plan only.
-inline Plan fused_forward_plan(int64_t M, int64_t N, int64_t K, bool w_rows, bool evt_possible) {
+// Stage::kGemm. The result's evt/pdl apply to the fold plan only. one_dtype: x and W share
+// a dtype; the fold runs its GEMM on x itself, so a float32 x under a half W (what autocast
+// hands over) is always normalised first, whatever the knob says.
+inline Plan fused_forward_plan(int64_t M, int64_t N, int64_t K, bool w_rows, bool evt_possible, bool one_dtype = true) {
   Plan p = layernorm_linear_plan(Stage::kGemm, K, 8, true, evt_possible);
+  if (!one_dtype) return p;  // fold = false
   switch (knob(Knob::LayerNormLinearPlan)) {
     case 1: p.fold = true; break;   // "fold"
     case 2: p.fold = false; break;  // "normalize"

@@ -47,7 +47,7 @@ def _layer_norm_backward_fake(grad_out, x, weight, mean, rstd):
 
 @torch.library.register_fake("gpu_puzzles::fused_layernorm_linear")
 def _fused_fake(x, ln_weight, ln_bias, linear_weight, linear_bias=None, eps=None):
-    return (x.new_empty((*x.shape[:-1], linear_weight.shape[0])), *_stats_like(x))
+    return (x.new_empty((*x.shape[:-1], linear_weight.shape[0]), dtype=linear_weight.dtype), *_stats_like(x))
 
 
 @torch.library.register_fake("gpu_puzzles::fused_layernorm_linear_backward")
@@ -55,8 +55,8 @@ def _fused_backward_fake(grad_out, x, ln_weight, ln_bias, linear_weight, mean, r
     N, H = linear_weight.shape
     # dW in W's layout (the C++ w_transposed): (H, N) memory for a transposed W.
     W = linear_weight
-    dW = x.new_empty((H, N)).t() if not W.is_contiguous() and W.t().is_contiguous() else x.new_empty((N, H))
-    return (x.new_empty(x.shape), x.new_empty((H,)), x.new_empty((H,)), dW, x.new_empty((N,)))
+    dW = W.new_empty((H, N)).t() if not W.is_contiguous() and W.t().is_contiguous() else W.new_empty((N, H))
+    return (x.new_empty(x.shape), x.new_empty((H,)), x.new_empty((H,)), dW, W.new_empty((N,)))
 
 
 @torch.library.register_fake("gpu_puzzles::fused_layernorm_linear_naive")
@@ -115,7 +115,9 @@ def fused_layernorm_linear(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Opti
       the normalised activation is never written; "normalize": written once and read by
       one GEMM). Nothing is saved but x and the row statistics (the backward recomputes
       the normalised activation); the backward returns all five gradients, the weight's
-      in the weight's layout.
+      in the weight's layout. A float32 ``x`` may come with a float16/bfloat16
+      ``linear_weight`` (as ``torch.autocast`` hands them over): the norm runs in float32,
+      the linear and the output in ``linear_weight``'s dtype.
     * ``"naive"``: the curriculum's kernel (one thread per row computes the statistics,
       then all N outputs; ``torch.ops.gpu_puzzles.fused_layernorm_linear_naive``).
       Forward only: it raises if a gradient would be needed.
@@ -135,8 +137,9 @@ def fused_layernorm_linear(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Opti
         return _naive(x, ln_weight, ln_bias, linear_weight, linear_bias, eps)
     # "unfused". Plain checks (not torch._check with closures) so that torch.compile traces them.
     op = "fused_layernorm_linear(algorithm='unfused')"
+    mixed = x.dtype == torch.float32 and linear_weight.dtype in (torch.float16, torch.bfloat16)
     for t, name in ((linear_weight, "linear_weight"), (linear_bias, "linear_bias")):
-        if t is not None and (t.dtype != x.dtype or t.device != x.device):
+        if t is not None and ((t.dtype != x.dtype and not mixed) or t.device != x.device):
             raise RuntimeError(f"{op}: {name} has dtype {t.dtype} on {t.device} but x has dtype {x.dtype} on "
                                f"{x.device}; they must match")
     if x.dim() >= 1 and (linear_weight.dim() != 2 or linear_weight.shape[1] != x.shape[-1]):
@@ -145,4 +148,4 @@ def fused_layernorm_linear(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Opti
     if linear_bias is not None and (linear_bias.dim() != 1 or linear_bias.shape[0] != linear_weight.shape[0]):
         raise RuntimeError(f"{op}: linear_bias must have shape ({linear_weight.shape[0]},) to match linear_weight, "
                            f"got {tuple(linear_bias.shape)}")
-    return F.linear(layer_norm(x, ln_weight, ln_bias, eps), linear_weight, linear_bias)
+    return F.linear(layer_norm(x, ln_weight, ln_bias, eps).to(linear_weight.dtype), linear_weight, linear_bias)

@@ -37,7 +37,7 @@ def _rms_norm_backward_fake(grad_out, x, weight, rstd):
 
 @torch.library.register_fake("gpu_puzzles::fused_rmsnorm_linear")
 def _fused_rms_fake(x, norm_weight, linear_weight, linear_bias=None, eps=None):
-    return x.new_empty((*x.shape[:-1], linear_weight.shape[0])), _rstd_like(x)
+    return x.new_empty((*x.shape[:-1], linear_weight.shape[0]), dtype=linear_weight.dtype), _rstd_like(x)
 
 
 @torch.library.register_fake("gpu_puzzles::fused_rmsnorm_linear_backward")
@@ -45,8 +45,8 @@ def _fused_rms_backward_fake(grad_out, x, norm_weight, linear_weight, rstd, has_
     N, H = linear_weight.shape
     W = linear_weight
     # dW in W's layout (the C++ w_transposed): (H, N) memory for a transposed W.
-    dW = x.new_empty((H, N)).t() if not W.is_contiguous() and W.t().is_contiguous() else x.new_empty((N, H))
-    return x.new_empty(x.shape), x.new_empty((H,)), dW, x.new_empty((N,) if has_bias else (0,))
+    dW = W.new_empty((H, N)).t() if not W.is_contiguous() and W.t().is_contiguous() else W.new_empty((N, H))
+    return x.new_empty(x.shape), x.new_empty((H,)), dW, W.new_empty((N,) if has_bias else (0,))
 
 
 # Autograd is registered in C++ (csrc/layernorm_linear/layernorm_linear_autograd.cpp).
@@ -73,6 +73,8 @@ def fused_rmsnorm_linear(x: Tensor, norm_weight: Tensor, linear_weight: Tensor,
     ``x (..., H)``, ``norm_weight (H,)``, ``linear_weight (N, H)`` (any view with a unit
     stride, e.g. ``weight.t()`` of an ``(H, N)`` parameter), ``linear_bias (N,)`` or
     ``None``; returns ``(..., N)``. Only x and the row statistics are saved for the
-    backward (the normalised activation is recomputed there).
+    backward (the normalised activation is recomputed there). A float32 ``x`` may come with
+    a float16/bfloat16 ``linear_weight`` (as ``torch.autocast`` hands them over): the norm
+    runs in float32, the linear and the output in ``linear_weight``'s dtype.
     """
     return _fused(x, norm_weight, linear_weight, linear_bias, eps)[0]
