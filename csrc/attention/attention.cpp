@@ -94,9 +94,6 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                 ", the largest the CUDA kernels take");
     TORCH_CHECK(s.Dv <= kAttentionMaxHeadDim, op, ": v head dim ", s.Dv, " exceeds ", kAttentionMaxHeadDim,
                 ", the largest the CUDA kernels take");
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, op,
-                ": q must be float32 or float64 on the CPU, got ", q.scalar_type());
   }
   s.lse_shape = q.sizes().slice(0, q.dim() - 1).vec();
   s.out_shape = s.lse_shape;
@@ -173,9 +170,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_grads(const at::Tensor& q, 
           empty_in_order_of(v, v.sizes(), q.options())};
 }
 
+bool is_half(const at::Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
+at::Tensor to_float(const at::Tensor& t) { return t.to(at::kFloat); }
+
+// The CPU kernels compute in float32 or float64; half inputs (as torch.autocast hands them
+// over on the CPU) are computed in float32 and the results rounded to their dtype.
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  c10::optional<double> scale, bool causal, bool enable_gqa) {
   const AttnShape s = check_qkv(q, k, v, enable_gqa, "attention");
+  if (is_half(q)) {
+    auto [o, l] = attention_cpu(to_float(q), to_float(k), to_float(v), scale, causal, enable_gqa);
+    return {o.to(q.scalar_type()), l};
+  }
   const double sc = resolve_scale(scale, s.D);
   const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BHkv, s.Sk, s.D),
                    vc = as_3d(v, s.BHkv, s.Sk, s.Dv);
@@ -191,6 +197,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, c10::optional<double> scale, bool causal, bool enable_gqa) {
   const AttnShape s = check_backward(grad_out, q, k, v, out, lse, enable_gqa);
+  if (is_half(q)) {
+    auto [dq, dk, dv] = attention_backward_cpu(to_float(grad_out), to_float(q), to_float(k), to_float(v),
+                                               to_float(out), lse, scale, causal, enable_gqa);
+    const auto t = q.scalar_type();
+    return {dq.to(t), dk.to(t), dv.to(t)};
+  }
   const double sc = resolve_scale(scale, s.D);
   const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BHkv, s.Sk, s.D),
                    vc = as_3d(v, s.BHkv, s.Sk, s.Dv);
@@ -245,6 +257,7 @@ MatmulShape check_matmul(const at::Tensor& a, const at::Tensor& b) {
 
 at::Tensor transpose_last2_cpu(const at::Tensor& x) {
   check_transpose(x);
+  if (is_half(x)) return transpose_last2_cpu(to_float(x)).to(x.scalar_type());
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty(transposed_shape(x), x.options());
   if (out.numel() > 0) transpose_last2_cpu_kernel(xc, out);
@@ -253,6 +266,7 @@ at::Tensor transpose_last2_cpu(const at::Tensor& x) {
 
 at::Tensor matmul_cpu(const at::Tensor& a, const at::Tensor& b, double alpha, bool causal_mask) {
   const MatmulShape s = check_matmul(a, b);
+  if (is_half(a)) return matmul_cpu(to_float(a), to_float(b), alpha, causal_mask).to(a.scalar_type());
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   at::Tensor c = at::empty(s.out_shape, a.options());
   if (c.numel() > 0) matmul_cpu_kernel(ac, bc, c, alpha, causal_mask);
