@@ -22,7 +22,13 @@ mask, attention dropout while training, soft-capping, Sq != Sk) is handed to SDP
 With ``attention=False`` a model on SDPA stays on SDPA's kernels, under the registry name
 ``"gpu_puzzles_sdpa"`` with the same masks: a causal mask without padding goes to SDPA as
 ``is_causal``, also under torch.compile (stock then builds a (B, 1, S, S) mask).
-The loss reads the logits in their dtype (no float32 copy) through ``cross_entropy``.
+The loss reads the logits in their dtype (no float32 copy) through ``cross_entropy`` and
+comes back in float32, as stock's.
+
+However the model trains, the patched modules follow it: bf16 (or fp16) parameters; float32
+parameters under ``torch.autocast`` (Trainer(bf16=True), accelerate, Lightning's bf16-mixed),
+where each op applies its PyTorch counterpart's autocast rule (csrc/common/autocast.h);
+gradient checkpointing (reentrant or not); DDP and FSDP2. On the CPU too, in any dtype.
 
 ``fused_loss=True`` (opt-in): in training with labels, the LM head and the loss run as one
 ``fused_linear_cross_entropy``, so the (batch, seq, vocab) logits are never stored; the
@@ -64,12 +70,6 @@ class PatchReport:
 # Each subclasses the module it replaces, so isinstance checks and attributes keep working.
 
 _SUBCLASSES: Dict[tuple, type] = {}
-_CPU_DTYPES = (torch.float32, torch.float64)
-
-
-def _ours(t: torch.Tensor) -> bool:
-    """Our CPU kernels take fp32/fp64; other CPU dtypes (a bf16 model on the CPU) run stock."""
-    return t.device.type != "cpu" or t.dtype in _CPU_DTYPES
 
 
 def _swap(module: nn.Module, mixin: type) -> None:
@@ -87,21 +87,20 @@ def _swap(module: nn.Module, mixin: type) -> None:
 
 class _Embedding:
     def forward(self, input):
-        if not _ours(self.weight):
-            return super().forward(input)
         return ops.embedding(input, self.weight, padding_idx=self.padding_idx)
 
 
 class _LayerNorm:
     def forward(self, x):
-        if not _ours(x):
-            return super().forward(x)
         return ops.layer_norm(x, self.weight, self.bias, eps=self.eps)
 
 
 class _RMSNorm:
     def forward(self, x):
-        if not _ours(x):
+        # transformers' RMSNorm returns weight * x_normed in the promoted dtype of the two;
+        # rms_norm returns x's. They agree when the dtypes do (under autocast too: no rule
+        # for either); a float32 weight kept beside bf16 activations runs stock.
+        if x.dtype != self.weight.dtype:
             return super().forward(x)
         return ops.rms_norm(x, self.weight, eps=_rms_eps(self))
 
@@ -119,8 +118,6 @@ class _NormConv1D:
 
     def forward(self, x):
         ln = self._gp_norm
-        if not _ours(x):
-            return super().forward(ln._gp_base.forward(ln, x))  # the stock norm, then the stock Conv1D
         return ops.fused_layernorm_linear(x, ln.weight, ln.bias, self.weight.t(), self.bias, eps=ln.eps)
 
 
@@ -146,7 +143,7 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
                        **kwargs):
     """transformers' attention interface: q (B, H, Sq, D), k/v (B, Hkv, Sk, D) -> ((B, Sq, H, D), None)."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    ours = (_ours(query) and attention_mask is None and dropout == 0.0 and kwargs.get("softcap") is None
+    ours = (attention_mask is None and dropout == 0.0 and kwargs.get("softcap") is None
             and kwargs.get("position_bias") is None and query.shape[2] == key.shape[2]
             and query.shape[-1] == value.shape[-1])
     if not ours:
@@ -245,15 +242,20 @@ def _causal_loss(loss_of, labels, shift_labels, num_items_in_batch, ignore_index
     return loss / num_items_in_batch
 
 
+def _loss_dtype(t: torch.Tensor) -> torch.dtype:
+    """Stock's loss dtype: ``ForCausalLMLoss`` upcasts the logits to float32 first."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
                    shift_labels=None, **kwargs):
     """transformers' ``ForCausalLMLoss`` on ``cross_entropy``: the logits are read in their
-    dtype (stock upcasts the whole (B, S, V) tensor to float32 first), fp32 math inside."""
-    if not _ours(logits):
-        from transformers.loss.loss_utils import ForCausalLMLoss
-        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+    dtype (stock upcasts the whole (B, S, V) tensor to float32 first), fp32 math inside, and
+    the loss comes back in float32, as stock's."""
     logits = logits.reshape(-1, vocab_size)
-    return _causal_loss(lambda t, r: ops.cross_entropy(logits, t, ignore_index=ignore_index, reduction=r),
+    dt = _loss_dtype(logits)
+    return _causal_loss(lambda t, r: ops.cross_entropy(logits, t, ignore_index=ignore_index, reduction=r,
+                                                       loss_dtype=dt),
                         labels, shift_labels, num_items_in_batch, ignore_index, logits.device)
 
 
@@ -261,8 +263,10 @@ def _fused_lm_loss(hidden, lm_head, labels, shift_labels=None, num_items_in_batc
     """``causal_lm_loss(lm_head(hidden), labels)`` through ``fused_linear_cross_entropy``."""
     h = hidden.reshape(-1, hidden.shape[-1])
     bias = getattr(lm_head, "bias", None)
+    dt = _loss_dtype(h)
     return _causal_loss(lambda t, r: ops.fused_linear_cross_entropy(h, lm_head.weight, t, bias,
-                                                                    ignore_index=ignore_index, reduction=r),
+                                                                    ignore_index=ignore_index, reduction=r,
+                                                                    loss_dtype=dt),
                         labels, shift_labels, num_items_in_batch, ignore_index, hidden.device)
 
 
@@ -274,7 +278,7 @@ def _fused_loss_forward(self, *args, **kwargs):
     bound.update(kwargs)
     labels, keep = bound.get("labels"), bound.get("logits_to_keep", 0)
     if (labels is None or not self.training or not (isinstance(keep, int) and keep == 0)
-            or bound.get("return_dict") is False or not _ours(self.lm_head.weight)):
+            or bound.get("return_dict") is False):
         return type(self).forward(self, *args, **kwargs)
     # The stock forward hands the base model every argument but these two (loss kwargs too).
     inner = {k: v for k, v in bound.items() if k not in ("labels", "logits_to_keep")}
