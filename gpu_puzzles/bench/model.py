@@ -1,11 +1,16 @@
 """``python -m gpu_puzzles.bench model``: Hugging Face models, stock vs ``gpu_puzzles.hf.patch``.
 
 A training step (forward with the LM loss, backward, fused AdamW step, zero_grad) of models
-built from ``transformers`` configs with random weights (never downloaded), bf16, timed as
-the median of CUDA-event-bracketed steps after warm-up, with the step's peak allocated
-memory. Eager, the variants of one model are all built first and take turns (``--turns``),
-so that drift of the host or the GPU does not fall on one of them; compiled, each runs in a
-fresh dynamo state. Variants: stock, patched with attention left to SDPA (``attention=False``), fully
+built from ``transformers`` configs with random weights (never downloaded), timed as the
+median of CUDA-event-bracketed steps after warm-up, with the step's peak allocated memory.
+``--precision`` picks how the model trains (``PRECISIONS``): bf16 parameters; float32
+parameters under ``torch.autocast(bf16)`` (what ``Trainer(bf16=True)``, accelerate and
+Lightning's bf16-mixed do); or under autocast(fp16) with a ``GradScaler``.
+``--grad-ckpt`` turns on transformers' gradient checkpointing (reentrant or not).
+``--trainer`` times ``transformers.Trainer`` itself (bf16=True or fp16=True, through
+accelerate) instead of the hand-written step. Eager, the variants of one model are all built
+first and take turns (``--turns``), so that drift of the host or the GPU does not fall on one
+of them; compiled, each runs in a fresh dynamo state. Variants: stock, patched with attention left to SDPA (``attention=False``), fully
 patched, and fully patched with the fused LM head + loss (``fused_loss=True``); each eager and
 under ``torch.compile``. ``--profile`` adds the per-op breakdown: one
 profiled step's CUDA kernels, each and summed by group (``KERNEL_GROUPS``).
@@ -32,6 +37,12 @@ VARIANTS = {
     "ours, SDPA attention": dict(attention=False),
     "ours": dict(),
     "ours, fused LM head + loss": dict(fused_loss=True),
+}
+# --precision: (parameter dtype, autocast dtype or None, GradScaler).
+PRECISIONS = {
+    "bf16": (torch.bfloat16, None, False),
+    "amp": (torch.float32, torch.bfloat16, False),
+    "amp-fp16": (torch.float32, torch.float16, True),
 }
 # Short names for --variants (the variant names themselves hold commas).
 VARIANT_ALIASES = {"stock": "stock", "sdpa": "ours, SDPA attention", "ours": "ours",
@@ -72,35 +83,55 @@ def batch(name: str, device, small: bool = False, seed: int = 1):
     return ids
 
 
-def _step_fn(model, opt, ids, compiled):
+def grad_ckpt(model, how):
+    """transformers' gradient checkpointing: ``how`` None (off), "reentrant" or "nonreentrant"."""
+    if how:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": how == "reentrant"})
+        model.train()
+
+
+def _step_fn(model, opt, ids, compiled, precision="bf16"):
+    """One training step as a user writes it for the regime: autocast around the forward and
+    the loss, the backward outside it, a GradScaler for fp16."""
     fwd = torch.compile(model) if compiled else model
+    _, amp, scaled = PRECISIONS[precision]
+    scaler = torch.amp.GradScaler("cuda") if scaled else None
 
     def step():
-        loss = fwd(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
+        with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
+            loss = fwd(input_ids=ids, labels=ids).loss
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+    step.scaler = scaler
     return step
 
 
-def _prepare(name, variant, compiled, device, warmup=3):
+def _prepare(name, variant, compiled, device, warmup=3, precision="bf16", ckpt=None):
     """One variant built, patched and warmed up (compiled on its first steps); its memory state
     (parameters, optimizer state, inputs) is what it added to the allocated bytes."""
     import gpu_puzzles.hf as hf
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    model = build(name, device)
+    model = build(name, device, dtype=PRECISIONS[precision][0])
+    grad_ckpt(model, ckpt)
     report = hf.patch(model, **VARIANTS[variant]) if VARIANTS[variant] is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = batch(name, device)
-    step = _step_fn(model, opt, ids, compiled)
+    step = _step_fn(model, opt, ids, compiled, precision)
     t0 = time.time()
     losses = [float(step()) for _ in range(warmup)]
     warm_s = time.time() - t0
     torch.cuda.synchronize()
     return dict(step=step, tokens=ids.numel(), losses=losses, warm_s=warm_s,
-                state=torch.cuda.memory_allocated() - before, report=report, times=[], peak_above=0)
+                state=torch.cuda.memory_allocated() - before, report=report, times=[], peak_above=0,
+                loss_dtype=str(step().dtype).replace("torch.", ""))
 
 
 def _timed_steps(v, n):
@@ -118,18 +149,20 @@ def _timed_steps(v, n):
     v["peak_above"] = max(v["peak_above"], torch.cuda.max_memory_allocated() - base)
 
 
-def run_model_mode(name, variants, compiled, device, steps=10, turns=5, warmup=3, profile=False):
+def run_model_mode(name, variants, compiled, device, steps=10, turns=5, warmup=3, profile=False, precision="bf16",
+                   ckpt=None):
     """Every variant of one model and mode. Eager, all alive at once and taking turns: ``turns``
     rounds of steps/turns timed steps each, so that the host's and the GPU's drift falls on all
     of them. Compiled, one after another, each in a fresh dynamo state as in a process of its
     own: compiled side by side in one session, a call may also check the other variants' cache
     entries, which is not what a user's single model pays."""
     if compiled:
-        return [r for v in variants for r in _run_together(name, [v], True, device, steps, 1, warmup, profile)]
-    return _run_together(name, variants, False, device, steps, turns, warmup, profile)
+        return [r for v in variants
+                for r in _run_together(name, [v], True, device, steps, 1, warmup, profile, precision, ckpt)]
+    return _run_together(name, variants, False, device, steps, turns, warmup, profile, precision, ckpt)
 
 
-def _run_together(name, variants, compiled, device, steps, turns, warmup, profile):
+def _run_together(name, variants, compiled, device, steps, turns, warmup, profile, precision="bf16", ckpt=None):
     """The variants built and warmed up, then taking turns. peak_GiB is what a variant alone
     would hold: its own state plus its steps' peak above everything allocated before them."""
     torch._dynamo.reset()
@@ -138,25 +171,25 @@ def _run_together(name, variants, compiled, device, steps, turns, warmup, profil
     prepared, rows = {}, {}
     for variant in variants:
         try:
-            prepared[variant] = _prepare(name, variant, compiled, device, warmup)
+            prepared[variant] = _prepare(name, variant, compiled, device, warmup, precision, ckpt)
         except Exception as e:  # report, don't hide
-            rows[variant] = _error_row(name, variant, mode, e)
+            rows[variant] = _error_row(name, variant, mode, e, precision, ckpt)
     per_turn = max(1, steps // max(1, turns))
     for _ in range(max(1, turns)):
         for variant, v in list(prepared.items()):
             try:
                 _timed_steps(v, per_turn)
             except Exception as e:
-                rows[variant] = _error_row(name, variant, mode, e)
+                rows[variant] = _error_row(name, variant, mode, e, precision, ckpt)
                 del prepared[variant]
     for variant, v in prepared.items():
         t = v["times"]
         peak_above = v["peak_above"]
-        row = dict(model=name, variant=variant, mode=mode,
+        row = dict(model=name, variant=variant, mode=mode, precision=precision, grad_ckpt=ckpt or "off",
                    ms=statistics.median(t), ms_min=min(t), steps=len(t), turns=turns,
                    tokens_per_s=v["tokens"] / (statistics.median(t) * 1e-3),
                    peak_GiB=(v["state"] + peak_above) / 2**30, peak_above_state_GiB=peak_above / 2**30,
-                   warmup_s=v["warm_s"], first_losses=v["losses"],
+                   warmup_s=v["warm_s"], first_losses=v["losses"], loss_dtype=v["loss_dtype"],
                    swapped=len(v["report"].swapped) if v["report"] else 0)
         if profile:
             row["profile"] = _profile_step(v["step"])
@@ -167,8 +200,8 @@ def _run_together(name, variants, compiled, device, steps, turns, warmup, profil
     return [rows[v] for v in variants if v in rows]
 
 
-def _error_row(name, variant, mode, e):
-    return dict(model=name, variant=variant, mode=mode,
+def _error_row(name, variant, mode, e, precision="bf16", ckpt=None):
+    return dict(model=name, variant=variant, mode=mode, precision=precision, grad_ckpt=ckpt or "off",
                 error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
 
 
@@ -223,27 +256,99 @@ def _profile_step(step):
                 groups=dict(sorted(groups.items(), key=lambda kv: -kv[1])), kernels=kernels)
 
 
-def run(models, device, variants=None, modes=("eager", "compile"), steps=10, profile=False, log=print, turns=5):
+def run(models, device, variants=None, modes=("eager", "compile"), steps=10, profile=False, log=print, turns=5,
+        precisions=("bf16",), ckpts=(None,)):
     rows = []
     for name in models:
-        for mode in modes:
-            for r in run_model_mode(name, list(variants or VARIANTS), mode == "compile", device, steps=steps,
-                                    turns=turns, profile=profile):
-                rows.append(r)
-                log(_fmt(r))
-    stock = {(r["model"], r["mode"]): r.get("ms") for r in rows if r["variant"] == "stock"}
-    for r in rows:
-        s = stock.get((r["model"], r["mode"]))
-        if s and r.get("ms"):
-            r["speedup_vs_stock"] = s / r["ms"]
+        for precision in precisions:
+            for ckpt in ckpts:
+                for mode in modes:
+                    for r in run_model_mode(name, list(variants or VARIANTS), mode == "compile", device, steps=steps,
+                                            turns=turns, profile=profile, precision=precision, ckpt=ckpt):
+                        rows.append(r)
+                        log(_fmt(r))
+    add_speedups(rows)
     return rows
 
 
+def _regime(r):
+    return (r["model"], r["mode"], r.get("precision", "bf16"), r.get("grad_ckpt", "off"), r.get("trainer", False))
+
+
+def add_speedups(rows):
+    """speedup_vs_stock: stock's time over the row's, in the same model, mode and regime."""
+    stock = {_regime(r): r.get("ms") for r in rows if r["variant"] == "stock"}
+    for r in rows:
+        s = stock.get(_regime(r))
+        if s and r.get("ms"):
+            r["speedup_vs_stock"] = s / r["ms"]
+
+
 def _fmt(r):
+    what = f"{r['model']:6s} {r['mode']:7s} {r.get('precision', 'bf16'):8s} ckpt={r.get('grad_ckpt', 'off'):12s}"
+    if r.get("trainer"):
+        what += " Trainer"
     if "error" in r:
-        return f"{r['model']:6s} {r['mode']:7s} {r['variant']:22s} ERROR {r['error']}"
-    return (f"{r['model']:6s} {r['mode']:7s} {r['variant']:22s} {r['ms']:8.2f} ms/step  "
+        return f"{what} {r['variant']:22s} ERROR {r['error']}"
+    return (f"{what} {r['variant']:22s} {r['ms']:8.2f} ms/step  "
             f"{r['tokens_per_s']:10.0f} tok/s  peak {r['peak_GiB']:.2f} GiB  (warm-up {r['warmup_s']:.0f} s)")
+
+
+# ---- transformers.Trainer ---------------------------------------------------------------
+
+def run_trainer(name, variants, device, precision="amp", ckpt=None, steps=10, warmup=3, log=print):
+    """``transformers.Trainer`` as a user runs it: float32 parameters, ``bf16=True`` (or
+    ``fp16=True`` for amp-fp16), its own fused AdamW, one batch of the bench's shape per step.
+    Each step's time is taken at its end (``on_step_end``, after a device sync); the median of
+    the steps after ``warmup``. One variant after another, each in a fresh model."""
+    import tempfile
+
+    import transformers
+
+    import gpu_puzzles.hf as hf
+    spec = MODELS[name]
+    param_dtype, amp, _ = PRECISIONS[precision]
+    rows = []
+
+    class _Clock(transformers.TrainerCallback):
+        def __init__(self):
+            self.t = []
+
+        def on_step_end(self, args, state, control, **kw):
+            torch.cuda.synchronize()
+            self.t.append(time.perf_counter())
+
+    for variant in variants:
+        torch.cuda.empty_cache()
+        try:
+            model = build(name, device, dtype=param_dtype)
+            grad_ckpt(model, ckpt)
+            report = hf.patch(model, **VARIANTS[variant]) if VARIANTS[variant] is not None else None
+            ids = batch(name, "cpu")
+            data = [dict(input_ids=ids[i % len(ids)], labels=ids[i % len(ids)])
+                    for i in range((steps + warmup) * spec["batch"])]
+            with tempfile.TemporaryDirectory() as out:
+                args = transformers.TrainingArguments(
+                    output_dir=out, per_device_train_batch_size=spec["batch"], max_steps=steps + warmup,
+                    bf16=amp == torch.bfloat16, fp16=amp == torch.float16, optim="adamw_torch_fused",
+                    learning_rate=1e-4, logging_strategy="no", save_strategy="no", report_to=[],
+                    dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False)
+                clock = _Clock()
+                trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[clock])
+                torch.cuda.reset_peak_memory_stats()
+                out_metrics = trainer.train()
+            dt = [(b - a) * 1e3 for a, b in zip(clock.t[warmup - 1:], clock.t[warmup:])]
+            rows.append(dict(model=name, variant=variant, mode="eager", precision=precision, grad_ckpt=ckpt or "off",
+                             trainer=True, ms=statistics.median(dt), ms_min=min(dt), steps=len(dt),
+                             tokens_per_s=ids.numel() / (statistics.median(dt) * 1e-3),
+                             samples_per_s=spec["batch"] / (statistics.median(dt) * 1e-3),
+                             peak_GiB=torch.cuda.max_memory_allocated() / 2**30, warmup_s=0.0,
+                             train_loss=out_metrics.training_loss, swapped=len(report.swapped) if report else 0))
+            del trainer, model
+        except Exception as e:  # report, don't hide
+            rows.append(dict(_error_row(name, variant, "eager", e, precision, ckpt), trainer=True))
+        log(_fmt(rows[-1]))
+    return rows
 
 
 def print_breakdown(rows):
@@ -274,15 +379,18 @@ def print_breakdown(rows):
 def print_rows(rows):
     from rich.console import Console
     from rich.table import Table
-    t = Table(title="training step, bf16 (forward + loss + backward + AdamW)")
-    for col in ("model", "mode", "variant", "ms/step", "tokens/s", "vs stock", "peak GiB"):
-        t.add_column(col, justify="left" if col in ("model", "mode", "variant") else "right")
+    t = Table(title="training step (forward + loss + backward + AdamW)")
+    left = ("model", "mode", "regime", "variant")
+    for col in left + ("ms/step", "tokens/s", "vs stock", "peak GiB"):
+        t.add_column(col, justify="left" if col in left else "right")
     for r in rows:
+        regime = r.get("precision", "bf16") + ("" if r.get("grad_ckpt", "off") == "off" else f", ckpt {r['grad_ckpt']}")
+        regime += ", Trainer" if r.get("trainer") else ""
         if "error" in r:
-            t.add_row(r["model"], r["mode"], r["variant"], r["error"][:60], "", "", "")
+            t.add_row(r["model"], r["mode"], regime, r["variant"], r["error"][:60], "", "", "")
             continue
         sp = r.get("speedup_vs_stock")
-        t.add_row(r["model"], r["mode"], r["variant"], f"{r['ms']:.2f}", f"{r['tokens_per_s']:.0f}",
+        t.add_row(r["model"], r["mode"], regime, r["variant"], f"{r['ms']:.2f}", f"{r['tokens_per_s']:.0f}",
                   f"{sp:.3f}x" if sp else "", f"{r['peak_GiB']:.2f}")
     Console(width=140).print(t)
 
@@ -302,6 +410,14 @@ def main(argv=None):
     p.add_argument("--turns", type=int, default=5,
                    help="eager: rounds in which the variants (all built first) take turns, steps/turns steps each")
     p.add_argument("--profile", action="store_true", help="add the per-op breakdown (one profiled step's kernels)")
+    p.add_argument("--precision", default="bf16",
+                   help=f"comma-separated, of {list(PRECISIONS)}: bf16 parameters, or float32 parameters under "
+                        f"autocast bf16 (amp) / fp16 with a GradScaler (amp-fp16)")
+    p.add_argument("--grad-ckpt", default="off",
+                   help="comma-separated, of off, reentrant, nonreentrant: transformers' gradient checkpointing")
+    p.add_argument("--trainer", action="store_true",
+                   help="time transformers.Trainer (bf16=True / fp16=True per --precision; eager) instead of the "
+                        "hand-written step")
     p.add_argument("--json", help="write the rows and the run's metadata here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -313,8 +429,19 @@ def main(argv=None):
         if unknown:
             p.error(f"--variants: unknown {unknown}; known: {list(VARIANT_ALIASES)}")
         variants = [VARIANT_ALIASES[v] for v in args.variants.split(",")]
-    rows = run(args.models.split(","), device, variants, tuple(args.modes.split(",")), args.steps, args.profile,
-               turns=args.turns)
+    precisions = args.precision.split(",")
+    ckpts = [None if c == "off" else c for c in args.grad_ckpt.split(",")]
+    bad = [p for p in precisions if p not in PRECISIONS] + [c for c in ckpts if c not in (None, "reentrant",
+                                                                                          "nonreentrant")]
+    if bad:
+        p.error(f"unknown --precision / --grad-ckpt values {bad}")
+    if args.trainer:
+        rows = [r for name in args.models.split(",") for prec in precisions for c in ckpts
+                for r in run_trainer(name, list(variants or ["stock", "ours"]), device, prec, c, args.steps)]
+        add_speedups(rows)
+    else:
+        rows = run(args.models.split(","), device, variants, tuple(args.modes.split(",")), args.steps, args.profile,
+                   turns=args.turns, precisions=precisions, ckpts=ckpts)
     print_rows(rows)
     print_breakdown(rows)
     if args.json:
