@@ -648,3 +648,69 @@ def test_huge_past_2_31_elements(name, check, nbytes):
 def test_huge_checks_at_toy_size(name, check, nbytes):
     """The same checks on the CPU with `big` = 2^12: the checking code itself is right."""
     check("cpu", 2**12)
+
+
+def _registered_calls():
+    """One valid CPU call of every registered op (forward and backward), as (op name, args)."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    ops = torch.ops.gpu_puzzles
+    x, w, b, W, bl = r(3, 8), r(8), r(8), r(5, 8), r(5)
+    y, mean, rstd = ops.layer_norm(x, w, b)
+    yf, mf, rf = ops.fused_layernorm_linear(x, w, b, W, bl)
+    yr, rr = ops.rms_norm(x, w)
+    yfr, rfr = ops.fused_rmsnorm_linear(x, w, W, bl)
+    q, k, v = r(2, 4, 8), r(2, 5, 8), r(2, 5, 8)
+    o, lse = ops.attention(q, k, v)
+    cx, cw = r(2, 4, 9), r(4, 3)
+    idx = torch.tensor([[1, 0, 3]])
+    logits, target = r(4, 7), torch.tensor([1, 0, 6, -100])
+    loss, clse = ops.cross_entropy(logits, target)
+    sm = ops.softmax(x)
+    lsm = ops.log_softmax(x)
+    return [
+        ("conv1d", (cx, cw, r(4))), ("conv1d_backward", (r(2, 4, 9), cx, cw, False)),
+        ("embedding", (idx, W)), ("embedding_backward", (r(1, 3, 8), idx, 5, None, True)),
+        ("softmax", (x,)), ("log_softmax", (x,)),
+        ("softmax_backward", (r(3, 8), sm, -1)), ("log_softmax_backward", (r(3, 8), lsm, -1)),
+        ("layer_norm", (x, w, b)), ("layer_norm_backward", (r(3, 8), x, w, mean, rstd)),
+        ("fused_layernorm_linear", (x, w, b, W, bl)),
+        ("fused_layernorm_linear_backward", (r(3, 5), x, w, b, W, mf, rf)),
+        ("fused_layernorm_linear_naive", (x, w, b, W, bl)),
+        ("rms_norm", (x, w)), ("rms_norm_backward", (r(3, 8), x, w, rstd)),
+        ("fused_rmsnorm_linear", (x, w, W, bl)), ("fused_rmsnorm_linear_backward", (r(3, 5), x, w, W, rfr, True)),
+        ("attention", (q, k, v)), ("attention_backward", (r(2, 4, 8), q, k, v, o, lse, None, False)),
+        ("transpose_last2", (q,)), ("matmul", (q, k.transpose(-1, -2).contiguous())),
+        ("cross_entropy", (logits, target)), ("cross_entropy_backward", (loss.detach(), logits, target, clse, -100,
+                                                                          "mean")),
+        ("fused_linear_cross_entropy", (x, W, torch.tensor([1, 0, 4]), bl)),
+    ]
+
+
+def test_registered_calls_cover_every_op():
+    names = {n for n, _ in _registered_calls()}
+    registered = {s.name.split("::")[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("gpu_puzzles::")
+                  and not s.name.split("::")[1].startswith("_")}
+    assert names == registered, registered ^ names
+
+
+@pytest.mark.parametrize("op,args", _registered_calls(), ids=lambda v: v if isinstance(v, str) else "")
+def test_meta_argument_is_named(op, args):
+    """Any one tensor argument on meta (an empty-weight init left behind) is an error naming an
+    argument on the other device, never a tensor of uninitialised memory; all of them on meta
+    is shape inference and gives meta outputs."""
+    fn = getattr(torch.ops.gpu_puzzles, op).default
+    names = [a.name for a in fn._schema.arguments]
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    for i in tensors:
+        moved = [a.to("meta") if j == i else a for j, a in enumerate(args)]
+        other = names[tensors[0] if i != tensors[0] else tensors[1]] if len(tensors) > 1 else None
+        if other is None:
+            continue
+        with pytest.raises(RuntimeError, match=r"is on (meta|cpu) but \w+ is on (cpu|meta); they must be on the same "
+                                               r"device") as e:
+            fn(*moved)
+        assert names[i] in str(e.value) and other in str(e.value), str(e.value)
+    out = fn(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        assert t.device.type == "meta"

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import check_float, check_same, schema_default
+from ._common import check_float, check_same, register_fake, schema_default
 
 _ALGORITHMS = ("auto", "unfused")
 
@@ -45,25 +45,25 @@ def _empty_in_order_of(x, shape):
     return x.new_empty_strided(tuple(shape), tuple(strides))
 
 
-@torch.library.register_fake("gpu_puzzles::attention")
+@register_fake("gpu_puzzles::attention")
 def _attention_fake(q, k, v, *_):
     out = _empty_in_order_of(q, (*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q.dtype))
     return out, lse
 
 
-@torch.library.register_fake("gpu_puzzles::attention_backward")
+@register_fake("gpu_puzzles::attention_backward")
 def _attention_backward_fake(grad_out, q, k, v, *_):
     return _empty_in_order_of(q, q.shape), _empty_in_order_of(k, k.shape), _empty_in_order_of(v, v.shape)
 
 
-@torch.library.register_fake("gpu_puzzles::transpose_last2")
+@register_fake("gpu_puzzles::transpose_last2")
 def _transpose_fake(x):
     torch._check(x.dim() >= 2, lambda: f"transpose_last2: x must have at least 2 dims, got shape {tuple(x.shape)}")
     return x.new_empty((*x.shape[:-2], x.shape[-1], x.shape[-2]))
 
 
-@torch.library.register_fake("gpu_puzzles::matmul")
+@register_fake("gpu_puzzles::matmul")
 def _matmul_fake(a, b, *_):
     return a.new_empty((*a.shape[:-1], b.shape[-1]))
 

@@ -8,14 +8,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._common import register_fake
+
 
 # Argument checks live in C++ (csrc/conv1d/conv1d.cpp); the fake kernels compute shapes only.
-@torch.library.register_fake("gpu_puzzles::conv1d")
+@register_fake("gpu_puzzles::conv1d")
 def _conv1d_fake(x, weight, bias=None, causal=False, algorithm="auto"):
     return x.new_empty(x.shape)
 
 
-@torch.library.register_fake("gpu_puzzles::conv1d_backward")
+@register_fake("gpu_puzzles::conv1d_backward")
 def _conv1d_backward_fake(grad_out, x, weight, causal, algorithm="auto"):
     C = weight.shape[0] if weight.dim() == 2 else 1
     return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty((C,))

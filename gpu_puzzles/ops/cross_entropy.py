@@ -24,13 +24,14 @@ import torch
 from torch import Tensor
 
 from ..tuning import py_knob
+from ._common import register_fake
 
 
 def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@torch.library.register_fake("gpu_puzzles::cross_entropy")
+@register_fake("gpu_puzzles::cross_entropy")
 def _cross_entropy_fake(logits, target, ignore_index=-100, reduction="mean", loss_dtype=None):
     torch._check(logits.dim() >= 1, lambda: "cross_entropy: logits must have at least 1 dimension")
     loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=loss_dtype or logits.dtype)
@@ -56,12 +57,12 @@ def _grad_like(logits):
     return logits.new_empty(logits.shape)
 
 
-@torch.library.register_fake("gpu_puzzles::cross_entropy_backward")
+@register_fake("gpu_puzzles::cross_entropy_backward")
 def _cross_entropy_backward_fake(grad_loss, logits, target, lse, ignore_index, reduction):
     return _grad_like(logits)
 
 
-@torch.library.register_fake("gpu_puzzles::fused_linear_cross_entropy")
+@register_fake("gpu_puzzles::fused_linear_cross_entropy")
 def _fused_fake(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
                 output_mask=(False, False, False), loss_dtype=None):
     torch._check(reduction != "none", lambda: "fused_linear_cross_entropy: reduction must be 'mean' or 'sum'")

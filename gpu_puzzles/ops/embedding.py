@@ -12,15 +12,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._common import register_fake
 
-@torch.library.register_fake("gpu_puzzles::embedding")
+
+@register_fake("gpu_puzzles::embedding")
 def _embedding_fake(indices, weight, padding_idx=None, algorithm="auto"):
     torch._check(weight.dim() == 2,
                  lambda: f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {tuple(weight.shape)}")
     return weight.new_empty((*indices.shape, weight.shape[1]))
 
 
-@torch.library.register_fake("gpu_puzzles::embedding_backward")
+@register_fake("gpu_puzzles::embedding_backward")
 def _embedding_backward_fake(grad_out, indices, num_weights, padding_idx, deterministic, algorithm="auto"):
     return grad_out.new_empty((num_weights, grad_out.shape[-1]))
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import schema_default
+from ._common import register_fake, schema_default
 
 
 def _stat_dtype(x):
@@ -32,12 +32,12 @@ def _stats_like(x):
 
 # ---- fake kernels: output shapes only (the C++ kernels validate the arguments) ------
 
-@torch.library.register_fake("gpu_puzzles::layer_norm")
+@register_fake("gpu_puzzles::layer_norm")
 def _layer_norm_fake(x, weight, bias, eps=None):  # eps: not needed for shapes
     return (x.new_empty(x.shape), *_stats_like(x))
 
 
-@torch.library.register_fake("gpu_puzzles::layer_norm_backward")
+@register_fake("gpu_puzzles::layer_norm_backward")
 def _layer_norm_backward_fake(grad_out, x, weight, mean, rstd):
     return x.new_empty(x.shape), x.new_empty(weight.shape), x.new_empty(weight.shape)
 
@@ -45,12 +45,12 @@ def _layer_norm_backward_fake(grad_out, x, weight, mean, rstd):
 # Autograd is registered in C++ (csrc/layernorm_linear/layernorm_linear_autograd.cpp; why: csrc/common/autograd.h).
 
 
-@torch.library.register_fake("gpu_puzzles::fused_layernorm_linear")
+@register_fake("gpu_puzzles::fused_layernorm_linear")
 def _fused_fake(x, ln_weight, ln_bias, linear_weight, linear_bias=None, eps=None):
     return (x.new_empty((*x.shape[:-1], linear_weight.shape[0]), dtype=linear_weight.dtype), *_stats_like(x))
 
 
-@torch.library.register_fake("gpu_puzzles::fused_layernorm_linear_backward")
+@register_fake("gpu_puzzles::fused_layernorm_linear_backward")
 def _fused_backward_fake(grad_out, x, ln_weight, ln_bias, linear_weight, mean, rstd):
     N, H = linear_weight.shape
     # dW in W's layout (the C++ w_transposed): (H, N) memory for a transposed W.
@@ -59,7 +59,7 @@ def _fused_backward_fake(grad_out, x, ln_weight, ln_bias, linear_weight, mean, r
     return (x.new_empty(x.shape), x.new_empty((H,)), x.new_empty((H,)), dW, W.new_empty((N,)))
 
 
-@torch.library.register_fake("gpu_puzzles::fused_layernorm_linear_naive")
+@register_fake("gpu_puzzles::fused_layernorm_linear_naive")
 def _naive_fake(x, ln_weight, ln_bias, linear_weight, linear_bias=None, eps=None):
     return x.new_empty((*x.shape[:-1], linear_weight.shape[0]))
 

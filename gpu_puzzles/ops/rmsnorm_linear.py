@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import schema_default
+from ._common import register_fake, schema_default
 
 
 def _rstd_like(x):
@@ -25,22 +25,22 @@ def _rstd_like(x):
 
 # ---- fake kernels: output shapes only (the C++ kernels validate the arguments) ------
 
-@torch.library.register_fake("gpu_puzzles::rms_norm")
+@register_fake("gpu_puzzles::rms_norm")
 def _rms_norm_fake(x, weight, eps=None):
     return x.new_empty(x.shape), _rstd_like(x)
 
 
-@torch.library.register_fake("gpu_puzzles::rms_norm_backward")
+@register_fake("gpu_puzzles::rms_norm_backward")
 def _rms_norm_backward_fake(grad_out, x, weight, rstd):
     return x.new_empty(x.shape), x.new_empty(weight.shape)
 
 
-@torch.library.register_fake("gpu_puzzles::fused_rmsnorm_linear")
+@register_fake("gpu_puzzles::fused_rmsnorm_linear")
 def _fused_rms_fake(x, norm_weight, linear_weight, linear_bias=None, eps=None):
     return x.new_empty((*x.shape[:-1], linear_weight.shape[0]), dtype=linear_weight.dtype), _rstd_like(x)
 
 
-@torch.library.register_fake("gpu_puzzles::fused_rmsnorm_linear_backward")
+@register_fake("gpu_puzzles::fused_rmsnorm_linear_backward")
 def _fused_rms_backward_fake(grad_out, x, norm_weight, linear_weight, rstd, has_bias):
     N, H = linear_weight.shape
     W = linear_weight

@@ -8,27 +8,29 @@ log_softmax dx = dy - exp(y) sum(dy).
 import torch
 from torch import Tensor
 
+from ._common import register_fake
+
 
 # The fake kernels only give the output's shape; the C++ ops check the arguments
 # (dim, algorithm, dtypes, shapes) with messages naming them. Outputs are fresh
 # contiguous tensors whatever the inputs' strides (the CUDA rows read strided
 # inputs in place, without a copy), as new_empty gives.
-@torch.library.register_fake("gpu_puzzles::softmax")
+@register_fake("gpu_puzzles::softmax")
 def _softmax_fake(x, *_):  # dim, algorithm: not needed for the shape
     return x.new_empty(x.shape)
 
 
-@torch.library.register_fake("gpu_puzzles::log_softmax")
+@register_fake("gpu_puzzles::log_softmax")
 def _log_softmax_fake(x, *_):
     return x.new_empty(x.shape)
 
 
-@torch.library.register_fake("gpu_puzzles::softmax_backward")
+@register_fake("gpu_puzzles::softmax_backward")
 def _softmax_backward_fake(grad_out, out, *_):
     return out.new_empty(out.shape)
 
 
-@torch.library.register_fake("gpu_puzzles::log_softmax_backward")
+@register_fake("gpu_puzzles::log_softmax_backward")
 def _log_softmax_backward_fake(grad_out, out, *_):
     return out.new_empty(out.shape)
 
