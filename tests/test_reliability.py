@@ -714,3 +714,84 @@ def test_meta_argument_is_named(op, args):
     out = fn(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
     for t in out if isinstance(out, (tuple, list)) else (out,):
         assert t.device.type == "meta"
+
+
+# ---- double backward ----------------------------------------------------------------------
+# Where PyTorch's counterpart has a second derivative (softmax, log_softmax, layer_norm,
+# rms_norm, cross_entropy), ours is right (gradgradcheck; first derivatives under
+# create_graph=True equal the kernels'); elsewhere differentiating a gradient raises, naming
+# the op. Never the silent wrong numbers of autograd's fallback (pyproject turns its warning
+# into an error for the whole suite).
+
+def _dd(*shape, device, g):
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(device).requires_grad_()
+
+
+_TARGET = [1, 6, -100, 3]
+DOUBLE_BACKWARD = {
+    "softmax": lambda d, g: ((lambda x: gp.softmax(x, dim=-1)), (_dd(4, 7, device=d, g=g),)),
+    "softmax dim 0": lambda d, g: ((lambda x: gp.softmax(x, dim=0)), (_dd(4, 7, device=d, g=g),)),
+    "log_softmax": lambda d, g: ((lambda x: gp.log_softmax(x, dim=-1)), (_dd(4, 7, device=d, g=g),)),
+    "layer_norm": lambda d, g: ((lambda x, w, b: gp.layer_norm(x, w, b)),
+                                (_dd(2, 3, 8, device=d, g=g), _dd(8, device=d, g=g), _dd(8, device=d, g=g))),
+    "rms_norm": lambda d, g: ((lambda x, w: gp.rms_norm(x, w)), (_dd(3, 8, device=d, g=g), _dd(8, device=d, g=g))),
+    **{f"cross_entropy {red}": (lambda red: lambda d, g: (
+        (lambda x: gp.cross_entropy(x, torch.tensor(_TARGET, device=d), reduction=red)),
+        (_dd(4, 7, device=d, g=g),)))(red) for red in ("mean", "sum", "none")},
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(DOUBLE_BACKWARD))
+def test_double_backward(device, name):
+    fn, inputs = DOUBLE_BACKWARD[name](device, torch.Generator().manual_seed(3))
+    assert torch.autograd.gradgradcheck(fn, inputs)
+    out = fn(*inputs)
+    up = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(4)).to(device)
+    plain = torch.autograd.grad(out, inputs, up, retain_graph=True)
+    graphed = torch.autograd.grad(out, inputs, up, create_graph=True)
+    assert any(a.requires_grad for a in graphed)  # the composite ran (a bias gradient may not depend on x)
+    for a, b in zip(graphed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+NO_DOUBLE_BACKWARD = {
+    "conv1d_backward": lambda d, g: (lambda a, b, c: gp.conv1d(a, b, c, causal=True),
+                                     (_dd(2, 3, 9, device=d, g=g), _dd(3, 4, device=d, g=g), _dd(3, device=d, g=g))),
+    "attention_backward": lambda d, g: (lambda q, k, v: gp.attention(q, k, v, causal=True),
+                                        tuple(_dd(2, 5, 8, device=d, g=g) for _ in range(3))),
+    "fused_layernorm_linear_backward": lambda d, g: (gp.fused_layernorm_linear,
+                                                     (_dd(3, 8, device=d, g=g), _dd(8, device=d, g=g),
+                                                      _dd(8, device=d, g=g), _dd(5, 8, device=d, g=g),
+                                                      _dd(5, device=d, g=g))),
+    "fused_rmsnorm_linear_backward": lambda d, g: (gp.fused_rmsnorm_linear,
+                                                   (_dd(3, 8, device=d, g=g), _dd(8, device=d, g=g),
+                                                    _dd(5, 8, device=d, g=g), _dd(5, device=d, g=g))),
+    "fused_linear_cross_entropy": lambda d, g: (
+        lambda h, w: gp.fused_linear_cross_entropy(h, w, torch.tensor([1, 2, 4], device=d)),
+        (_dd(3, 8, device=d, g=g), _dd(5, 8, device=d, g=g))),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", list(NO_DOUBLE_BACKWARD))
+def test_double_backward_refused_by_name(device, op):
+    """The first derivatives under create_graph=True are the usual ones; differentiating them raises."""
+    fn, inputs = NO_DOUBLE_BACKWARD[op](device, torch.Generator().manual_seed(5))
+    out = fn(*inputs)
+    plain = torch.autograd.grad(out.sum(), inputs, retain_graph=True)
+    up = torch.ones_like(out).requires_grad_()  # so that every gradient depends on something differentiable
+    graphed = torch.autograd.grad(out, inputs, up, create_graph=True)
+    for a, b in zip(graphed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    penalty = sum(g.pow(2).sum() for g in graphed)
+    with pytest.raises(RuntimeError, match=f"gpu_puzzles::{op}: double backward"):
+        penalty.backward()
+
+
+def test_naive_kernel_is_forward_only_through_the_op():
+    args = [torch.randn(3, 8, dtype=torch.float64, requires_grad=True) if i == 0 else
+            torch.randn(*s, dtype=torch.float64) for i, s in enumerate([(3, 8), (8,), (8,), (5, 8), (5,)])]
+    y = torch.ops.gpu_puzzles.fused_layernorm_linear_naive(*args)
+    with pytest.raises(RuntimeError, match="fused_layernorm_linear_naive: the curriculum's kernel is forward only"):
+        y.sum().backward()

@@ -89,6 +89,25 @@ Tensor2 attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, c1
   auto r = AttentionFunction::apply(q, k, v, scale, causal, enable_gqa);
   return {r[0], r[1]};
 }
+// The backward op: no derivative of its own (differentiated again, it raises naming the op).
+Tensor3 attention_backward_autograd(const Tensor& g, const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& out, const Tensor& lse, c10::optional<double> scale, bool causal,
+                                    bool enable_gqa) {
+  static const auto op = typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                          const Tensor&, c10::optional<double>, bool, bool)>(
+      "gpu_puzzles::attention_backward");
+  const bool diff = differentiated(g, q, k, v, out);
+  Tensor3 r;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    r = op.call(g, q, k, v, out, lse, scale, causal, enable_gqa);
+  }
+  if (diff) {
+    auto& [dq, dk, dv] = r;
+    no_double_backward("attention_backward", torch::autograd::collect_next_edges(g, q, k, v, out), {dq, dk, dv});
+  }
+  return r;
+}
 Tensor transpose_autograd(const Tensor& x) { return TransposeFunction::apply(x); }
 Tensor matmul_autograd(const Tensor& a, const Tensor& b, double alpha, bool causal_mask) {
   return MatmulFunction::apply(a, b, alpha, causal_mask);
@@ -98,6 +117,7 @@ Tensor matmul_autograd(const Tensor& a, const Tensor& b, double alpha, bool caus
 
 TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
   m.impl("attention", &attention_autograd);
+  m.impl("attention_backward", &attention_backward_autograd);
   m.impl("transpose_last2", &transpose_autograd);
   m.impl("matmul", &matmul_autograd);
 }

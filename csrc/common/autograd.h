@@ -6,8 +6,14 @@
 // call in the dispatcher. Each backward calls the op's own registered backward op
 // (looked up once), so torch.compile traces the same graph as before.
 #pragma once
+#include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
+
+#include <string>
+#include <utility>
 
 namespace gpu_puzzles {
 
@@ -27,6 +33,38 @@ c10::TypedOperatorHandle<Sig> typed_op(const char* qualified_name) {
 inline void non_differentiable(AutogradContext* ctx, const variable_list& outputs) {
   ctx->mark_non_differentiable(outputs);
   ctx->set_materialize_grads(false);
+}
+
+// Double backward. Every backward op has an Autograd kernel of its own, so that a backward
+// differentiated again (create_graph=True: Hessian-vector products, gradient penalties) is
+// either right or an error naming the op, never the silent wrong numbers (and the warning) of
+// autograd's fallback for ops without one. Grad mode is on inside a backward only under
+// create_graph=True; torch.compile traces its backward with it off, so the fast path below is
+// what it sees.
+
+// Some input requires grad while grad mode is on: the call is being differentiated.
+template <typename... Args>
+bool differentiated(Args&&... inputs) {
+  return torch::autograd::compute_requires_grad(std::forward<Args>(inputs)...);
+}
+
+// Outputs computed below autograd that have no derivative here: they take a node whose
+// backward raises `msg`, as ATen's not-implemented derivatives do. `inputs`: the edges to the
+// arguments (torch::autograd::collect_next_edges).
+inline void error_on_backward(std::string msg, torch::autograd::edge_list&& inputs,
+                               const std::vector<at::Tensor>& outputs) {
+  auto node = std::make_shared<torch::autograd::Error>(std::move(msg), std::move(inputs));
+  for (const auto& t : outputs)
+    if (t.defined()) torch::autograd::set_history(t, node);
+}
+
+// The same for a backward op: differentiating its outputs again raises, naming the op.
+inline void no_double_backward(const char* op, torch::autograd::edge_list&& inputs,
+                               const std::vector<at::Tensor>& outputs) {
+  error_on_backward(std::string("gpu_puzzles::") + op +
+                         ": double backward (create_graph=True, then differentiating the gradients) is not "
+                         "supported by this op",
+                     std::move(inputs), outputs);
 }
 
 // The gradient if the input needs one, else an undefined tensor.

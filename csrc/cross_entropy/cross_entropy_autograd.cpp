@@ -72,12 +72,22 @@ struct FusedLinearCeFunction : public torch::autograd::Function<FusedLinearCeFun
     variable_list out(10);
     if (!grads[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
+    // The saved gradients came from the forward, so differentiating these again would miss
+    // their dependence on hidden and weight: under create_graph=True they are computed as
+    // always and marked so that differentiating them raises, naming the op.
+    const bool create_graph = at::GradMode::is_enabled();
+    at::NoGradGuard no_grad;
     const bool mask[3] = {ctx->saved_data["need_h"].toBool(), ctx->saved_data["need_w"].toBool(),
                           ctx->saved_data["need_b"].toBool()};
     // The saved gradients are those of a loss of 1: scale by grad_loss (0-d).
     const int slot[3] = {0, 1, 3};
     for (int i = 0; i < 3; ++i)
       if (mask[i] && ctx->needs_input_grad(slot[i])) out[slot[i]] = scaled(s[i], grads[0]);
+    if (create_graph)
+      error_on_backward("gpu_puzzles::fused_linear_cross_entropy: double backward (create_graph=True, then "
+                        "differentiating the gradients) is not supported: its gradients are computed in the "
+                        "forward; cross_entropy(F.linear(hidden, weight, bias), target) supports it",
+                        torch::autograd::collect_next_edges(grads[0]), {out[0], out[1], out[3]});
     return out;
   }
 
@@ -114,6 +124,32 @@ Tensor4 fused_autograd(const Tensor& hidden, const Tensor& weight, const Tensor&
   return {r[0], r[1], r[2], r[3]};
 }
 
+// The backward op. Differentiated again (create_graph=True) it runs as ATen math, which
+// autograd differentiates: (softmax(logits) - onehot(target)) * scale, the saved lse with its
+// dependence on the logits put back (straight through); otherwise our kernel, below autograd.
+Tensor cross_entropy_backward_autograd(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
+                                       const Tensor& lse, int64_t ignore_index, c10::string_view reduction) {
+  static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
+                                         c10::string_view)>("gpu_puzzles::cross_entropy_backward");
+  if (!differentiated(grad_loss, logits)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(grad_loss, logits, target, lse, ignore_index, reduction);
+  }
+  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t V = logits.size(-1);
+  const Tensor lf = logits.to(acc);
+  const Tensor lse_c = lf.logsumexp(-1);
+  const Tensor lse_d = lse.to(acc) + (lse_c - lse_c.detach());
+  const Tensor valid = target.ne(ignore_index);
+  // As the kernels: a target outside [0, V) has no one-hot term (the CPU forward refuses one).
+  const Tensor hit = valid.logical_and(target.ge(0)).logical_and(target.lt(V));
+  const Tensor onehot = at::one_hot(at::where(hit, target, 0).to(at::kLong), V).to(acc) * hit.unsqueeze(-1);
+  Tensor scale = grad_loss.to(acc);
+  if (reduction == c10::string_view("mean")) scale = scale / valid.sum().to(acc);
+  scale = at::where(valid, scale, at::zeros({}, scale.options()));
+  return ((lf - lse_d.unsqueeze(-1)).exp() - onehot).mul(scale.unsqueeze(-1)).to(logits.scalar_type());
+}
+
 Tensor2 cross_entropy_autograd(const Tensor& logits, const Tensor& target, int64_t ignore_index,
                                c10::string_view reduction, c10::optional<at::ScalarType> loss_dtype) {
   auto r = CrossEntropyFunction::apply(logits, target, ignore_index, reduction, loss_dtype);
@@ -125,6 +161,7 @@ Tensor2 cross_entropy_autograd(const Tensor& logits, const Tensor& target, int64
 TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
   m.impl("cross_entropy", &cross_entropy_autograd);
   m.impl("fused_linear_cross_entropy", &fused_autograd);
+  m.impl("cross_entropy_backward", &cross_entropy_backward_autograd);
 }
 
 }  // namespace gpu_puzzles

@@ -39,8 +39,26 @@ at::Tensor embedding_autograd(const at::Tensor& indices, const at::Tensor& weigh
   return EmbeddingFunction::apply(indices, weight, padding_idx, algorithm);
 }
 
+// The backward op: no derivative of its own (differentiated again, it raises naming the op).
+at::Tensor embedding_backward_autograd(const at::Tensor& g, const at::Tensor& indices, c10::SymInt num_weights,
+                                       c10::optional<int64_t> padding_idx, bool deterministic,
+                                       c10::string_view algorithm) {
+  static const auto op = typed_op<BackwardSig>("gpu_puzzles::embedding_backward");
+  const bool diff = differentiated(g);
+  at::Tensor gw;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    gw = op.call(g, indices, num_weights, padding_idx, deterministic, algorithm);
+  }
+  if (diff) no_double_backward("embedding_backward", torch::autograd::collect_next_edges(g), {gw});
+  return gw;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) { m.impl("embedding", &embedding_autograd); }
+TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
+  m.impl("embedding", &embedding_autograd);
+  m.impl("embedding_backward", &embedding_backward_autograd);
+}
 
 }  // namespace gpu_puzzles

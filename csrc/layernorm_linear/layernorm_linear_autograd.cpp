@@ -1,7 +1,7 @@
-// Autograd for layer_norm, rms_norm and their fused +Linear ops (why in C++:
-// common/autograd.h). The forwards return (y, mean, rstd) (RMSNorm: (y, rstd)); only y
-// is differentiable, and the backward keeps x and the per-row statistics, never the
-// normalised activation.
+// Autograd for layer_norm, rms_norm and their fused +Linear ops, and for their backward
+// ops (double backward; why in C++: common/autograd.h). The forwards return (y, mean, rstd)
+// (RMSNorm: (y, rstd)); only y is differentiable, and the backward keeps x and the per-row
+// statistics, never the normalised activation.
 #include "common/autograd.h"
 
 namespace gpu_puzzles {
@@ -122,6 +122,116 @@ struct FusedRmsFunction : public torch::autograd::Function<FusedRmsFunction> {
   }
 };
 
+// ---- the backward ops ------------------------------------------------------------
+// layer_norm_backward and rms_norm_backward differentiated again (create_graph=True) run as
+// ATen math, which autograd differentiates; otherwise our kernels, below autograd. mean and
+// rstd are the forward's non-differentiable outputs: the math takes their values and puts
+// their dependence on x back (straight through: value + (f(x) - f(x).detach()), with f's
+// first derivative), so the second derivative sees it. Half inputs in float32.
+
+at::ScalarType acc_of(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// mean (or 0 for RMS) and rstd as (..., 1), x-dependent to first order.
+std::tuple<Tensor, Tensor> stats_through(const Tensor& xf, const Tensor& mean, const Tensor& rstd, bool rms) {
+  const Tensor mu_c = rms ? Tensor() : xf.mean(-1, true);
+  const Tensor var_c = rms ? xf.pow(2).mean(-1, true) : (xf - mu_c).pow(2).mean(-1, true);
+  Tensor rs = rstd.to(xf.scalar_type()).unsqueeze(-1);
+  rs = rs - 0.5 * rs.pow(3) * (var_c - var_c.detach());  // d rstd / d var = -rstd^3 / 2
+  Tensor mu = rms ? at::zeros_like(rs) : mean.to(xf.scalar_type()).unsqueeze(-1) + (mu_c - mu_c.detach());
+  return {mu, rs};
+}
+
+// (dx, dgamma, dbeta) of a LayerNorm (rms: without the mean and beta; dbeta undefined).
+Tensor3 norm_backward_math(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd,
+                           bool rms) {
+  const auto acc = acc_of(x);
+  const int64_t H = x.size(-1);
+  const Tensor xf = x.to(acc), gf = g.to(acc), wf = w.to(acc);
+  auto [mu, rs] = stats_through(xf, mean, rstd, rms);
+  const Tensor xhat = (xf - mu) * rs, dxhat = gf * wf;
+  const Tensor proj = xhat * (dxhat * xhat).mean(-1, true);
+  const Tensor dx = rs * (rms ? dxhat - proj : dxhat - dxhat.mean(-1, true) - proj);
+  const Tensor dw = (gf * xhat).reshape({-1, H}).sum(0);
+  const Tensor db = rms ? Tensor() : gf.reshape({-1, H}).sum(0).to(w.scalar_type());
+  return {dx.to(x.scalar_type()), dw.to(w.scalar_type()), db};
+}
+
+Tensor3 layer_norm_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& mean,
+                                     const Tensor& rstd) {
+  static const auto op = typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
+      "gpu_puzzles::layer_norm_backward");
+  if (differentiated(g, x, w)) return norm_backward_math(g, x, w, mean, rstd, false);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(g, x, w, mean, rstd);
+}
+
+Tensor2 rms_norm_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& rstd) {
+  static const auto op = typed_op<Tensor2(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
+      "gpu_puzzles::rms_norm_backward");
+  if (differentiated(g, x, w)) {
+    auto [dx, dw, unused] = norm_backward_math(g, x, w, Tensor(), rstd, true);
+    return {dx, dw};
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(g, x, w, rstd);
+}
+
+// The fused ops' backwards have no derivative here: differentiated again they raise, naming
+// the op. fused_layernorm_linear_naive (the curriculum's kernel) is forward only.
+Tensor5 fused_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W,
+                                const Tensor& mean, const Tensor& rstd) {
+  static const auto op = typed_op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                          const Tensor&, const Tensor&)>("gpu_puzzles::fused_layernorm_linear_backward");
+  const bool diff = differentiated(g, x, lw, lb, W);
+  Tensor5 out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    out = op.call(g, x, lw, lb, W, mean, rstd);
+  }
+  if (diff) {
+    auto& [a, b, c, d, e] = out;
+    no_double_backward("fused_layernorm_linear_backward", torch::autograd::collect_next_edges(g, x, lw, lb, W),
+                       {a, b, c, d, e});
+  }
+  return out;
+}
+
+Tensor4 fused_rms_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& nw, const Tensor& W,
+                                    const Tensor& rstd, bool has_bias) {
+  static const auto op = typed_op<Tensor4(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                          bool)>("gpu_puzzles::fused_rmsnorm_linear_backward");
+  const bool diff = differentiated(g, x, nw, W);
+  Tensor4 out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    out = op.call(g, x, nw, W, rstd, has_bias);
+  }
+  if (diff) {
+    auto& [a, b, c, d] = out;
+    no_double_backward("fused_rmsnorm_linear_backward", torch::autograd::collect_next_edges(g, x, nw, W),
+                       {a, b, c, d});
+  }
+  return out;
+}
+
+Tensor naive_autograd(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W,
+                      const c10::optional<Tensor>& b, double eps) {
+  static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                         const c10::optional<Tensor>&, double)>(
+      "gpu_puzzles::fused_layernorm_linear_naive");
+  const bool diff = differentiated(x, lw, lb, W, b);
+  Tensor y;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    y = op.call(x, lw, lb, W, b, eps);
+  }
+  if (diff)
+    error_on_backward("gpu_puzzles::fused_layernorm_linear_naive: the curriculum's kernel is forward only; use "
+                      "fused_layernorm_linear for gradients",
+                      torch::autograd::collect_next_edges(x, lw, lb, W, b), {y});
+  return y;
+}
+
 Tensor2 rms_norm_autograd(const Tensor& x, const Tensor& weight, double eps) {
   auto r = RmsNormFunction::apply(x, weight, eps);
   return {r[0], r[1]};
@@ -151,6 +261,11 @@ TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
   m.impl("fused_layernorm_linear", &fused_autograd);
   m.impl("rms_norm", &rms_norm_autograd);
   m.impl("fused_rmsnorm_linear", &fused_rms_autograd);
+  m.impl("layer_norm_backward", &layer_norm_backward_autograd);
+  m.impl("rms_norm_backward", &rms_norm_backward_autograd);
+  m.impl("fused_layernorm_linear_backward", &fused_backward_autograd);
+  m.impl("fused_rmsnorm_linear_backward", &fused_rms_backward_autograd);
+  m.impl("fused_layernorm_linear_naive", &naive_autograd);
 }
 
 }  // namespace gpu_puzzles

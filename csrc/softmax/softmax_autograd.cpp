@@ -36,6 +36,24 @@ struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction<Log>> 
   }
 };
 
+// The backward ops. Differentiated again (create_graph=True), they run as ATen math, which
+// autograd differentiates: softmax's y * (g - sum(g * y)), log_softmax's g - exp(y) * sum(g),
+// in float32 for half inputs; otherwise our kernels, below autograd.
+template <bool Log>
+Tensor softmax_backward_autograd(const Tensor& g, const Tensor& y, int64_t dim, c10::string_view algorithm) {
+  using BackwardSig = Tensor(const Tensor&, const Tensor&, int64_t, c10::string_view);
+  static const auto op =
+      typed_op<BackwardSig>(Log ? "gpu_puzzles::log_softmax_backward" : "gpu_puzzles::softmax_backward");
+  if (differentiated(g, y)) {
+    const auto acc = y.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    const Tensor gf = g.to(acc), yf = y.to(acc);
+    const Tensor dx = Log ? gf - yf.exp() * gf.sum(dim, true) : yf * (gf - (gf * yf).sum(dim, true));
+    return dx.to(y.scalar_type());
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(g, y, dim, algorithm);
+}
+
 Tensor softmax_autograd(const Tensor& x, int64_t dim, c10::string_view algorithm) {
   return SoftmaxFunction<false>::apply(x, dim, algorithm);
 }
@@ -48,6 +66,8 @@ Tensor log_softmax_autograd(const Tensor& x, int64_t dim, c10::string_view algor
 TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
   m.impl("softmax", &softmax_autograd);
   m.impl("log_softmax", &log_softmax_autograd);
+  m.impl("softmax_backward", &softmax_backward_autograd<false>);
+  m.impl("log_softmax_backward", &softmax_backward_autograd<true>);
 }
 
 }  // namespace gpu_puzzles
