@@ -105,7 +105,7 @@ double resolve_scale(c10::optional<double> scale, int64_t D) {
   return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
 }
 
-at::ScalarType lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+at::ScalarType lse_dtype(at::ScalarType t) { return acc_type(t); }
 
 // Contiguous (rows, S, D) with a 16-byte aligned base (a contiguous view can
 // start mid-allocation; the CPU kernels may use vector loads): the CPU kernels' layout.
@@ -170,7 +170,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_grads(const at::Tensor& q, 
           empty_in_order_of(v, v.sizes(), q.options())};
 }
 
-bool is_half(const at::Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
 at::Tensor to_float(const at::Tensor& t) { return t.to(at::kFloat); }
 
 // The CPU kernels compute in float32 or float64; half inputs (as torch.autocast hands them
@@ -178,7 +177,7 @@ at::Tensor to_float(const at::Tensor& t) { return t.to(at::kFloat); }
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  c10::optional<double> scale, bool causal, bool enable_gqa) {
   const AttnShape s = check_qkv(q, k, v, enable_gqa, "attention");
-  if (is_half(q)) {
+  if (is_half(q.scalar_type())) {
     auto [o, l] = attention_cpu(to_float(q), to_float(k), to_float(v), scale, causal, enable_gqa);
     return {o.to(q.scalar_type()), l};
   }
@@ -197,7 +196,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, c10::optional<double> scale, bool causal, bool enable_gqa) {
   const AttnShape s = check_backward(grad_out, q, k, v, out, lse, enable_gqa);
-  if (is_half(q)) {
+  if (is_half(q.scalar_type())) {
     auto [dq, dk, dv] = attention_backward_cpu(to_float(grad_out), to_float(q), to_float(k), to_float(v),
                                                to_float(out), lse, scale, causal, enable_gqa);
     const auto t = q.scalar_type();
@@ -257,7 +256,7 @@ MatmulShape check_matmul(const at::Tensor& a, const at::Tensor& b) {
 
 at::Tensor transpose_last2_cpu(const at::Tensor& x) {
   check_transpose(x);
-  if (is_half(x)) return transpose_last2_cpu(to_float(x)).to(x.scalar_type());
+  if (is_half(x.scalar_type())) return transpose_last2_cpu(to_float(x)).to(x.scalar_type());
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty(transposed_shape(x), x.options());
   if (out.numel() > 0) transpose_last2_cpu_kernel(xc, out);
@@ -266,7 +265,7 @@ at::Tensor transpose_last2_cpu(const at::Tensor& x) {
 
 at::Tensor matmul_cpu(const at::Tensor& a, const at::Tensor& b, double alpha, bool causal_mask) {
   const MatmulShape s = check_matmul(a, b);
-  if (is_half(a)) return matmul_cpu(to_float(a), to_float(b), alpha, causal_mask).to(a.scalar_type());
+  if (is_half(a.scalar_type())) return matmul_cpu(to_float(a), to_float(b), alpha, causal_mask).to(a.scalar_type());
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   at::Tensor c = at::empty(s.out_shape, a.options());
   if (c.numel() > 0) matmul_cpu_kernel(ac, bc, c, alpha, causal_mask);

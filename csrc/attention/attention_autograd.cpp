@@ -96,17 +96,9 @@ Tensor3 attention_backward_autograd(const Tensor& g, const Tensor& q, const Tens
   static const auto op = typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                           const Tensor&, c10::optional<double>, bool, bool)>(
       "gpu_puzzles::attention_backward");
-  const bool diff = differentiated(g, q, k, v, out);
-  Tensor3 r;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    r = op.call(g, q, k, v, out, lse, scale, causal, enable_gqa);
-  }
-  if (diff) {
-    auto& [dq, dk, dv] = r;
-    no_double_backward("attention_backward", torch::autograd::collect_next_edges(g, q, k, v, out), {dq, dk, dv});
-  }
-  return r;
+  return no_double_backward(
+      "attention_backward",
+      below_autograd([&] { return op.call(g, q, k, v, out, lse, scale, causal, enable_gqa); }), g, q, k, v, out);
 }
 Tensor transpose_autograd(const Tensor& x) { return TransposeFunction::apply(x); }
 Tensor matmul_autograd(const Tensor& a, const Tensor& b, double alpha, bool causal_mask) {

@@ -13,7 +13,10 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace gpu_puzzles {
 
@@ -58,13 +61,30 @@ inline void error_on_backward(std::string msg, torch::autograd::edge_list&& inpu
     if (t.defined()) torch::autograd::set_history(t, node);
 }
 
-// The same for a backward op: differentiating its outputs again raises, naming the op.
-inline void no_double_backward(const char* op, torch::autograd::edge_list&& inputs,
-                               const std::vector<at::Tensor>& outputs) {
+// f(), the op's kernel, called below autograd.
+template <typename F>
+auto below_autograd(F&& f) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return f();
+}
+
+// A backward op without a derivative of its own: `out` (a tensor or a tuple of them, from
+// below_autograd) returned as it is, or, where `inputs` are being differentiated, marked so
+// that differentiating it again raises, naming the op.
+template <typename Out, typename... Inputs>
+Out no_double_backward(const char* op, Out out, const Inputs&... inputs) {
+  if (!differentiated(inputs...)) return out;
+  std::vector<at::Tensor> outs;
+  if constexpr (std::is_same_v<Out, at::Tensor>) {
+    outs.push_back(out);
+  } else {
+    std::apply([&](const auto&... t) { (outs.push_back(t), ...); }, out);
+  }
   error_on_backward(std::string("gpu_puzzles::") + op +
-                         ": double backward (create_graph=True, then differentiating the gradients) is not "
-                         "supported by this op",
-                     std::move(inputs), outputs);
+                        ": double backward (create_graph=True, then differentiating the gradients) is not "
+                        "supported by this op",
+                    torch::autograd::collect_next_edges(inputs...), outs);
+  return out;
 }
 
 // The gradient if the input needs one, else an undefined tensor.

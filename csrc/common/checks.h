@@ -14,6 +14,11 @@ inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
 
+inline bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// The type the kernels accumulate (and keep statistics) in: float64 for float64, else float32.
+inline at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
 inline void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(is_supported_float(t.scalar_type()), name,
               " must be a float32, float64, float16 or bfloat16 tensor, got ", t.scalar_type());

@@ -45,17 +45,8 @@ Tensor conv1d_autograd(const Tensor& x, const Tensor& weight, const c10::optiona
 std::tuple<Tensor, Tensor, Tensor> conv1d_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& w,
                                                             bool causal, c10::string_view algorithm) {
   static const auto op = typed_op<BackwardSig>("gpu_puzzles::conv1d_backward");
-  const bool diff = differentiated(g, x, w);
-  std::tuple<Tensor, Tensor, Tensor> out;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    out = op.call(g, x, w, causal, algorithm);
-  }
-  if (diff) {
-    auto& [dx, dw, db] = out;
-    no_double_backward("conv1d_backward", torch::autograd::collect_next_edges(g, x, w), {dx, dw, db});
-  }
-  return out;
+  return no_double_backward("conv1d_backward", below_autograd([&] { return op.call(g, x, w, causal, algorithm); }),
+                            g, x, w);
 }
 
 }  // namespace

@@ -56,8 +56,6 @@ Reduction parse_reduction(c10::string_view r, const char* op) {
   TORCH_CHECK(false, op, ": reduction must be one of 'mean', 'sum', 'none', got '", std::string(r), "'");
 }
 
-at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
 // target: int32/int64 of shape `rows_shape` (the logits' or hidden's shape without its last dim).
 void check_target(const Tensor& target, at::IntArrayRef rows_shape, const Tensor& ref, const char* op,

@@ -9,6 +9,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include "common/autograd.h"
+#include "common/checks.h"
 
 namespace gpu_puzzles {
 namespace {
@@ -131,11 +132,9 @@ Tensor cross_entropy_backward_autograd(const Tensor& grad_loss, const Tensor& lo
                                        const Tensor& lse, int64_t ignore_index, c10::string_view reduction) {
   static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
                                          c10::string_view)>("gpu_puzzles::cross_entropy_backward");
-  if (!differentiated(grad_loss, logits)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(grad_loss, logits, target, lse, ignore_index, reduction);
-  }
-  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  if (!differentiated(grad_loss, logits))
+    return below_autograd([&] { return op.call(grad_loss, logits, target, lse, ignore_index, reduction); });
+  const auto acc = acc_type(logits.scalar_type());
   const int64_t V = logits.size(-1);
   const Tensor lf = logits.to(acc);
   const Tensor lse_c = lf.logsumexp(-1);

@@ -44,14 +44,9 @@ at::Tensor embedding_backward_autograd(const at::Tensor& g, const at::Tensor& in
                                        c10::optional<int64_t> padding_idx, bool deterministic,
                                        c10::string_view algorithm) {
   static const auto op = typed_op<BackwardSig>("gpu_puzzles::embedding_backward");
-  const bool diff = differentiated(g);
-  at::Tensor gw;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    gw = op.call(g, indices, num_weights, padding_idx, deterministic, algorithm);
-  }
-  if (diff) no_double_backward("embedding_backward", torch::autograd::collect_next_edges(g), {gw});
-  return gw;
+  return no_double_backward(
+      "embedding_backward",
+      below_autograd([&] { return op.call(g, indices, num_weights, padding_idx, deterministic, algorithm); }), g);
 }
 
 }  // namespace

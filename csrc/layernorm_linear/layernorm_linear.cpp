@@ -64,7 +64,7 @@ using layernorm_linear::layernorm_linear_plan;
 using layernorm_linear::Plan;
 using layernorm_linear::Stage;
 
-at::ScalarType stat_type(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+at::ScalarType stat_type(const Tensor& x) { return acc_type(x.scalar_type()); }
 
 // Stats shape: x's shape without the last dim.
 std::vector<int64_t> lead_shape(const Tensor& x) {
@@ -115,8 +115,6 @@ void check_grad(const Tensor& g, at::IntArrayRef want, const Tensor& ref, const 
   check_same_dtype(g, ref, (std::string(op) + ": grad_out").c_str(), ref_name);
   check_same_device(g, ref, (std::string(op) + ": grad_out").c_str(), ref_name);
 }
-
-bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
 // The linear's dtype is x's, or a half type under a float32 x: the mix torch.autocast hands
 // over (the norm then runs in float32, the linear and the output in linear_weight's dtype).

@@ -3,6 +3,7 @@
 // (RMSNorm: (y, rstd)); only y is differentiable, and the backward keeps x and the per-row
 // statistics, never the normalised activation.
 #include "common/autograd.h"
+#include "common/checks.h"
 
 namespace gpu_puzzles {
 namespace {
@@ -129,8 +130,6 @@ struct FusedRmsFunction : public torch::autograd::Function<FusedRmsFunction> {
 // their dependence on x back (straight through: value + (f(x) - f(x).detach()), with f's
 // first derivative), so the second derivative sees it. Half inputs in float32.
 
-at::ScalarType acc_of(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
 // mean (or 0 for RMS) and rstd as (..., 1), x-dependent to first order.
 std::tuple<Tensor, Tensor> stats_through(const Tensor& xf, const Tensor& mean, const Tensor& rstd, bool rms) {
   const Tensor mu_c = rms ? Tensor() : xf.mean(-1, true);
@@ -144,7 +143,7 @@ std::tuple<Tensor, Tensor> stats_through(const Tensor& xf, const Tensor& mean, c
 // (dx, dgamma, dbeta) of a LayerNorm (rms: without the mean and beta; dbeta undefined).
 Tensor3 norm_backward_math(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd,
                            bool rms) {
-  const auto acc = acc_of(x);
+  const auto acc = acc_type(x.scalar_type());
   const int64_t H = x.size(-1);
   const Tensor xf = x.to(acc), gf = g.to(acc), wf = w.to(acc);
   auto [mu, rs] = stats_through(xf, mean, rstd, rms);
@@ -161,8 +160,7 @@ Tensor3 layer_norm_backward_autograd(const Tensor& g, const Tensor& x, const Ten
   static const auto op = typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
       "gpu_puzzles::layer_norm_backward");
   if (differentiated(g, x, w)) return norm_backward_math(g, x, w, mean, rstd, false);
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(g, x, w, mean, rstd);
+  return below_autograd([&] { return op.call(g, x, w, mean, rstd); });
 }
 
 Tensor2 rms_norm_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& rstd) {
@@ -172,8 +170,7 @@ Tensor2 rms_norm_backward_autograd(const Tensor& g, const Tensor& x, const Tenso
     auto [dx, dw, unused] = norm_backward_math(g, x, w, Tensor(), rstd, true);
     return {dx, dw};
   }
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(g, x, w, rstd);
+  return below_autograd([&] { return op.call(g, x, w, rstd); });
 }
 
 // The fused ops' backwards have no derivative here: differentiated again they raise, naming
@@ -182,36 +179,16 @@ Tensor5 fused_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& 
                                 const Tensor& mean, const Tensor& rstd) {
   static const auto op = typed_op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                           const Tensor&, const Tensor&)>("gpu_puzzles::fused_layernorm_linear_backward");
-  const bool diff = differentiated(g, x, lw, lb, W);
-  Tensor5 out;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    out = op.call(g, x, lw, lb, W, mean, rstd);
-  }
-  if (diff) {
-    auto& [a, b, c, d, e] = out;
-    no_double_backward("fused_layernorm_linear_backward", torch::autograd::collect_next_edges(g, x, lw, lb, W),
-                       {a, b, c, d, e});
-  }
-  return out;
+  return no_double_backward("fused_layernorm_linear_backward",
+                            below_autograd([&] { return op.call(g, x, lw, lb, W, mean, rstd); }), g, x, lw, lb, W);
 }
 
 Tensor4 fused_rms_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& nw, const Tensor& W,
                                     const Tensor& rstd, bool has_bias) {
   static const auto op = typed_op<Tensor4(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                           bool)>("gpu_puzzles::fused_rmsnorm_linear_backward");
-  const bool diff = differentiated(g, x, nw, W);
-  Tensor4 out;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    out = op.call(g, x, nw, W, rstd, has_bias);
-  }
-  if (diff) {
-    auto& [a, b, c, d] = out;
-    no_double_backward("fused_rmsnorm_linear_backward", torch::autograd::collect_next_edges(g, x, nw, W),
-                       {a, b, c, d});
-  }
-  return out;
+  return no_double_backward("fused_rmsnorm_linear_backward",
+                            below_autograd([&] { return op.call(g, x, nw, W, rstd, has_bias); }), g, x, nw, W);
 }
 
 Tensor naive_autograd(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W,
@@ -219,13 +196,8 @@ Tensor naive_autograd(const Tensor& x, const Tensor& lw, const Tensor& lb, const
   static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                          const c10::optional<Tensor>&, double)>(
       "gpu_puzzles::fused_layernorm_linear_naive");
-  const bool diff = differentiated(x, lw, lb, W, b);
-  Tensor y;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    y = op.call(x, lw, lb, W, b, eps);
-  }
-  if (diff)
+  const Tensor y = below_autograd([&] { return op.call(x, lw, lb, W, b, eps); });
+  if (differentiated(x, lw, lb, W, b))
     error_on_backward("gpu_puzzles::fused_layernorm_linear_naive: the curriculum's kernel is forward only; use "
                       "fused_layernorm_linear for gradients",
                       torch::autograd::collect_next_edges(x, lw, lb, W, b), {y});

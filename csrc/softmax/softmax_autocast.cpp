@@ -12,14 +12,9 @@ namespace {
 using Tensor = at::Tensor;
 using Sig = Tensor(const Tensor&, int64_t, c10::string_view);
 
+template <bool Log>
 Tensor softmax_autocast(const Tensor& x, int64_t dim, c10::string_view algorithm) {
-  static const auto op = typed_op<Sig>("gpu_puzzles::softmax");
-  autocast::Below<c10::DeviceType::CUDA> below;
-  return op.call(autocast::cast<c10::DeviceType::CUDA>(at::kFloat, x), dim, algorithm);
-}
-
-Tensor log_softmax_autocast(const Tensor& x, int64_t dim, c10::string_view algorithm) {
-  static const auto op = typed_op<Sig>("gpu_puzzles::log_softmax");
+  static const auto op = typed_op<Sig>(Log ? "gpu_puzzles::log_softmax" : "gpu_puzzles::softmax");
   autocast::Below<c10::DeviceType::CUDA> below;
   return op.call(autocast::cast<c10::DeviceType::CUDA>(at::kFloat, x), dim, algorithm);
 }
@@ -27,8 +22,8 @@ Tensor log_softmax_autocast(const Tensor& x, int64_t dim, c10::string_view algor
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gpu_puzzles, m) {
-  m.impl("softmax", torch::dispatch(c10::DispatchKey::AutocastCUDA, &softmax_autocast));
-  m.impl("log_softmax", torch::dispatch(c10::DispatchKey::AutocastCUDA, &log_softmax_autocast));
+  m.impl("softmax", torch::dispatch(c10::DispatchKey::AutocastCUDA, &softmax_autocast<false>));
+  m.impl("log_softmax", torch::dispatch(c10::DispatchKey::AutocastCUDA, &softmax_autocast<true>));
 }
 
 }  // namespace gpu_puzzles

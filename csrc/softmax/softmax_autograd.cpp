@@ -2,6 +2,7 @@
 #include <string>
 
 #include "common/autograd.h"
+#include "common/checks.h"
 
 namespace gpu_puzzles {
 namespace {
@@ -45,13 +46,12 @@ Tensor softmax_backward_autograd(const Tensor& g, const Tensor& y, int64_t dim, 
   static const auto op =
       typed_op<BackwardSig>(Log ? "gpu_puzzles::log_softmax_backward" : "gpu_puzzles::softmax_backward");
   if (differentiated(g, y)) {
-    const auto acc = y.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    const auto acc = acc_type(y.scalar_type());
     const Tensor gf = g.to(acc), yf = y.to(acc);
     const Tensor dx = Log ? gf - yf.exp() * gf.sum(dim, true) : yf * (gf - (gf * yf).sum(dim, true));
     return dx.to(y.scalar_type());
   }
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(g, y, dim, algorithm);
+  return below_autograd([&] { return op.call(g, y, dim, algorithm); });
 }
 
 Tensor softmax_autograd(const Tensor& x, int64_t dim, c10::string_view algorithm) {
