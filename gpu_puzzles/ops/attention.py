@@ -165,8 +165,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
     ``algorithm="auto"``: fused (flash-style); the S x S scores never reach memory: online
     softmax in the forward, the row log-sum-exp saved for the backward. CPU:
     float32/float64 (float16/bfloat16, as ``torch.autocast`` hands them over on the CPU, are
-    computed in float32 and rounded). CUDA: float32, float64, float16, bfloat16, head dims up to 256 (64 and
-    128 fastest). ``algorithm="unfused"``: the curriculum's chain, our
+    computed in float32 and rounded). CUDA: float32, float64, float16, bfloat16, head dims up
+    to 256 (64 and 128 fastest). ``algorithm="unfused"``: the curriculum's chain, our
     :func:`transpose_last2`, tiled :func:`matmul`, softmax and matmul, with the
     ``(..., Sq, Sk)`` scores and probabilities in memory (O(S^2)); kept for the comparison.
     Both are differentiable in q, k, v.

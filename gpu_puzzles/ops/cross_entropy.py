@@ -75,6 +75,7 @@ def _fused_fake(hidden, weight, target, bias=None, ignore_index=-100, reduction=
 # Autograd is registered in C++ (csrc/cross_entropy/cross_entropy_autograd.cpp).
 _cross_entropy = torch.ops.gpu_puzzles.cross_entropy.default
 _fused = torch.ops.gpu_puzzles.fused_linear_cross_entropy.default
+_NO_MASK = [False, False, False]  # output_mask's default, passed by position (kwargs cost host time per call)
 
 
 class _CrossEntropyTraced(torch.autograd.Function):
@@ -135,4 +136,4 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, b
     dtype, or ``loss_dtype``. Under ``torch.autocast`` the GEMMs run in the autocast dtype
     and the loss is float32, as ``F.linear`` followed by ``F.cross_entropy`` there.
     """
-    return _fused(hidden, weight, target, bias, ignore_index, reduction, loss_dtype=loss_dtype)[0]
+    return _fused(hidden, weight, target, bias, ignore_index, reduction, _NO_MASK, loss_dtype)[0]
