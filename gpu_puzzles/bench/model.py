@@ -126,12 +126,12 @@ def _prepare(name, variant, compiled, device, warmup=3, precision="bf16", ckpt=N
     ids = batch(name, device)
     step = _step_fn(model, opt, ids, compiled, precision)
     t0 = time.time()
-    losses = [float(step()) for _ in range(warmup)]
+    outs = [step() for _ in range(warmup)]
     warm_s = time.time() - t0
     torch.cuda.synchronize()
-    return dict(step=step, tokens=ids.numel(), losses=losses, warm_s=warm_s,
+    return dict(step=step, tokens=ids.numel(), losses=[float(o) for o in outs], warm_s=warm_s,
                 state=torch.cuda.memory_allocated() - before, report=report, times=[], peak_above=0,
-                loss_dtype=str(step().dtype).replace("torch.", ""))
+                loss_dtype=str(outs[-1].dtype).replace("torch.", ""))
 
 
 def _timed_steps(v, n):
