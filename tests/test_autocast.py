@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import gpu_puzzles as gp
-from conftest import DEVICES
+from conftest import DEVICES, poison_allocator, requires_cuda
 
 LOW = {"cpu": torch.bfloat16, "cuda": torch.float16}  # torch.autocast's default dtype per device
 # Error of a result computed from `low` inputs, relative to the reference's scale.
@@ -164,6 +164,49 @@ def test_fused_norm_linear_mixed_dtypes(device, rms):
         _, mean, rstd = torch.ops.gpu_puzzles.fused_layernorm_linear(x.detach(), lw.detach(), lb.detach(), W.detach())
         torch.ops.gpu_puzzles.fused_layernorm_linear_backward(torch.ones(3, 5, 40, device=device), x.detach(),
                                                               lw.detach(), lb.detach(), W.detach(), mean, rstd)
+
+
+@requires_cuda
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("M,H", [(37, 256), (29, 768), (21, 3072), (9, 8200), (13, 66)])
+def test_cuda_mixed_norm_kernels_exact(low, rms, M, H):
+    """On CUDA the mixed fused op writes the half GEMM operand xn straight from float32 x, and its
+    backward reads the half dxn and writes the half xn (no float32 copies): the same numbers,
+    bit for bit, as our float32 norm followed by casts. Shapes walk every kernel of the plan
+    (forward warp / block / loop rows, backward narrow / wide / loop, the scalar path at H = 66);
+    poisoned allocations catch unwritten elements."""
+    torch.manual_seed(M + H)
+    N = 48
+    x = (torch.randn(M, H, device="cuda", dtype=torch.float64) * 2 + 1.5).float()
+    lw, lb = torch.randn(H, device="cuda") * 0.5 + 1, torch.randn(H, device="cuda")
+    W, b = torch.randn(N, H, device="cuda").to(low), torch.randn(N, device="cuda").to(low)
+    dy = torch.randn(M, N, device="cuda").to(low)
+    ops = torch.ops.gpu_puzzles
+    poison_allocator(64 << 20)
+    if rms:
+        y, rstd = ops.fused_rmsnorm_linear(x, lw, W, b, 1e-5)
+        xn32, rstd_ref = ops.rms_norm(x, lw, 1e-5)
+        mean = None
+    else:
+        y, mean, rstd = ops.fused_layernorm_linear(x, lw, lb, W, b, 1e-5)
+        xn32, mean_ref, rstd_ref = ops.layer_norm(x, lw, lb, 1e-5)
+        assert torch.equal(mean, mean_ref)
+    assert torch.equal(rstd, rstd_ref)
+    xn = xn32.to(low)
+    assert y.dtype == low and torch.equal(y, torch.addmm(b, xn, W.t()))
+    poison_allocator(64 << 20)
+    if rms:
+        dx, dlw, dW, db = ops.fused_rmsnorm_linear_backward(dy, x, lw, W, rstd, True)
+        dx_ref, dlw_ref = ops.rms_norm_backward((dy @ W).float(), x, lw, rstd)
+    else:
+        dx, dlw, dlb, dW, db = ops.fused_layernorm_linear_backward(dy, x, lw, lb, W, mean, rstd)
+        dx_ref, dlw_ref, dlb_ref = ops.layer_norm_backward((dy @ W).float(), x, lw, mean, rstd)
+        assert torch.equal(dlb, dlb_ref)
+    assert dx.dtype == torch.float32 and dW.dtype == low
+    assert torch.equal(dx, dx_ref) and torch.equal(dlw, dlw_ref)
+    assert torch.equal(dW, dy.t() @ xn)
+    torch.testing.assert_close(db.float(), dy.float().sum(0), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

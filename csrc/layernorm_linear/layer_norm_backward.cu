@@ -27,11 +27,13 @@ namespace {
 // dx may be dy (in place: the fused backward's dxn buffer): each element is read by the
 // thread that writes it, before it writes it (a prefetch reads rows of later steps
 // only); so neither pointer is __restrict__.
-template <typename T, int VEC, int C, int R, bool XN, bool RMS>
+// G: dy's and xn's type, T's, or a half type beside a float32 x (the fused backward under
+// autocast reads the half GEMM's dxn and writes the half dW operand as they are).
+template <typename T, int VEC, int C, int R, bool XN, bool RMS, typename G>
 __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads)
-    ln_bwd_cached(const T* dy, const T* __restrict__ x, const T* __restrict__ gamma,
+    ln_bwd_cached(const G* dy, const T* __restrict__ x, const T* __restrict__ gamma,
                   const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* dx,
-                  acc_t<T>* __restrict__ part, const T* __restrict__ beta, T* __restrict__ xn, int64_t M, int64_t H) {
+                  acc_t<T>* __restrict__ part, const T* __restrict__ beta, G* __restrict__ xn, int64_t M, int64_t H) {
   using A = acc_t<T>;
   constexpr bool kPrefetch = C == 1 && sizeof(T) <= 4;  // fp64: the second set spilled (48 bytes at 128 registers)
   __shared__ A sh[64 * R];
@@ -47,7 +49,8 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
   // One step: rows r .. r+R-1 of x and dy and their statistics (rows past M: zero
   // statistics, no loads). A struct, so the prefetched step is taken over by assignment.
   struct Rows {
-    T x[R][C][VEC], d[R][C][VEC];
+    T x[R][C][VEC];
+    G d[R][C][VEC];
     A mu[R], rs[R];
   };
   auto load_rows = [&](int64_t r, Rows& w) {
@@ -64,7 +67,7 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
         const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
         if (live && c < nvec) {
           load_pack<T, VEC>(w.x[j][k], x + (r + j) * H + c * VEC);
-          load_pack<T, VEC>(w.d[j][k], dy + (r + j) * H + c * VEC);
+          load_pack<G, VEC>(w.d[j][k], dy + (r + j) * H + c * VEC);
         }
       }
     }
@@ -117,8 +120,9 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
         }
         store_pack<T, VEC>(dx + (r0 + j) * H + c * VEC, o);
         if constexpr (XN) {  // the LayerNorm output, as the forward's normalise computes it
-          normalise<T, VEC, RMS>(xv[j][k], mu[j], rs[j], gamma, beta, c, o);
-          store_pack<T, VEC>(xn + (r0 + j) * H + c * VEC, o);
+          G on[VEC];
+          normalise<T, VEC, RMS>(xv[j][k], mu[j], rs[j], gamma, beta, c, on);
+          store_pack<G, VEC>(xn + (r0 + j) * H + c * VEC, on);
         }
       });
     }
@@ -137,11 +141,11 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
 
 // Any H: the block's partial rows live in `part` (each column owned by one thread).
 // dx may be dy, as in ln_bwd_cached.
-template <typename T, bool RMS>
-__global__ void ln_bwd_loop(const T* dy, const T* __restrict__ x, const T* __restrict__ gamma,
+template <typename T, bool RMS, typename G>
+__global__ void ln_bwd_loop(const G* dy, const T* __restrict__ x, const T* __restrict__ gamma,
                             const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
                             T* dx, acc_t<T>* __restrict__ part, const T* __restrict__ beta,
-                            T* __restrict__ xn, int64_t M, int64_t H) {
+                            G* __restrict__ xn, int64_t M, int64_t H) {
   using A = acc_t<T>;
   __shared__ A sh[64];
   A* pgr = part + (int64_t)blockIdx.x * H;
@@ -153,7 +157,7 @@ __global__ void ln_bwd_loop(const T* dy, const T* __restrict__ x, const T* __res
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
     const A mu = RMS ? A(0) : mean[row], rs = rstd[row];
     const T* xr = x + row * H;
-    const T* dr = dy + row * H;
+    const G* dr = dy + row * H;
     A s1 = 0, s2 = 0;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
       const A xh = (to_acc<A>(xr[c]) - mu) * rs, d = to_acc<A>(dr[c]), gd = d * to_acc<A>(gamma[c]);
@@ -168,7 +172,7 @@ __global__ void ln_bwd_loop(const T* dy, const T* __restrict__ x, const T* __res
       const A xh = (to_acc<A>(xr[c]) - mu) * rs;
       dx[row * H + c] = from_acc<T>(rs * (to_acc<A>(dr[c]) * to_acc<A>(gamma[c]) - m1 - xh * m2));
       if (xn != nullptr) {
-        T o[1];
+        G o[1];
         normalise<T, 1, RMS>({xr[c]}, mu, rs, gamma, beta, c, o);
         xn[row * H + c] = o[0];
       }
@@ -260,15 +264,15 @@ template <auto K> struct KernelTag {
   static constexpr auto kernel = K;
 };
 
-template <typename T, bool RMS, class F>
+template <typename T, bool RMS, typename G, class F>
 auto with_bwd_kernel(const Plan& p, bool xn, F&& f) {
-  if (p.rows == Rows::kLoop) return f(KernelTag<&ln_bwd_loop<T, RMS>>{});
+  if (p.rows == Rows::kLoop) return f(KernelTag<&ln_bwd_loop<T, RMS, G>>{});
   const bool narrow = p.rows == Rows::kBlockNarrow;
   auto pick = [&](auto vec_c, auto xn_c) {
     constexpr int VEC = decltype(vec_c)::value ? vec_of<T>() : 1;
     constexpr bool XN = decltype(xn_c)::value;
-    return narrow ? f(KernelTag<&ln_bwd_cached<T, VEC, 1, kBwdRowsNarrow, XN, RMS>>{})
-                  : f(KernelTag<&ln_bwd_cached<T, VEC, kCache, kBwdRowsWide, XN, RMS>>{});
+    return narrow ? f(KernelTag<&ln_bwd_cached<T, VEC, 1, kBwdRowsNarrow, XN, RMS, G>>{})
+                  : f(KernelTag<&ln_bwd_cached<T, VEC, kCache, kBwdRowsWide, XN, RMS, G>>{});
   };
   using Y = std::true_type;
   using N = std::false_type;
@@ -278,7 +282,7 @@ auto with_bwd_kernel(const Plan& p, bool xn, F&& f) {
 
 // The plan's kernel and a persistent grid of as many blocks as fit on the GPU at once
 // (one wave), at most M; blocks = 0 and the error when a device query fails.
-template <typename T, bool RMS>
+template <typename T, bool RMS, typename G>
 Plan bwd_plan(int64_t M, int64_t H, bool aligned, bool xn, int64_t& blocks, cudaError_t& err) {
   const Plan p = layernorm_linear_plan(Stage::kBackward, H, vec_of<T>(), aligned);
   blocks = 0;
@@ -288,7 +292,7 @@ Plan bwd_plan(int64_t M, int64_t H, bool aligned, bool xn, int64_t& blocks, cuda
   err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return p;
   // Cached per device and kernel: every backward call sizes its grid with it.
-  int per_sm = with_bwd_kernel<T, RMS>(p, xn, [&](auto k) { return blocks_per_sm<decltype(k)::kernel>(dev, p.threads, err); });
+  int per_sm = with_bwd_kernel<T, RMS, G>(p, xn, [&](auto k) { return blocks_per_sm<decltype(k)::kernel>(dev, p.threads, err); });
   if (err != cudaSuccess) return p;
   per_sm = per_sm > 1 ? per_sm : 1;
   int64_t g = (int64_t)per_sm * sms;
@@ -304,46 +308,55 @@ Plan bwd_plan(int64_t M, int64_t H, bool aligned, bool xn, int64_t& blocks, cuda
 
 }  // namespace
 
-LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, bool xn, int64_t& blocks, Norm norm) {
+LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, DType grad_dtype, bool xn,
+                                        int64_t& blocks, Norm norm) {
+  blocks = 0;
+  if (!mixed_pair_ok(dtype, grad_dtype)) return cudaErrorNotSupported;
   // The workspace is sized for the vector plan; the scalar plan never needs more blocks
   // than it (fewer registers), but take the larger of the two to be safe.
   cudaError_t err = cudaSuccess;
-  auto run = [&](auto tag, auto rms_c) -> int64_t {
+  auto run = [&](auto tag, auto grad_tag, auto rms_c) -> int64_t {
     using T = decltype(tag);
+    using G = decltype(grad_tag);
     constexpr bool R = decltype(rms_c)::value;
     int64_t a = 0, b = 0;
-    bwd_plan<T, R>(M, H, true, xn, a, err);
-    if (err == cudaSuccess) bwd_plan<T, R>(M, H, false, xn, b, err);
+    bwd_plan<T, R, G>(M, H, true, xn, a, err);
+    if (err == cudaSuccess) bwd_plan<T, R, G>(M, H, false, xn, b, err);
     return a > b ? a : b;
   };
   blocks = dispatch_dtype(dtype, [&](auto tag) -> int64_t {
-    return norm == Norm::kRms ? run(tag, std::true_type{}) : run(tag, std::false_type{});
+    return with_out_dtype(tag, grad_dtype, [&](auto g) -> int64_t {
+      return norm == Norm::kRms ? run(tag, g, std::true_type{}) : run(tag, g, std::false_type{});
+    });
   });
   return err;
 }
 
 LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void* gamma, const void* mean,
                                       const void* rstd, void* dx, void* dgamma, void* dbeta, void* workspace,
-                                      int64_t M, int64_t H, DType dtype, cudaStream_t stream, const void* beta,
-                                      void* xn, Norm norm) {
+                                      int64_t M, int64_t H, DType dtype, DType grad_dtype, cudaStream_t stream,
+                                      const void* beta, void* xn, Norm norm) {
   if (M == 0 || H == 0) return cudaSuccess;  // the host zero-fills dgamma/dbeta for M == 0
+  if (!mixed_pair_ok(dtype, grad_dtype) || (grad_dtype != dtype && dx == dy)) return cudaErrorNotSupported;
   cudaError_t err = cudaSuccess;
-  auto run = [&](auto tag, auto rms_c) {
+  auto run = [&](auto tag, auto grad_tag, auto rms_c) {
     using T = decltype(tag);
+    using G = decltype(grad_tag);
     constexpr bool R = decltype(rms_c)::value;
     using A = acc_t<T>;
-    const T *dyp = static_cast<const T*>(dy), *xp = static_cast<const T*>(x), *gp = static_cast<const T*>(gamma);
+    const G* dyp = static_cast<const G*>(dy);
+    const T *xp = static_cast<const T*>(x), *gp = static_cast<const T*>(gamma);
     const A *mp = static_cast<const A*>(mean), *rp = static_cast<const A*>(rstd);
     T* dxp = static_cast<T*>(dx);
     A* part = static_cast<A*>(workspace);
     const T* bp = static_cast<const T*>(beta);
-    T* xnp = static_cast<T*>(xn);
+    G* xnp = static_cast<G*>(xn);
     const bool aligned = xn ? all_aligned({dy, x, gamma, dx, beta, xn}) : all_aligned({dy, x, gamma, dx});
     int64_t blocks = 0;
-    const Plan p = bwd_plan<T, R>(M, H, aligned, xn != nullptr, blocks, err);
+    const Plan p = bwd_plan<T, R, G>(M, H, aligned, xn != nullptr, blocks, err);
     if (err != cudaSuccess) return 0;
     const unsigned grid = static_cast<unsigned>(blocks);
-    with_bwd_kernel<T, R>(p, xn != nullptr, [&](auto k) {
+    with_bwd_kernel<T, R, G>(p, xn != nullptr, [&](auto k) {
       constexpr auto kernel = decltype(k)::kernel;
       kernel<<<grid, p.threads, 0, stream>>>(dyp, xp, gp, mp, rp, dxp, part, bp, xnp, M, H);
       return 0;
@@ -354,7 +367,9 @@ LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void*
     return 0;
   };
   dispatch_dtype(dtype, [&](auto tag) {
-    return norm == Norm::kRms ? run(tag, std::true_type{}) : run(tag, std::false_type{});
+    return with_out_dtype(tag, grad_dtype, [&](auto g) {
+      return norm == Norm::kRms ? run(tag, g, std::true_type{}) : run(tag, g, std::false_type{});
+    });
   });
   return err != cudaSuccess ? err : cudaGetLastError();
 }

@@ -11,13 +11,13 @@
 namespace gpu_puzzles {
 namespace {
 
-template <typename T, int VEC, bool RMS>
+template <typename T, int VEC, bool RMS, typename O>
 __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restrict__ x, const T* __restrict__ gamma,
-                              const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
+                              const T* __restrict__ beta, O* __restrict__ y, acc_t<T>* __restrict__ mean,
                               acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
   __shared__ acc_t<T> sh[64];
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x)
-    ln_row_cached<T, VEC, RMS>(row, x, gamma, beta, y, mean, rstd, H, eps, sh);
+    ln_row_cached<T, VEC, RMS, O>(row, x, gamma, beta, y, mean, rstd, H, eps, sh);
 }
 
 // Short rows (at most 32 * kCache vectors: H <= 1024 in bf16): one warp per row,
@@ -26,9 +26,9 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
 // the SM's 32-block limit would cap it at half occupancy, halving the loads in
 // flight. Same arithmetic as ln_row_cached (pivot shift, exact two-pass).
 
-template <typename T, int VEC, bool RMS>
+template <typename T, int VEC, bool RMS, typename O>
 __global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma,
-                              const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
+                              const T* __restrict__ beta, O* __restrict__ y, acc_t<T>* __restrict__ mean,
                               acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
   using A = acc_t<T>;
   const int lane = threadIdx.x & 31;
@@ -48,9 +48,9 @@ __global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __rest
       for (int k = 0; k < kCache; ++k) {
         const int64_t c = lane + (int64_t)k * 32;
         if (c < nvec) {
-          T o[VEC];
+          O o[VEC];
           normalise<T, VEC, RMS>(v[k], mu, rs, gamma, beta, c, o);
-          store_pack<T, VEC>(y + row * H + c * VEC, o);
+          store_pack<O, VEC>(y + row * H + c * VEC, o);
         }
       }
     }
@@ -58,9 +58,9 @@ __global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __rest
 }
 
 // Any H: three passes over the row (the later ones mostly hit L1/L2).
-template <typename T, int VEC, bool RMS>
+template <typename T, int VEC, bool RMS, typename O>
 __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma,
-                            const T* __restrict__ beta, T* __restrict__ y, acc_t<T>* __restrict__ mean,
+                            const T* __restrict__ beta, O* __restrict__ y, acc_t<T>* __restrict__ mean,
                             acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
   using A = acc_t<T>;
   __shared__ A sh[64];
@@ -89,10 +89,11 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
     finish_block_row<A, RMS>(mu1, e, q, H, eps, row, mean, rstd, sh, mu, rs);
     if (y != nullptr) {
       for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-        T v[VEC], o[VEC];
+        T v[VEC];
+        O o[VEC];
         load_pack<T, VEC>(v, xr + c * VEC);
         normalise<T, VEC, RMS>(v, mu, rs, gamma, beta, c, o);
-        store_pack<T, VEC>(y + row * H + c * VEC, o);
+        store_pack<O, VEC>(y + row * H + c * VEC, o);
       }
     }
   }
@@ -102,15 +103,17 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
 
 LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y, void* mean,
                                      void* rstd, int64_t M, int64_t H, double eps, DType dtype,
-                                     cudaStream_t stream, Norm norm) {
+                                     cudaStream_t stream, Norm norm, DType out) {
   if (M == 0) return cudaSuccess;
-  auto run = [&](auto tag, auto rms_c) {
+  if (!mixed_pair_ok(dtype, out)) return cudaErrorNotSupported;
+  auto run = [&](auto tag, auto out_tag, auto rms_c) {
     constexpr bool R = decltype(rms_c)::value;
     using T = decltype(tag);
+    using O = decltype(out_tag);
     using A = acc_t<T>;
     constexpr int V = vec_of<T>();
     const T *xp = static_cast<const T*>(x), *gp = static_cast<const T*>(gamma), *bp = static_cast<const T*>(beta);
-    T* yp = static_cast<T*>(y);
+    O* yp = static_cast<O*>(y);
     A *mp = static_cast<A*>(mean), *rp = static_cast<A*>(rstd);
     const Plan p = layernorm_linear_plan(Stage::kForward, H, V, all_aligned({x, gamma, beta, y}));
     auto launch = [&](auto kernel, unsigned grid) {
@@ -119,19 +122,21 @@ LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const voi
     switch (p.rows) {
       case Rows::kWarp: {
         const unsigned grid = row_grid((M + kWarpRows - 1) / kWarpRows);
-        p.vec ? launch(ln_fwd_warp<T, V, R>, grid) : launch(ln_fwd_warp<T, 1, R>, grid);
+        p.vec ? launch(ln_fwd_warp<T, V, R, O>, grid) : launch(ln_fwd_warp<T, 1, R, O>, grid);
         break;
       }
       case Rows::kBlock:
-        p.vec ? launch(ln_fwd_cached<T, V, R>, row_grid(M)) : launch(ln_fwd_cached<T, 1, R>, row_grid(M));
+        p.vec ? launch(ln_fwd_cached<T, V, R, O>, row_grid(M)) : launch(ln_fwd_cached<T, 1, R, O>, row_grid(M));
         break;
       default:
-        p.vec ? launch(ln_fwd_loop<T, V, R>, row_grid(M)) : launch(ln_fwd_loop<T, 1, R>, row_grid(M));
+        p.vec ? launch(ln_fwd_loop<T, V, R, O>, row_grid(M)) : launch(ln_fwd_loop<T, 1, R, O>, row_grid(M));
     }
     return 0;
   };
   dispatch_dtype(dtype, [&](auto tag) {
-    return norm == Norm::kRms ? run(tag, std::true_type{}) : run(tag, std::false_type{});
+    return with_out_dtype(tag, out, [&](auto o) {
+      return norm == Norm::kRms ? run(tag, o, std::true_type{}) : run(tag, o, std::false_type{});
+    });
   });
   return cudaGetLastError();
 }

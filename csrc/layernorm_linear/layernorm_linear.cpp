@@ -148,15 +148,18 @@ const void* opt_ptr(const c10::optional<Tensor>& t) { return t.has_value() ? t->
 // ---- ops (one body per backend: `cuda` picks the launchers) ----------------------
 
 // bias_ null: RMSNorm, the mean undefined. y null: statistics only (the fused fold plan).
+// y_type: y's dtype, x's unless given (a half one beside a float32 x: the normalise plan
+// under autocast, where the CUDA kernels write the GEMM's operand directly).
 Tensor3 layer_norm_impl(const Tensor& x_, const Tensor& weight_, const Tensor* bias_, double eps, bool cuda,
-                        bool want_y = true) {
+                        bool want_y = true, c10::optional<at::ScalarType> y_type = c10::nullopt) {
   const char* op = bias_ ? "layer_norm" : "rms_norm";
   const int64_t H = check_ln(x_, weight_, bias_, op);
   TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
   const Tensor x = x_.contiguous(), g = weight_.contiguous(), b = bias_ ? bias_->contiguous() : Tensor();
   const int64_t M = x.numel() / H;
   const Norm norm = norm_of(bias_);
-  Tensor y = want_y ? at::empty(x.sizes(), x.options()) : Tensor();
+  const at::ScalarType yt = y_type.value_or(x.scalar_type());
+  Tensor y = want_y ? at::empty(x.sizes(), x.options().dtype(cuda ? yt : x.scalar_type())) : Tensor();
   Tensor mean = bias_ ? at::empty(lead_shape(x), x.options().dtype(stat_type(x))) : Tensor();
   Tensor rstd = at::empty(lead_shape(x), x.options().dtype(stat_type(x)));
   auto ptr = [](const Tensor& t) -> void* { return t.defined() ? t.data_ptr() : nullptr; };
@@ -164,11 +167,12 @@ Tensor3 layer_norm_impl(const Tensor& x_, const Tensor& weight_, const Tensor* b
 #ifdef WITH_CUDA
     GP_CUDA_CHECK_STATUS(layer_norm_forward_cuda(x.data_ptr(), g.data_ptr(), ptr(b), ptr(y), ptr(mean),
                                                  rstd.data_ptr(), M, H, eps, to_dtype(x.scalar_type()),
-                                                 current_stream(), norm));
+                                                 current_stream(), norm, to_dtype(yt)));
 #endif
   } else {
     GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), ptr(b), ptr(y), ptr(mean), rstd.data_ptr(), M, H,
                                         eps, to_dtype(x.scalar_type()), false, norm);
+    if (want_y) y = y.to(yt);  // the CPU kernels write one dtype
   }
   return {y, mean, rstd};
 }
@@ -183,12 +187,19 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
   const bool rms = norm == Norm::kRms;
   const char* op = rms ? "rms_norm_backward" : "layer_norm_backward";
   const int64_t H = check_ln(x_, weight_, rms ? nullptr : &weight_, op);
-  check_grad(grad_, x_.sizes(), x_, "x", op);
+  // The fused backward under autocast hands over a half dxn (its GEMM's output, read as it
+  // is) for a float32 x, and wants xn in that half type.
+  const bool mixed = xn != nullptr && grad_.scalar_type() != x_.scalar_type();
+  if (mixed) {
+    TORCH_CHECK(grad_.sizes() == x_.sizes() && xn->scalar_type() == grad_.scalar_type(), op, ": internal dtype mix");
+  } else {
+    check_grad(grad_, x_.sizes(), x_, "x", op);
+  }
   check_stats(rms ? nullptr : &mean_, rstd_, x_, op);
   const Tensor x = x_.contiguous(), g = weight_.contiguous(), dy = grad_.contiguous();
   const Tensor mean = rms ? Tensor() : mean_.contiguous(), rstd = rstd_.contiguous();
   const int64_t M = x.numel() / H;
-  const bool in_place = xn != nullptr && cuda && dy.is_same(grad_);
+  const bool in_place = xn != nullptr && cuda && dy.is_same(grad_) && !mixed;
   Tensor dx = in_place ? dy.view(x.sizes()) : at::empty(x.sizes(), x.options());
   Tensor dg = at::empty({H}, x.options()), db = rms ? Tensor() : at::empty({H}, x.options());
   auto ptr = [](const Tensor& t) -> void* { return t.defined() ? t.data_ptr() : nullptr; };
@@ -201,11 +212,12 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
 #ifdef WITH_CUDA
     const bool want_xn = xn != nullptr;
     int64_t G = 0;
-    GP_CUDA_CHECK_STATUS(layer_norm_backward_blocks(M, H, to_dtype(x.scalar_type()), want_xn, G, norm));
+    const DType gt = to_dtype(dy.scalar_type());
+    GP_CUDA_CHECK_STATUS(layer_norm_backward_blocks(M, H, to_dtype(x.scalar_type()), gt, want_xn, G, norm));
     Tensor ws = at::empty({(rms ? 1 : 2) * G * H}, x.options().dtype(stat_type(x)));
     GP_CUDA_CHECK_STATUS(layer_norm_backward_cuda(
         dy.data_ptr(), x.data_ptr(), g.data_ptr(), ptr(mean), rstd.data_ptr(), dx.data_ptr(), dg.data_ptr(),
-        ptr(db), ws.data_ptr(), M, H, to_dtype(x.scalar_type()), current_stream(),
+        ptr(db), ws.data_ptr(), M, H, to_dtype(x.scalar_type()), gt, current_stream(),
         want_xn && beta ? beta->data_ptr() : nullptr, want_xn ? xn->data_ptr() : nullptr, norm));
 #endif
   } else {
@@ -220,12 +232,12 @@ bool w_transposed(const Tensor& W) { return !W.is_contiguous() && W.t().is_conti
 
 // The normalise plan: our LayerNorm writes xn (and the statistics), then one cuBLAS GEMM
 // with the bias in its epilogue (addmm, as F.linear), reading W through its strides.
-// A half W under a float32 x: xn is normalised in float32 and cast for the GEMM.
+// A half W under a float32 x: the norm in float32, xn written in W's dtype.
 // Returns (y (M, N), mean, rstd).
 Tensor3 normalize_forward(const Tensor& x, const Tensor& g, const Tensor* be, const Tensor& W,
                           const c10::optional<Tensor>& b, int64_t M, int64_t H, double eps, bool cuda) {
-  auto [xn, mean, rstd] = layer_norm_impl(x, g, be, eps, cuda);
-  const Tensor xn2 = xn.view({M, H}).to(W.scalar_type());
+  auto [xn, mean, rstd] = layer_norm_impl(x, g, be, eps, cuda, true, W.scalar_type());
+  const Tensor xn2 = xn.view({M, H});
   return {b ? at::addmm(*b, xn2, W.t()) : at::mm(xn2, W.t()), mean, rstd};
 }
 
@@ -385,7 +397,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
   const int64_t M = x.numel() / H;
   const Tensor dy = grad_.contiguous().view({M, N});
   // A half W under a float32 x (autocast): the GEMMs run in W's dtype, the norm's backward
-  // in x's; dxn and xn are cast between them.
+  // in x's (on CUDA it reads dxn and writes xn in W's dtype; the CPU casts them).
   const auto wt_type = W.scalar_type();
   // dW in W's own layout, so that autograd's accumulation into a transposed parameter
   // (Conv1D's (H, N) weight, seen here through .t()) needs no copy: (xn^T dy)^T then.
@@ -398,12 +410,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
     return dWt.t();
   };
   // The normalised activation, recomputed for dW (the forward does not keep it).
-  Tensor xn = at::empty({M, H}, x.options());
   if (cuda) {
 #ifdef WITH_CUDA
     // The LayerNorm backward reads x anyway: it writes xn too, instead of a separate
-    // pass over x (benchmarks/lnlinear_prep_variants.cu), and dx over dxn.
-    Tensor dxn = at::mm(dy, W).view(x.sizes()).to(x.scalar_type());  // (.., H)
+    // pass over x (benchmarks/lnlinear_prep_variants.cu), and dx over dxn (one dtype).
+    Tensor xn = at::empty({M, H}, x.options().dtype(wt_type));
+    Tensor dxn = at::mm(dy, W).view(x.sizes());  // (.., H), W's dtype
     auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda, lb_ ? &be : nullptr, &xn, norm);
     dxn.reset();
     Tensor dW = dw_gemm(xn);  // (N, H)
@@ -420,6 +432,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
     return {dx, dg, dbeta, dW, db};
 #endif
   }
+  Tensor xn = at::empty({M, H}, x.options());
   GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), ptr(be), xn.data_ptr(), ptr(mean), rstd.data_ptr(),
                                       M, H, 0.0, to_dtype(x.scalar_type()), true, norm);
   Tensor db = want_db ? dy.sum(0) : Tensor();

@@ -24,26 +24,29 @@ constexpr double kLayerNormLinearMaxMeanRatio = 16.0;
 enum class Norm : int { kLayer = 0, kRms = 1 };
 
 // mean/rstd of every row; y = (x - mean) * rstd * gamma + beta when y != null
-// (kRms: rstd only, y = x * rstd * gamma).
+// (kRms: rstd only, y = x * rstd * gamma). y has dtype `out`: dtype, or for a float32 x
+// a half type (the operand of a half linear under autocast, written without a float32 copy).
 LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y,
                                      void* mean, void* rstd, int64_t M, int64_t H, double eps,
-                                     DType dtype, cudaStream_t stream, Norm norm = Norm::kLayer);
+                                     DType dtype, cudaStream_t stream, Norm norm, DType out);
 
 // Blocks of the backward (each owns one row of partial dgamma/dbeta sums);
 // the workspace holds 2 * blocks * H accumulate-type elements. An error when a device
 // query fails.
-LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, bool xn, int64_t& blocks,
-                                        Norm norm = Norm::kLayer);
+LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, DType grad_dtype, bool xn,
+                                        int64_t& blocks, Norm norm);
 
 // dx, dgamma, dbeta from dy (grad of the LayerNorm output). Deterministic:
 // per-block partials reduced in a fixed order. With xn (and beta) non-null it also
 // writes the LayerNorm output xn = gamma * xhat + beta (the fused backward's dW operand).
-// dx may be dy (in place). kRms: dbeta, mean and beta unused (xn = gamma * x * rstd).
+// dx may be dy (in place, one dtype). kRms: dbeta, mean and beta unused (xn = gamma * x * rstd).
+// dy and xn have grad_dtype: dtype, or for a float32 x a half type (the fused backward
+// under autocast: dy from the half GEMM, xn its operand), the rest dtype.
 LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void* gamma,
                                       const void* mean, const void* rstd, void* dx, void* dgamma,
                                       void* dbeta, void* workspace, int64_t M, int64_t H,
-                                      DType dtype, cudaStream_t stream, const void* beta = nullptr,
-                                      void* xn = nullptr, Norm norm = Norm::kLayer);
+                                      DType dtype, DType grad_dtype, cudaStream_t stream, const void* beta,
+                                      void* xn, Norm norm);
 
 // Fold the LayerNorm affine into the linear layer, per output row n:
 //   wc[n,:] = W[n,:]*gamma - mean_h(W[n,:]*gamma)   (stored in T: the GEMM operand)

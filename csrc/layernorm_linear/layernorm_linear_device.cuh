@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 
 #include "common/align.h"
 #include "common/device.cuh"
@@ -95,6 +96,16 @@ __device__ __forceinline__ void load_pack(T (&d)[VEC], const T* p) {
         q = __ldg(src);
       memcpy(reinterpret_cast<char*>(d) + 16 * i, &q, 16);
     }
+  } else if constexpr (VEC * sizeof(T) == 8) {  // four halves beside a float32 row (mixed dtypes)
+    const uint2* src = reinterpret_cast<const uint2*>(p);
+    uint2 q;
+    if constexpr (P == Ld::kStream)
+      asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(q.x), "=r"(q.y) : "l"(src));
+    else if constexpr (P == Ld::kCoherent)
+      q = *src;
+    else
+      q = __ldg(src);
+    memcpy(reinterpret_cast<char*>(d), &q, 8);
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) d[i] = p[i];
@@ -115,6 +126,14 @@ __device__ __forceinline__ void store_pack(T* __restrict__ p, const T (&d)[VEC])
       else
         reinterpret_cast<uint4*>(p)[i] = q;
     }
+  } else if constexpr (VEC * sizeof(T) == 8) {
+    uint2 q;
+    memcpy(&q, reinterpret_cast<const char*>(d), 8);
+    if constexpr (P == St::kStream)
+      asm volatile("st.global.cs.v2.u32 [%0], {%1,%2};" ::"l"(reinterpret_cast<uint2*>(p)), "r"(q.x), "r"(q.y)
+                   : "memory");
+    else
+      *reinterpret_cast<uint2*>(p) = q;
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) p[i] = d[i];
@@ -191,28 +210,29 @@ __device__ __forceinline__ void sum_centred(const T (&v)[VEC], acc_t<T> mu1, acc
   }
 }
 
-template <typename T, int VEC, bool RMS = false>
+// O: the output's type, T's or (a float32 row under a half linear) the half type.
+template <typename T, int VEC, bool RMS = false, typename O = T>
 __device__ __forceinline__ void normalise(const T (&v)[VEC], acc_t<T> mu, acc_t<T> rs, const T* __restrict__ gamma,
-                                          const T* __restrict__ beta, int64_t c, T (&o)[VEC]) {
+                                          const T* __restrict__ beta, int64_t c, O (&o)[VEC]) {
   using A = acc_t<T>;
   T g[VEC];
   load_pack<T, VEC>(g, gamma + c * VEC);
   if constexpr (RMS) {
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) o[i] = from_acc<T>(to_acc<A>(v[i]) * rs * to_acc<A>(g[i]));
+    for (int i = 0; i < VEC; ++i) o[i] = from_acc<O>(to_acc<A>(v[i]) * rs * to_acc<A>(g[i]));
   } else {
     T b[VEC];
     load_pack<T, VEC>(b, beta + c * VEC);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) o[i] = from_acc<T>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
+    for (int i = 0; i < VEC; ++i) o[i] = from_acc<O>((to_acc<A>(v[i]) - mu) * rs * to_acc<A>(g[i]) + to_acc<A>(b[i]));
   }
 }
 
 // One row of LayerNorm held in registers by one block (blockDim.x threads, kCache
 // vectors each; the caller sizes the block so the row fits). y null: statistics only.
-template <typename T, int VEC, bool RMS = false>
+template <typename T, int VEC, bool RMS = false, typename O = T>
 __device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__ x, const T* __restrict__ gamma,
-                                              const T* __restrict__ beta, T* __restrict__ y,
+                                              const T* __restrict__ beta, O* __restrict__ y,
                                               acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd, int64_t H,
                                               double eps, acc_t<T>* sh) {
   using A = acc_t<T>;
@@ -239,9 +259,9 @@ __device__ __forceinline__ void ln_row_cached(int64_t row, const T* __restrict__
   finish_block_row<A, RMS>(mu1, e, q, H, eps, row, mean, rstd, sh, mu, rs);
   if (y != nullptr) {
     for_cached<kCache>(nvec, [&](int k, int64_t c) {
-      T o[VEC];
+      O o[VEC];
       normalise<T, VEC, RMS>(v[k], mu, rs, gamma, beta, c, o);
-      store_pack<T, VEC, St::kStream>(y + row * H + c * VEC, o);
+      store_pack<O, VEC, St::kStream>(y + row * H + c * VEC, o);
     });
   }
 }
@@ -309,6 +329,21 @@ inline bool all_aligned(std::initializer_list<const void*> ps) {
 }
 
 template <typename T> constexpr int vec_of() { return static_cast<int>(16 / sizeof(T)); }
+
+// f(element type of y / xn / dy): T's own, or for a float32 row the half type of the
+// linear beside it (torch.autocast's mixed dtypes). Only float32 gets the half variants:
+// the host asks for no other pair (layer_norm_*_cuda refuse it).
+template <typename T, typename F> auto with_out_dtype(T tag, DType out, F&& f) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (out == DType::BFloat16) return f(__nv_bfloat16{});
+    if (out == DType::Float16) return f(__half{});
+  }
+  return f(tag);
+}
+
+inline bool mixed_pair_ok(DType dtype, DType out) {
+  return out == dtype || (dtype == DType::Float32 && (out == DType::BFloat16 || out == DType::Float16));
+}
 
 }  // namespace
 }  // namespace gpu_puzzles

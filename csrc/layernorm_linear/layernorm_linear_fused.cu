@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads)
   pdl_launch_dependents();
   for (int64_t row = blockIdx.x; row < M + N; row += gridDim.x) {  // block-uniform branch
     if (row < M)
-      ln_row_cached<T, VEC>(row, x, gamma, beta, nullptr, mean, rstd, H, eps, sh);
+      ln_row_cached<T, VEC, false, T>(row, x, gamma, beta, nullptr, mean, rstd, H, eps, sh);
     else
       fold_row_cached<T, VEC>(row - M, W, gamma, beta, b, wc, r, bp, H, sh);
   }
@@ -346,7 +346,8 @@ LaunchStatus layernorm_linear_prep_cuda(const void* x, const void* W, const void
     return 0;
   });
   if (status != 0) {
-    const LaunchStatus e = layer_norm_forward_cuda(x, gamma, beta, nullptr, mean, rstd, M, H, eps, dtype, stream);
+    const LaunchStatus e = layer_norm_forward_cuda(x, gamma, beta, nullptr, mean, rstd, M, H, eps, dtype, stream,
+                                                   Norm::kLayer, dtype);
     if (e != cudaSuccess) return e;
     return layernorm_linear_fold_weight_cuda(W, gamma, beta, b, wc, r, bp, N, H, dtype, stream);
   }
