@@ -321,19 +321,17 @@ class Attention(nn.Module):
                 f"causal={self.causal}, algorithm={self.algorithm!r}")
 
 
-class CrossEntropyLoss(nn.Module):
-    """``nn.CrossEntropyLoss`` with the classes in the last dim (logits ``(..., V)``,
-    target ``(...)``); ``ignore_index`` and ``reduction`` as there. No class weights
-    or label smoothing."""
+class CrossEntropyLoss(nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` (same arguments: ``weight``, ``ignore_index``,
+    ``reduction``, ``label_smoothing``; classes on dim 1 of ``(N, C, ...)`` input) on
+    :func:`gpu_puzzles.cross_entropy`. Class-probability targets are not supported."""
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean"):
-        super().__init__()
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"CrossEntropyLoss: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-        self.ignore_index, self.reduction = ignore_index, reduction
+    def __init__(self, weight: Optional[torch.Tensor] = None, size_average=None, ignore_index: int = -100,
+                 reduce=None, reduction: str = "mean", label_smoothing: float = 0.0):
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        if self.reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"CrossEntropyLoss: reduction must be 'mean', 'sum' or 'none', got {self.reduction!r}")
 
-    def forward(self, logits, target):
-        return ops.cross_entropy(logits, target, self.ignore_index, self.reduction)
-
-    def extra_repr(self):
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"
+    def forward(self, input, target):
+        return ops.cross_entropy(input, target, self.weight, None, self.ignore_index, None, self.reduction,
+                                 self.label_smoothing)
