@@ -121,12 +121,13 @@ class _NormConv1D:
         return ops.fused_layernorm_linear(x, ln.weight, ln.bias, self.weight.t(), self.bias, eps=ln.eps)
 
 
-def _rms_eps(norm: nn.Module) -> float:
+def _rms_eps(norm: nn.Module) -> Optional[float]:
+    """The norm's eps; None (torch.nn.RMSNorm's default) is read by rms_norm as F.rms_norm does."""
     for name in ("variance_epsilon", "eps"):
         eps = getattr(norm, name, None)
         if eps is not None:
             return float(eps)
-    return 1e-6
+    return None
 
 
 def _defer_into(norm: nn.Module, consumer: nn.Module, mixin: type) -> None:

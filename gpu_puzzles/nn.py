@@ -7,7 +7,6 @@ from torch import nn
 
 from . import ops
 from .ops.layernorm_linear import ALGORITHMS as _LN_ALGORITHMS, _EPS as _LN_EPS
-from .ops.rmsnorm_linear import _EPS as _RMS_EPS
 
 
 class Conv1d(nn.Module):
@@ -170,12 +169,10 @@ class LayerNormLinear(nn.Module):
 
 
 def _norm_eps(norm):
-    """eps of an RMSNorm-like module: transformers' ``variance_epsilon`` or torch's ``eps``
-    (``None`` there means ``torch.finfo(dtype).eps``, as ``F.rms_norm``)."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", _RMS_EPS))
-    if eps is None:
-        eps = torch.finfo(norm.weight.dtype).eps
-    return float(eps)
+    """eps of an RMSNorm-like module: transformers' ``variance_epsilon`` or torch's ``eps``;
+    ``None`` (torch's default) is kept: the ops read it as ``F.rms_norm`` does."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return None if eps is None else float(eps)
 
 
 def _norm_weight(norm, who):
@@ -188,9 +185,10 @@ def _norm_weight(norm, who):
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension through :func:`gpu_puzzles.rms_norm`; ``weight``
-    initialised to ones, as ``torch.nn.RMSNorm(hidden)`` and transformers' ``LlamaRMSNorm``."""
+    initialised to ones, as ``torch.nn.RMSNorm(hidden)`` and transformers' ``LlamaRMSNorm``.
+    ``eps=None`` as ``torch.nn.RMSNorm``'s: the epsilon of the statistics' dtype."""
 
-    def __init__(self, hidden: int, eps: float = _RMS_EPS, device=None, dtype=None):
+    def __init__(self, hidden: int, eps: Optional[float] = None, device=None, dtype=None):
         super().__init__()
         if hidden < 1:
             raise ValueError(f"RMSNorm: hidden must be >= 1, got {hidden}")
@@ -220,7 +218,7 @@ class RMSNormLinear(nn.Module):
     activation is not kept for the backward). Parameters: ``norm_weight`` (ones), ``weight``
     and ``bias`` as ``nn.Linear(in_features, out_features, bias)``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = _RMS_EPS,
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: Optional[float] = None,
                  device=None, dtype=None):
         super().__init__()
         if in_features < 1 or out_features < 1:
