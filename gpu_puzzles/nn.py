@@ -12,13 +12,20 @@ from .ops.layernorm_linear import ALGORITHMS as _LN_ALGORITHMS, _EPS as _LN_EPS
 class Conv1d(nn.Module):
     """Depthwise 1D convolution over (B, C, L) or (C, L) inputs; output as long as the input.
 
-    Initialised like ``torch.nn.Conv1d(channels, channels, kernel_size, groups=channels)``:
-    uniform in +-1/sqrt(kernel_size) for weight and bias.
+    ``Conv1d(channels=C, kernel_size=K)``: one K-tap filter per channel, weight ``(C, K)``.
+    The sizes are keyword-only: ``nn.Conv1d(4096, 4)`` reads as (in_channels, out_channels)
+    where this module has one channel count and a kernel size. Initialised like
+    ``torch.nn.Conv1d(C, C, K, groups=C)``: uniform in +-1/sqrt(K) for weight and bias.
     """
 
-    def __init__(self, channels: int, kernel_size: int, bias: bool = True, causal: bool = False,
-                 device=None, dtype=None):
+    def __init__(self, *args, channels: Optional[int] = None, kernel_size: Optional[int] = None, bias: bool = True,
+                 causal: bool = False, device=None, dtype=None):
         super().__init__()
+        # *args only to say why a positional call is refused (Python's own message would not).
+        if args or channels is None or kernel_size is None:
+            raise TypeError(f"Conv1d: pass channels= and kernel_size= by keyword (got {len(args)} positional "
+                            f"argument{'' if len(args) == 1 else 's'}): this depthwise conv has one channel count "
+                            f"and a kernel size, not nn.Conv1d's (in_channels, out_channels, kernel_size)")
         if channels < 1 or kernel_size < 1:
             raise ValueError(f"Conv1d: channels and kernel_size must be >= 1, got {channels}, {kernel_size}")
         factory = {"device": device, "dtype": dtype}
@@ -37,7 +44,8 @@ class Conv1d(nn.Module):
         return ops.conv1d(x, self.weight, self.bias, causal=self.causal)
 
     def extra_repr(self):
-        return f"{self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}, causal={self.causal}"
+        return (f"channels={self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}, "
+                f"causal={self.causal}")
 
 
 class Embedding(nn.Module):
