@@ -19,6 +19,7 @@ Argument checks live in C++ (csrc/cross_entropy/cross_entropy.cpp); the fake ker
 compute shapes only, with the real kernels' strides: contiguous, except the backward's
 gradient, which keeps the logits' strides when their rows are evenly spaced (padded rows).
 """
+import contextlib
 from typing import Optional
 
 import torch
@@ -112,7 +113,11 @@ def _weighted(logits, target, weight, ignore_index, reduction, label_smoothing, 
     logits once more (ATen ops): these options are not on the fast path."""
     V = logits.shape[-1]
     acc = _acc(logits.dtype)
-    out_dtype = loss_dtype or logits.dtype
+    dev = logits.device.type
+    autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+    # The loss's dtype as the op's: float32 for half logits under autocast, as F.cross_entropy's.
+    half = logits.dtype in (torch.float16, torch.bfloat16)
+    out_dtype = loss_dtype or (torch.float32 if autocast and half else logits.dtype)
     if weight is not None:
         if not isinstance(weight, Tensor):
             raise TypeError(f"cross_entropy: weight must be a tensor of class weights or None, got "
@@ -124,6 +129,14 @@ def _weighted(logits, target, weight, ignore_index, reduction, label_smoothing, 
             raise ValueError(f"cross_entropy: weight must be a floating tensor on {logits.device}, got "
                              f"{weight.dtype} on {weight.device}")
     nll = _rows(logits, target, ignore_index, "none", acc)  # 0 at ignored rows
+    # The weighting and smoothing in the accumulate type, as the op's statistics (autocast
+    # would run x @ w in half).
+    with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
+        return _weigh(logits, target, nll, weight, ignore_index, reduction, label_smoothing, acc, out_dtype)
+
+
+def _weigh(logits, target, nll, weight, ignore_index, reduction, label_smoothing, acc, out_dtype):
+    V = logits.shape[-1]
     valid = target != ignore_index
     # Ignored (or, on CUDA, out-of-range) targets gather class 0; their rows are masked.
     safe = torch.where(valid, target, 0).clamp(0, V - 1).long()
