@@ -243,6 +243,23 @@ def test_compile_fullgraph(device):
         torch.testing.assert_close(a, r)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_weight_and_smoothing(device):
+    # The class-weight / label-smoothing path (ATen ops around the op) traces without a break.
+    torch._dynamo.reset()
+    x = _logits((3, 13, 4), device, torch.float64, seed=32).requires_grad_()
+    t = _targets((3, 4), 13, device, seed=33)
+    w = torch.rand(13, device=device, dtype=torch.float64) + 0.1
+
+    def f(x, t, w):
+        return gp.cross_entropy(x, t, w, label_smoothing=0.1)
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(x, t, w)
+    ref = F.cross_entropy(x, t, w, label_smoothing=0.1)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(torch.autograd.grad(out, x)[0], torch.autograd.grad(ref, x)[0])
+
+
 def _backward_graphs(f, *args):
     """Compiles ``f`` (fullgraph, aot_eager) and runs it and its backward on ``args``; returns
     (outputs, input grads, the backward graphs' call targets as strings)."""

@@ -114,7 +114,8 @@ def _weighted(logits, target, weight, ignore_index, reduction, label_smoothing, 
     V = logits.shape[-1]
     acc = _acc(logits.dtype)
     dev = logits.device.type
-    autocast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+    # The ops' devices only (meta has no autocast; is_autocast_available does not trace).
+    autocast = dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev)
     # The loss's dtype as the op's: float32 for half logits under autocast, as F.cross_entropy's.
     half = logits.dtype in (torch.float16, torch.bfloat16)
     out_dtype = loss_dtype or (torch.float32 if autocast and half else logits.dtype)
