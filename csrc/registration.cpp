@@ -91,7 +91,9 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   m.def("matmul(Tensor a, Tensor b, float alpha=1.0, bool causal_mask=False) -> Tensor");
 
   // ---- cross_entropy -------------------------------------------------------
-  // F.cross_entropy over logits (..., V) (classes last) and int64/int32 target (...).
+  // Cross-entropy over logits (..., V) with the classes LAST (each row one sample) and
+  // int64/int32 target (...). gpu_puzzles.cross_entropy gives F.cross_entropy's layout
+  // (classes on dim 1) and its class weights / label smoothing on top of this op.
   // Returns (loss, lse): lse is each row's log-sum-exp (float32, float64 for float64
   // logits; 0 at ignored rows), all the backward keeps besides the logits.
   // Both read strided logits rows in place, so inductor may hand over its padded layout of

@@ -121,12 +121,13 @@ class _NormConv1D:
         return ops.fused_layernorm_linear(x, ln.weight, ln.bias, self.weight.t(), self.bias, eps=ln.eps)
 
 
-def _rms_eps(norm: nn.Module) -> float:
+def _rms_eps(norm: nn.Module) -> Optional[float]:
+    """The norm's eps; None (torch.nn.RMSNorm's default) is read by rms_norm as F.rms_norm does."""
     for name in ("variance_epsilon", "eps"):
         eps = getattr(norm, name, None)
         if eps is not None:
             return float(eps)
-    return 1e-6
+    return None
 
 
 def _defer_into(norm: nn.Module, consumer: nn.Module, mixin: type) -> None:
@@ -219,7 +220,9 @@ def _use_attention(model: nn.Module, name: str) -> None:
 
 def _set_attention(model: nn.Module, report: "PatchReport", dropout_attr: str, note: str) -> None:
     _use_attention(model, ATTENTION_NAME)
-    report.swapped["attention"] = f"attention (registry '{ATTENTION_NAME}'{note})"
+    # What _attention_forward hands to SDPA, call by call.
+    report.swapped["attention"] = (f"attention (registry '{ATTENTION_NAME}'{note}); SDPA runs calls with a padding "
+                                   "mask, soft-capping or Sq != Sk (generation with a KV cache)")
     p = getattr(model.config, dropout_attr, 0.0)
     if p:
         report.left["attention while training"] = f"{dropout_attr}={p}: dropout in attention is not supported (SDPA runs it)"
@@ -366,13 +369,19 @@ def _patch_llama(model, report, embeddings, norms, attention, loss, fused_loss):
         norms_found = [(f"model.layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(base.layers)
                        for n in ("input_layernorm", "post_attention_layernorm")]
         norms_found.append(("model.norm", base.norm))
+        act = getattr(getattr(base, "embed_tokens", None), "weight", None)  # the activations' dtype
         for where, norm in norms_found:
             w = getattr(norm, "weight", None)
             if not isinstance(w, torch.Tensor) or w.dim() != 1:
                 report.left[where] = "no 1-D weight: not an RMSNorm gpu_puzzles knows"
                 continue
             _swap(norm, _RMSNorm)
-            report.swapped[where] = "rms_norm"
+            if isinstance(act, torch.Tensor) and act.dtype != w.dtype:
+                # _RMSNorm.forward runs stock for such a pair; it takes rms_norm once they agree.
+                report.left[where] = (f"weight {w.dtype} beside {act.dtype} activations: transformers returns the "
+                                      "promoted dtype, rms_norm x's, so the stock RMSNorm runs")
+            else:
+                report.swapped[where] = "rms_norm"
         report.left["RMSNorm + q/k/v, RMSNorm + gate/up"] = (
             "transformers calls q/k/v (and gate/up) as separate Linear modules: fusing them means concatenating "
             "their weights on every step; the norms run on rms_norm and the projections on cuBLAS")

@@ -7,19 +7,25 @@ from torch import nn
 
 from . import ops
 from .ops.layernorm_linear import ALGORITHMS as _LN_ALGORITHMS, _EPS as _LN_EPS
-from .ops.rmsnorm_linear import _EPS as _RMS_EPS
 
 
 class Conv1d(nn.Module):
     """Depthwise 1D convolution over (B, C, L) or (C, L) inputs; output as long as the input.
 
-    Initialised like ``torch.nn.Conv1d(channels, channels, kernel_size, groups=channels)``:
-    uniform in +-1/sqrt(kernel_size) for weight and bias.
+    ``Conv1d(channels=C, kernel_size=K)``: one K-tap filter per channel, weight ``(C, K)``.
+    The sizes are keyword-only: ``nn.Conv1d(4096, 4)`` reads as (in_channels, out_channels)
+    where this module has one channel count and a kernel size. Initialised like
+    ``torch.nn.Conv1d(C, C, K, groups=C)``: uniform in +-1/sqrt(K) for weight and bias.
     """
 
-    def __init__(self, channels: int, kernel_size: int, bias: bool = True, causal: bool = False,
-                 device=None, dtype=None):
+    def __init__(self, *args, channels: Optional[int] = None, kernel_size: Optional[int] = None, bias: bool = True,
+                 causal: bool = False, device=None, dtype=None):
         super().__init__()
+        # *args only to say why a positional call is refused (Python's own message would not).
+        if args or channels is None or kernel_size is None:
+            raise TypeError(f"Conv1d: pass channels= and kernel_size= by keyword (got {len(args)} positional "
+                            f"argument{'' if len(args) == 1 else 's'}): this depthwise conv has one channel count "
+                            f"and a kernel size, not nn.Conv1d's (in_channels, out_channels, kernel_size)")
         if channels < 1 or kernel_size < 1:
             raise ValueError(f"Conv1d: channels and kernel_size must be >= 1, got {channels}, {kernel_size}")
         factory = {"device": device, "dtype": dtype}
@@ -38,7 +44,8 @@ class Conv1d(nn.Module):
         return ops.conv1d(x, self.weight, self.bias, causal=self.causal)
 
     def extra_repr(self):
-        return f"{self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}, causal={self.causal}"
+        return (f"channels={self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}, "
+                f"causal={self.causal}")
 
 
 class Embedding(nn.Module):
@@ -170,12 +177,10 @@ class LayerNormLinear(nn.Module):
 
 
 def _norm_eps(norm):
-    """eps of an RMSNorm-like module: transformers' ``variance_epsilon`` or torch's ``eps``
-    (``None`` there means ``torch.finfo(dtype).eps``, as ``F.rms_norm``)."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", _RMS_EPS))
-    if eps is None:
-        eps = torch.finfo(norm.weight.dtype).eps
-    return float(eps)
+    """eps of an RMSNorm-like module: transformers' ``variance_epsilon`` or torch's ``eps``;
+    ``None`` (torch's default) is kept: the ops read it as ``F.rms_norm`` does."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return None if eps is None else float(eps)
 
 
 def _norm_weight(norm, who):
@@ -188,9 +193,10 @@ def _norm_weight(norm, who):
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension through :func:`gpu_puzzles.rms_norm`; ``weight``
-    initialised to ones, as ``torch.nn.RMSNorm(hidden)`` and transformers' ``LlamaRMSNorm``."""
+    initialised to ones, as ``torch.nn.RMSNorm(hidden)`` and transformers' ``LlamaRMSNorm``.
+    ``eps=None`` as ``torch.nn.RMSNorm``'s: the epsilon of the statistics' dtype."""
 
-    def __init__(self, hidden: int, eps: float = _RMS_EPS, device=None, dtype=None):
+    def __init__(self, hidden: int, eps: Optional[float] = None, device=None, dtype=None):
         super().__init__()
         if hidden < 1:
             raise ValueError(f"RMSNorm: hidden must be >= 1, got {hidden}")
@@ -220,7 +226,7 @@ class RMSNormLinear(nn.Module):
     activation is not kept for the backward). Parameters: ``norm_weight`` (ones), ``weight``
     and ``bias`` as ``nn.Linear(in_features, out_features, bias)``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = _RMS_EPS,
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: Optional[float] = None,
                  device=None, dtype=None):
         super().__init__()
         if in_features < 1 or out_features < 1:
@@ -321,19 +327,17 @@ class Attention(nn.Module):
                 f"causal={self.causal}, algorithm={self.algorithm!r}")
 
 
-class CrossEntropyLoss(nn.Module):
-    """``nn.CrossEntropyLoss`` with the classes in the last dim (logits ``(..., V)``,
-    target ``(...)``); ``ignore_index`` and ``reduction`` as there. No class weights
-    or label smoothing."""
+class CrossEntropyLoss(nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` (same arguments: ``weight``, ``ignore_index``,
+    ``reduction``, ``label_smoothing``; classes on dim 1 of ``(N, C, ...)`` input) on
+    :func:`gpu_puzzles.cross_entropy`. Class-probability targets are not supported."""
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean"):
-        super().__init__()
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"CrossEntropyLoss: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-        self.ignore_index, self.reduction = ignore_index, reduction
+    def __init__(self, weight: Optional[torch.Tensor] = None, size_average=None, ignore_index: int = -100,
+                 reduce=None, reduction: str = "mean", label_smoothing: float = 0.0):
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        if self.reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"CrossEntropyLoss: reduction must be 'mean', 'sum' or 'none', got {self.reduction!r}")
 
-    def forward(self, logits, target):
-        return ops.cross_entropy(logits, target, self.ignore_index, self.reduction)
-
-    def extra_repr(self):
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"
+    def forward(self, input, target):
+        return ops.cross_entropy(input, target, self.weight, None, self.ignore_index, None, self.reduction,
+                                 self.label_smoothing)

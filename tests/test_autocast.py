@@ -241,6 +241,14 @@ def test_cross_entropy_autocast(device):
         (gs,) = torch.autograd.grad(stock.sum(), logits)
         assert g.dtype == low
         _close(g, gs.double(), low, f"grad ({reduction})")
+    # Class weights and label smoothing (ATen ops on the op's per-row losses): the same dtype rule.
+    w = torch.rand(211, device=device) + 0.1
+    with torch.autocast(device, dtype=low):
+        loss = gp.cross_entropy(logits, target, w, label_smoothing=0.1)
+        stock = F.cross_entropy(logits, target, w, label_smoothing=0.1)
+    assert loss.dtype == stock.dtype == torch.float32
+    ref = F.cross_entropy(logits.detach().double(), target, w.double(), label_smoothing=0.1)
+    _close(loss, ref, torch.float32, "loss (weight, label_smoothing)")
     # Outside autocast the loss keeps the logits' dtype (F's), or loss_dtype.
     assert gp.cross_entropy(logits, target).dtype == low
     assert gp.cross_entropy(logits, target, loss_dtype=torch.float32).dtype == torch.float32

@@ -152,19 +152,36 @@ def test_opcheck(device, requires_grad):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_forward_backward(device):
-    mod = gp.nn.Conv1d(8, 4, causal=True, device=device)
+    mod = gp.nn.Conv1d(channels=8, kernel_size=4, causal=True, device=device)
     xs = [torch.randn(2, 8, L, device=device, requires_grad=True) for L in (32, 45)]
     assert_compiled_matches_eager(mod, [((x,), (x, mod.weight, mod.bias)) for x in xs])
 
 
 def test_module_init_and_shapes():
-    m = gp.nn.Conv1d(5, 3, bias=True)
+    m = gp.nn.Conv1d(channels=5, kernel_size=3, bias=True)
     assert m.weight.shape == (5, 3) and m.bias.shape == (5,)
     assert m.weight.abs().max() <= 1 / 3 ** 0.5 and m.weight.std() > 0
     assert m(torch.randn(2, 5, 9)).shape == (2, 5, 9)
     assert m(torch.randn(5, 9)).shape == (5, 9)
     with pytest.raises(ValueError, match="kernel_size"):
-        gp.nn.Conv1d(5, 0)
+        gp.nn.Conv1d(channels=5, kernel_size=0)
+
+
+def test_module_sizes_keyword_only():
+    # Conv1d(4096, 4) would read as nn.Conv1d's (in_channels, out_channels): refused, naming the keywords.
+    for args in ((4096, 4), (4096,), (8, 8, 3)):
+        with pytest.raises(TypeError, match="channels= and kernel_size= by keyword"):
+            gp.nn.Conv1d(*args)
+    m = gp.nn.Conv1d(channels=4096, kernel_size=4)
+    assert m.weight.shape == (4096, 4) and "channels=4096, kernel_size=4" in repr(m)
+    # The same numbers as nn.Conv1d(C, C, K, groups=C) on the input padded at the end (the seed's form).
+    m = gp.nn.Conv1d(channels=3, kernel_size=4, dtype=torch.float64)
+    ref = torch.nn.Conv1d(3, 3, 4, groups=3, dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(m.weight.unsqueeze(1))
+        ref.bias.copy_(m.bias)
+    x = torch.randn(2, 3, 11, dtype=torch.float64)
+    torch.testing.assert_close(m(x), ref(torch.nn.functional.pad(x, (0, 3))))
 
 
 @pytest.mark.parametrize("device", DEVICES)

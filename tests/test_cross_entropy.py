@@ -115,10 +115,11 @@ def test_strided_logits(device, dtype, V):
     full = _logits((B, S, V), device, dtype, seed=12).requires_grad_()
     labels = _targets((B, S), V, device, seed=13)
     x, t = full[:, :-1], labels[:, 1:]
+    # F's layout, (B, V, S - 1), as a view: the op reads the (B, S - 1, V) rows in place.
     for reduction in REDUCTIONS:
-        loss = gp.cross_entropy(x, t, reduction=reduction)
+        loss = gp.cross_entropy(x.transpose(1, 2), t, reduction=reduction)
         assert_close_ref(loss, _ref(x.detach(), t, reduction), dtype, reduction)
-    loss = gp.cross_entropy(x, t, reduction="sum")
+    loss = gp.cross_entropy(x.transpose(1, 2), t, reduction="sum")
     (g,) = torch.autograd.grad(loss, full)
     xr = full.detach().double().requires_grad_()
     (gr,) = torch.autograd.grad(_ref(xr[:, :-1], t, "sum"), xr)
@@ -196,7 +197,8 @@ def test_deterministic():
 def test_gradcheck(device, reduction):
     logits = _logits((2, 3, 5), device, torch.float64, seed=19).requires_grad_()
     target = torch.tensor([[0, 4, -100], [2, 2, 1]], device=device)
-    assert torch.autograd.gradcheck(lambda x: gp.cross_entropy(x, target, reduction=reduction), (logits,))
+    assert torch.autograd.gradcheck(lambda x: gp.cross_entropy(x.transpose(1, 2), target, reduction=reduction),
+                                    (logits,))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -223,7 +225,7 @@ def test_compile_fullgraph(device):
     torch._dynamo.reset()
 
     def f(x, t, h, w, b, t2):
-        return gp.cross_entropy(x[:, :-1], t[:, 1:]) + gp.fused_linear_cross_entropy(h, w, t2, b)
+        return gp.cross_entropy(x[:, :-1].transpose(1, 2), t[:, 1:]) + gp.fused_linear_cross_entropy(h, w, t2, b)
 
     x = _logits((2, 6, 13), device, torch.float32, seed=26).requires_grad_()
     t = _targets((2, 6), 13, device, seed=27)
@@ -239,6 +241,23 @@ def test_compile_fullgraph(device):
     torch.testing.assert_close(out, ref)
     for a, r in zip(grads, rgrads):
         torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_weight_and_smoothing(device):
+    # The class-weight / label-smoothing path (ATen ops around the op) traces without a break.
+    torch._dynamo.reset()
+    x = _logits((3, 13, 4), device, torch.float64, seed=32).requires_grad_()
+    t = _targets((3, 4), 13, device, seed=33)
+    w = torch.rand(13, device=device, dtype=torch.float64) + 0.1
+
+    def f(x, t, w):
+        return gp.cross_entropy(x, t, w, label_smoothing=0.1)
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(x, t, w)
+    ref = F.cross_entropy(x, t, w, label_smoothing=0.1)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(torch.autograd.grad(out, x)[0], torch.autograd.grad(ref, x)[0])
 
 
 def _backward_graphs(f, *args):
@@ -271,7 +290,7 @@ def test_compiled_backward_choice(device, knob, reduction):
     for t in (_targets((3, 5), 11, device, seed=61, frac=0.3), torch.full((3, 5), -100, device=device)):
 
         def f(x, t):
-            loss = gp.cross_entropy(x, t, reduction=reduction)
+            loss = gp.cross_entropy(x.transpose(1, 2), t, reduction=reduction)
             return loss.sum() if reduction == "none" else loss
 
         with tuning.override(cross_entropy_compiled_backward=knob):
@@ -295,7 +314,7 @@ def test_compiled_backward_with_returned_logits(device):
 
     def f(h, w, t):
         logits = h @ w.t()
-        return gp.cross_entropy(logits[:, :-1], t[:, 1:]), logits
+        return gp.cross_entropy(logits[:, :-1].transpose(1, 2), t[:, 1:]), logits
 
     (loss, logits), grads, targets = _backward_graphs(f, h, w, t)
     rl, rlogits = f(h, w, t)
@@ -313,7 +332,7 @@ def test_compiled_backward_inductor_matches_reference(device):
     x = x.requires_grad_()
     t = _targets((4, 9), 37, device, seed=66)
     torch._dynamo.reset()
-    cf = torch.compile(lambda x, t: gp.cross_entropy(x, t), fullgraph=True)
+    cf = torch.compile(lambda x, t: gp.cross_entropy(x.transpose(1, 2), t), fullgraph=True)
     (g,) = torch.autograd.grad(cf(x, t), x)
     xr = x.detach().double().requires_grad_()
     (gr,) = torch.autograd.grad(_ref(xr, t, "mean"), xr)
@@ -511,10 +530,15 @@ def test_fused_all_ignored(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_nn_module(device):
-    logits = _logits((3, 4, 10), device, torch.float64, seed=45)
+    # torch.nn.CrossEntropyLoss's arguments and layout (classes on dim 1).
+    logits = _logits((3, 10, 4), device, torch.float64, seed=45)
     target = _targets((3, 4), 10, device, seed=46)
+    weight = torch.rand(10, device=device, dtype=torch.float64) + 0.1
+    target3 = torch.where(target == -100, 3, target)  # class 3 ignored below
     for reduction in REDUCTIONS:
-        mod = gp.nn.CrossEntropyLoss(reduction=reduction)
-        torch.testing.assert_close(mod(logits, target), _ref(logits, target, reduction))
+        for t, kw in ((target, {}), (target3, {"weight": weight, "label_smoothing": 0.2, "ignore_index": 3})):
+            mod = gp.nn.CrossEntropyLoss(reduction=reduction, **kw)
+            ref = torch.nn.CrossEntropyLoss(reduction=reduction, **kw)
+            torch.testing.assert_close(mod(logits, t), ref(logits, t))
     with pytest.raises(ValueError, match="reduction"):
         gp.nn.CrossEntropyLoss(reduction="avg")

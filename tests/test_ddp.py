@@ -27,7 +27,7 @@ class TinyModel(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = gp.nn.Embedding(V, E, padding_idx=0)
-        self.conv = gp.nn.Conv1d(E, K, causal=True)
+        self.conv = gp.nn.Conv1d(channels=E, kernel_size=K, causal=True)
         self.head = gp.nn.LayerNormLinear(E, V)
         self.log_softmax = gp.nn.LogSoftmax(-1)
         self.softmax = gp.nn.Softmax(-1)

@@ -1,4 +1,8 @@
-"""The package-level helpers: gpu_puzzles.build_info() and the kernel-choice knobs."""
+"""The package-level helpers: gpu_puzzles.build_info(), the import's torch check and the
+kernel-choice knobs."""
+import os
+import re
+
 import pytest
 import torch
 
@@ -7,16 +11,32 @@ import gpu_puzzles as gp
 
 def test_build_info_describes_this_build():
     info = gp.build_info()
-    assert set(info) >= {"torch", "cuda", "cuda_archs", "nvcc", "sm90a_sources", "cutlass_include"}
-    assert info["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert set(info) >= {"torch", "cuda", "cuda_archs", "nvcc", "sm90a_sources", "cutlass"}
+    assert info["torch"] == torch.__version__  # what the import check compares
     # The CUDA kernels exist iff the library registered CUDA kernels for the ops.
     has_cuda_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("gpu_puzzles::softmax", "CUDA")
     assert info["cuda"] == has_cuda_kernel
     if not info["cuda"]:
-        assert info["sm90a_sources"] == [] and info["cuda_archs"] is None
+        assert info["sm90a_sources"] == [] and info["cuda_archs"] is None and info["nvcc"] is None
     for src in info["sm90a_sources"]:
         assert src.startswith("csrc/") and src.endswith("_sm90.cu")
-    assert bool(info["sm90a_sources"]) == (info["cutlass_include"] is not None)
+    # What was compiled, never a path (pip builds in a temporary folder that is gone afterwards).
+    assert bool(info["sm90a_sources"]) == (info["cutlass"] is not None)
+    if info["cutlass"] is not None:
+        assert re.fullmatch(r"\d+\.\d+\.\d+", info["cutlass"]), info["cutlass"]
+    assert not any(isinstance(v, str) and os.sep in v for v in info.values()), info
+
+
+def test_import_checks_the_torch_it_was_built_against(monkeypatch):
+    # The library works with the torch it was compiled against only: another one is an ImportError
+    # that says how to rebuild, raised before the library is loaded.
+    built_with = pytest.importorskip("gpu_puzzles._built_with")
+    assert built_with.TORCH_VERSION == gp.build_info()["torch"]
+    gp._check_torch()
+    monkeypatch.setattr(built_with, "TORCH_VERSION", "2.11.0+cu999")
+    with pytest.raises(ImportError, match=r"built against torch 2\.11\.0\+cu999 but torch .* is installed; "
+                                          r"rebuild .*pip install --no-build-isolation"):
+        gp._check_torch()
 
 
 def test_knobs_listed_with_their_values():

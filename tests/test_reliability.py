@@ -107,20 +107,22 @@ def _attn_ref(q, k, v):
 def _ce_make(g, n):
     t = torch.randint(0, 37, (4 * n, 5), generator=g)
     t[0, :2] = -100  # ignored rows
-    return [_randn(g, 4 * n, 5, 37) * 3, t]
+    # F's layout (N, C, d1) as a view of (N, d1, C) rows, as a language model's logits come.
+    return [(_randn(g, 4 * n, 5, 37) * 3).transpose(1, 2), t]
 
 
 def _ce_ref(x, t):
-    return F.cross_entropy(x.reshape(-1, x.shape[-1]), t.reshape(-1))
+    return F.cross_entropy(x, t)
 
 
 def _flce_make(g, n):
-    h, t = _ce_make(g, n)
-    return [h[..., :24] / 3, _randn(g, 37, 24) / 5, t, _randn(g, 37)]
+    x, t = _ce_make(g, n)
+    return [x.transpose(1, 2)[..., :24] / 3, _randn(g, 37, 24) / 5, t, _randn(g, 37)]
 
 
 def _flce_ref(h, w, t, b):
-    return _ce_ref(F.linear(h, w, b), t)
+    return _ce_ref(F.linear(h, w, b).transpose(1, 2), t)
+
 
 
 def _naive(x, lw, lb, W, b):

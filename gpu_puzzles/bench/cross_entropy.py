@@ -48,7 +48,9 @@ def ce_case(device, rows, V, dtype, backward, view=False):
         if backward:
             return x.requires_grad_(), t, torch.tensor(1.0, device=device, dtype=dtype)
         return x, t
-    impls = {"ours": gp.cross_entropy, "eager": _eager_ce, "eager-fp32": _hf_ce,
+    # The view case hands ours F's layout (8, V, S), a transposed view of the same rows.
+    ours = (lambda x, t: gp.cross_entropy(x.transpose(1, 2), t)) if view else gp.cross_entropy
+    impls = {"ours": ours, "eager": _eager_ce, "eager-fp32": _hf_ce,
              "compile": torch.compile(_eager_ce, dynamic=False)}
     if backward:
         impls = {k: backward_fn(f, 2) for k, f in impls.items()}

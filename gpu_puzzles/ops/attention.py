@@ -148,8 +148,9 @@ def _attention_unfused(q, k, v, scale, causal, enable_gqa):
 
 # ---- public functions --------------------------------------------------------------
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, causal: bool = _CAUSAL,
-              enable_gqa: bool = _ENABLE_GQA, algorithm: str = "auto") -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = _ENABLE_GQA, *,
+              causal: bool = _CAUSAL, algorithm: str = "auto") -> Tensor:
     """Scaled dot-product attention ``softmax(q k^T * scale) v``.
 
     Shapes: the seed's vector form ``q (D,)``, ``k (S, D)``, ``v (S, Dv)`` -> ``(Dv,)``;
@@ -170,7 +171,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
     :func:`transpose_last2`, tiled :func:`matmul`, softmax and matmul, with the
     ``(..., Sq, Sk)`` scores and probabilities in memory (O(S^2)); kept for the comparison.
     Both are differentiable in q, k, v.
+
+    The arguments are ``F.scaled_dot_product_attention``'s, in its order: ``is_causal`` is a
+    synonym of ``causal``; ``attn_mask`` must be None and ``dropout_p`` 0 (anything else
+    raises, naming the argument: use ``causal`` or SDPA).
     """
+    if attn_mask is not None:
+        raise ValueError("attention: attn_mask is not supported (only causal=True masking); use "
+                         "F.scaled_dot_product_attention for an explicit mask")
+    if dropout_p:
+        raise ValueError(f"attention: dropout_p must be 0 (no attention dropout), got {dropout_p}")
+    causal = causal or is_causal
     if algorithm not in _ALGORITHMS:
         raise ValueError(f"attention: algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
     if algorithm == "unfused":

@@ -74,10 +74,16 @@ _EPS = schema_default(_layer_norm, "eps")  # the default is written in the schem
 
 # ---- public functions ----------------------------------------------------------------
 
-def _affine(x, weight, bias):
-    if weight is not None and bias is not None:
+def _affine(x, weight, bias, op="layer_norm", names=("weight", "bias")):
+    """``None`` -> ones / zeros, as F.layer_norm; F's ``normalized_shape`` in the weight's
+    place is refused by name (we normalise over the last dim only)."""
+    if isinstance(weight, Tensor) and isinstance(bias, Tensor):
         return weight, bias
-    torch._check(x.dim() >= 1, lambda: "layer_norm: x must have at least one dimension, got a scalar")
+    for t, name in ((weight, names[0]), (bias, names[1])):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor (H,) or None, got {type(t).__name__}; {op} normalises "
+                            f"over the last dim and takes no normalized_shape")
+    torch._check(x.dim() >= 1, lambda: f"{op}: x must have at least one dimension, got a scalar")
     H = x.shape[-1]
     if weight is None:
         weight = x.new_ones(H)
@@ -92,7 +98,8 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
 
     Biased variance; statistics in float32 (float64 for float64 x). ``weight`` and
     ``bias`` have shape ``(H,)``; ``None`` means ones / zeros. Same as
-    ``F.layer_norm(x, (H,), weight, bias, eps)``.
+    ``F.layer_norm(x, (H,), weight, bias, eps)``, default eps included; there is no
+    ``normalized_shape`` argument (a shape passed in the weight's place raises).
     """
     weight, bias = _affine(x, weight, bias)
     return _layer_norm(x, weight, bias, eps)[0]
@@ -102,12 +109,13 @@ ALGORITHMS = ("auto", "naive", "unfused")
 
 
 def fused_layernorm_linear(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], linear_weight: Tensor,
-                           linear_bias: Optional[Tensor] = None, *, eps: float = _EPS,
+                           linear_bias: Optional[Tensor] = None, eps: float = _EPS, *,
                            algorithm: str = "auto") -> Tensor:
     """``F.linear(F.layer_norm(x, (H,), ln_weight, ln_bias, eps), linear_weight, linear_bias)``, fused.
 
     ``x (..., H)``, ``ln_weight``/``ln_bias (H,)`` (``None``: ones / zeros),
-    ``linear_weight (N, H)``, ``linear_bias (N,)`` or ``None``; returns ``(..., N)``.
+    ``linear_weight (N, H)``, ``linear_bias (N,)`` or ``None``; returns ``(..., N)``. ``eps``
+    may come by position, as in :func:`layer_norm` and :func:`fused_rmsnorm_linear`.
 
     ``algorithm``:
 
@@ -126,7 +134,7 @@ def fused_layernorm_linear(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Opti
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"fused_layernorm_linear: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    ln_weight, ln_bias = _affine(x, ln_weight, ln_bias)
+    ln_weight, ln_bias = _affine(x, ln_weight, ln_bias, "fused_layernorm_linear", ("ln_weight", "ln_bias"))
     if algorithm == "auto":
         return _fused(x, ln_weight, ln_bias, linear_weight, linear_bias, eps)[0]
     if algorithm == "naive":

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import register_fake, schema_default
+from ._common import register_fake
 
 
 def _rstd_like(x):
@@ -54,27 +54,49 @@ def _fused_rms_backward_fake(grad_out, x, norm_weight, linear_weight, rstd, has_
 _rms_norm = torch.ops.gpu_puzzles.rms_norm.default
 _fused = torch.ops.gpu_puzzles.fused_rmsnorm_linear.default
 
-_EPS = schema_default(_rms_norm, "eps")
+def _eps(x, eps):
+    """F.rms_norm's eps: None means the epsilon of the statistics' dtype (ATen's opmath type):
+    float32's for float32 and half x, float64's for float64 x."""
+    if eps is not None:
+        return eps
+    return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float = _EPS) -> Tensor:
+def _ones_if_none(x, weight, op, arg):
+    """``None`` weight -> ones (F.rms_norm without a weight); F's ``normalized_shape`` in its
+    place is refused by name (we normalise over the last dim only)."""
+    if weight is None:
+        torch._check(x.dim() >= 1, lambda: f"{op}: x must have at least one dimension, got a scalar")
+        return x.new_ones(x.shape[-1])
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{op}: {arg} must be a tensor (H,) or None, got {type(weight).__name__}; {op} "
+                        f"normalises over the last dim and takes no normalized_shape")
+    return weight
+
+
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: Optional[float] = None) -> Tensor:
     """RMSNorm over the last dimension: ``x * rsqrt(mean(x^2) + eps) * weight``.
 
-    ``weight`` has shape ``(H,)``; statistics in float32 (float64 for float64 x). Same as
-    ``F.rms_norm(x, (H,), weight, eps)``.
+    Same as ``F.rms_norm(x, (H,), weight, eps)``: ``weight`` ``(H,)`` or ``None`` (ones);
+    ``eps=None`` is F's default, the epsilon of the statistics' dtype (float32's, 1.19e-7,
+    for float32, float16 and bfloat16 x; float64's for float64 x). Statistics in float32
+    (float64 for float64 x). The op underneath, ``torch.ops.gpu_puzzles.rms_norm``, takes
+    a weight tensor and a float eps (its schema default, 1e-6, is Llama's).
     """
-    return _rms_norm(x, weight, eps)[0]
+    return _rms_norm(x, _ones_if_none(x, weight, "rms_norm", "weight"), _eps(x, eps))[0]
 
 
-def fused_rmsnorm_linear(x: Tensor, norm_weight: Tensor, linear_weight: Tensor,
-                         linear_bias: Optional[Tensor] = None, eps: float = _EPS) -> Tensor:
+def fused_rmsnorm_linear(x: Tensor, norm_weight: Optional[Tensor], linear_weight: Tensor,
+                         linear_bias: Optional[Tensor] = None, eps: Optional[float] = None) -> Tensor:
     """``F.linear(rms_norm(x, norm_weight, eps), linear_weight, linear_bias)``, fused.
 
-    ``x (..., H)``, ``norm_weight (H,)``, ``linear_weight (N, H)`` (any view with a unit
-    stride, e.g. ``weight.t()`` of an ``(H, N)`` parameter), ``linear_bias (N,)`` or
-    ``None``; returns ``(..., N)``. Only x and the row statistics are saved for the
-    backward (the normalised activation is recomputed there). A float32 ``x`` may come with
-    a float16/bfloat16 ``linear_weight`` (as ``torch.autocast`` hands them over): the norm
-    runs in float32, the linear and the output in ``linear_weight``'s dtype.
+    ``x (..., H)``, ``norm_weight (H,)`` (``None``: ones), ``linear_weight (N, H)`` (any view
+    with a unit stride, e.g. ``weight.t()`` of an ``(H, N)`` parameter), ``linear_bias (N,)``
+    or ``None``; returns ``(..., N)``. ``eps`` as :func:`rms_norm`'s (``None``: F.rms_norm's
+    default). Only x and the row statistics are saved for the backward (the normalised
+    activation is recomputed there). A float32 ``x`` may come with a float16/bfloat16
+    ``linear_weight`` (as ``torch.autocast`` hands them over): the norm runs in float32, the
+    linear and the output in ``linear_weight``'s dtype.
     """
-    return _fused(x, norm_weight, linear_weight, linear_bias, eps)[0]
+    return _fused(x, _ones_if_none(x, norm_weight, "fused_rmsnorm_linear", "norm_weight"), linear_weight, linear_bias,
+                  _eps(x, eps))[0]

@@ -5,6 +5,8 @@ subtracted (numerically stable); statistics in float32 (float64 for float64).
 The backward ops take the forward's *output*: softmax dx = y (dy - sum(dy y)),
 log_softmax dx = dy - exp(y) sum(dy).
 """
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -40,22 +42,29 @@ _softmax = torch.ops.gpu_puzzles.softmax.default  # the overloads: no packet loo
 _log_softmax = torch.ops.gpu_puzzles.log_softmax.default
 
 
-def softmax(x: Tensor, dim: int = -1, *, algorithm: str = "auto") -> Tensor:
+def softmax(x: Tensor, dim: int = -1, *, dtype: Optional[torch.dtype] = None, algorithm: str = "auto") -> Tensor:
     """Softmax of ``x`` over ``dim`` (any rank, including 0-d; any dim, negative too).
 
-    Matches ``torch.softmax``, including its NaN for a row of all ``-inf`` and for
-    a row holding ``+inf``. Differentiable; the backward reuses the output.
+    Matches ``torch.softmax`` / ``F.softmax(x, dim, dtype=dtype)`` (``x`` cast to ``dtype``
+    first), including its NaN for a row of all ``-inf`` and for a row holding ``+inf``.
+    ``dim`` defaults to -1 (F's deprecated implicit choice is not followed).
+    Differentiable; the backward reuses the output.
 
     ``algorithm`` picks the CUDA kernel: ``"auto"`` (fastest), or the curriculum's
     steps ``"tree"``, ``"shuffle"`` and ``"online"`` (see the notebook); the CPU
     ignores it.
     """
+    if dtype is not None:
+        x = x.to(dtype)
     return _softmax(x, dim, algorithm)
 
 
-def log_softmax(x: Tensor, dim: int = -1, *, algorithm: str = "auto") -> Tensor:
+def log_softmax(x: Tensor, dim: int = -1, *, dtype: Optional[torch.dtype] = None, algorithm: str = "auto") -> Tensor:
     """Log-softmax of ``x`` over ``dim``: ``x - max - log(sum(exp(x - max)))``.
 
-    Same shapes, dtypes and ``algorithm`` choices as :func:`softmax`.
+    Same shapes, dtypes, ``dtype`` and ``algorithm`` choices as :func:`softmax`
+    (``F.log_softmax(x, dim, dtype=dtype)``).
     """
+    if dtype is not None:
+        x = x.to(dtype)
     return _log_softmax(x, dim, algorithm)
