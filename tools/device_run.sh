@@ -80,7 +80,7 @@ run_step() {
     build)
       t0=$(date +%s)
       if [ -f .prebuilt/stamp.txt ] && [ "$(cat .prebuilt/stamp.txt)" = "$(stamp python3)" ]; then
-        cp .prebuilt/*.so gpu_puzzles/ && echo "prebuilt .so used: $(cat .prebuilt/stamp.txt)" | tee "$OUT/r/build.log"
+        cp .prebuilt/*.so gpu_puzzles/ && { cp .prebuilt/_built_with.py gpu_puzzles/ 2>/dev/null || true; } && echo "prebuilt .so used: $(cat .prebuilt/stamp.txt)" | tee "$OUT/r/build.log"
       else
         [ -f .prebuilt/stamp.txt ] && echo "prebuilt .so stale ($(cat .prebuilt/stamp.txt) vs $(stamp python3)): building"
         python3 -m pip install --no-build-isolation -e . > "$OUT/r/build.log" 2>&1 || { tail -50 "$OUT/r/build.log"; pack; exit 1; }

@@ -13,6 +13,7 @@ mkdir -p .prebuilt
 rm -f .prebuilt/*.so
 so=$("$PY" -c "import sysconfig; print('gpu_puzzles/_C' + sysconfig.get_config_var('EXT_SUFFIX'))")
 cp "$so" .prebuilt/
+cp gpu_puzzles/_built_with.py .prebuilt/  # the torch it was built against, checked at import
 strip --strip-debug .prebuilt/*.so  # host debug info: 46 MB -> 14 MB; device code untouched
 bash tools/device_run.sh --stamp "$PY" > .prebuilt/stamp.txt
 echo "prebuilt: $(cat .prebuilt/stamp.txt), $(du -h .prebuilt/*.so | cut -f1)"
