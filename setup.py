@@ -143,7 +143,8 @@ def _cutlass_include_dirs():
         roots += [os.path.join(p, "source") for p in spec.submodule_search_locations]
     for root in roots:
         dirs = [os.path.join(root, "include"), os.path.join(root, "tools", "util", "include")]
-        if (os.path.isfile(os.path.join(dirs[0], "cutlass", "epilogue", "fusion", "sm90_visitor_tma_warpspecialized.hpp"))
+        if (os.path.isfile(os.path.join(dirs[0], "cutlass", "epilogue", "fusion",
+                                        "sm90_visitor_tma_warpspecialized.hpp"))
                 and os.path.isfile(os.path.join(dirs[1], "cutlass", "util", "packed_stride.hpp"))):
             return dirs
     return None

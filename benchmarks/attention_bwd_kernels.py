@@ -42,28 +42,32 @@ def main(argv):
     shapes = QUICK if argv and argv[0] == "quick" else SHAPES
     rows = []
     for B, H, S, D, causal in shapes:
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        g = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-        out, lse = ops.attention(q.detach(), k.detach(), v.detach(), None, causal)
-        flops = 4 * B * H * S * S * D * 2.5 * (0.5 if causal else 1)
-        r = {"shape": [B, H, S, D], "causal": causal}
-        for knob in ("mma", "wgmma"):
-            with gp.tuning.override(attention_bwd=knob):
-                r[knob] = time_ms(lambda: ops.attention_backward(g, q.detach(), k.detach(), v.detach(), out, lse,
-                                                                 None, causal))
-        o2 = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        r["sdpa"] = time_ms(lambda: torch.autograd.grad(o2, (q, k, v), g, retain_graph=True))
-        for key in ("mma", "wgmma", "sdpa"):
-            r[key + "_tflops"] = flops / r[key] / 1e9
-        r["wgmma_vs_sdpa"] = r["sdpa"] / r["wgmma"]
-        rows.append(r)
-        print(f"{(B, H, S, D)} causal={causal}: mma {r['mma']:.3f} ms ({r['mma_tflops']:.0f}) "
-              f"wgmma {r['wgmma']:.3f} ({r['wgmma_tflops']:.0f}) sdpa {r['sdpa']:.3f} ({r['sdpa_tflops']:.0f})  "
-              f"wgmma/sdpa {r['wgmma_vs_sdpa']:.2f}x", flush=True)
-        del q, k, v, g, out, lse, o2
+        rows.append(_case(B, H, S, D, causal))
     if len(argv) > 1:
         with open(argv[1], "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def _case(B, H, S, D, causal):
+    """One shape: its tensors are freed when this returns, before the next shape's."""
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+    out, lse = ops.attention(q.detach(), k.detach(), v.detach(), None, causal)
+    flops = 4 * B * H * S * S * D * 2.5 * (0.5 if causal else 1)
+    r = {"shape": [B, H, S, D], "causal": causal}
+    for knob in ("mma", "wgmma"):
+        with gp.tuning.override(attention_bwd=knob):
+            r[knob] = time_ms(lambda: ops.attention_backward(g, q.detach(), k.detach(), v.detach(), out, lse,
+                                                             None, causal))
+    o2 = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    r["sdpa"] = time_ms(lambda: torch.autograd.grad(o2, (q, k, v), g, retain_graph=True))
+    for key in ("mma", "wgmma", "sdpa"):
+        r[key + "_tflops"] = flops / r[key] / 1e9
+    r["wgmma_vs_sdpa"] = r["sdpa"] / r["wgmma"]
+    print(f"{(B, H, S, D)} causal={causal}: mma {r['mma']:.3f} ms ({r['mma_tflops']:.0f}) "
+          f"wgmma {r['wgmma']:.3f} ({r['wgmma_tflops']:.0f}) sdpa {r['sdpa']:.3f} ({r['sdpa_tflops']:.0f})  "
+          f"wgmma/sdpa {r['wgmma_vs_sdpa']:.2f}x", flush=True)
+    return r
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ import statistics
 import sys
 
 import torch
-
-import gpu_puzzles as gp
 from torch.profiler import ProfilerActivity, profile
 
+import gpu_puzzles as gp
 from gpu_puzzles.bench import layernorm_linear as L
 from gpu_puzzles.bench.common import _sleep_cycles_per_ms, in_turn, n_sets_for
 

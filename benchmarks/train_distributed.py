@@ -169,7 +169,8 @@ def main():
                       f"{r['speedup_vs_stock']:.3f}x stock, max |loss - stock's| {r['max_loss_diff_vs_stock']:.4f}")
         if args.json:
             import transformers
-            meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", world=dist.get_world_size(), torch=torch.__version__,
+            meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                        world=dist.get_world_size(), torch=torch.__version__,
                         transformers=transformers.__version__,
                         commit=os.environ.get("GPU_PUZZLES_COMMIT", "unknown"),
                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

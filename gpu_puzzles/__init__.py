@@ -29,9 +29,10 @@ try:
 except ImportError as e:  # e.g. an undefined symbol: a library built against another torch
     raise ImportError(f"gpu_puzzles: the compiled library failed to load with torch {torch.__version__} ({e}); "
                       f"{_REBUILD}") from e
-from .ops import *  # noqa: F401,F403
-from .ops import __all__ as _ops_all
+# After the library: the ops' Python parts (fakes, autograd glue) register on its schemas.
 from . import nn, tuning  # noqa: E402
+from .ops import *  # noqa: E402,F401,F403
+from .ops import __all__ as _ops_all  # noqa: E402
 
 __all__ = list(_ops_all) + ["nn", "tuning", "build_info"]
 __version__ = "0.1.0"

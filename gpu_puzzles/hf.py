@@ -38,7 +38,7 @@ as stock does.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +59,7 @@ class PatchReport:
     swapped: Dict[str, str] = dataclasses.field(default_factory=dict)
     left: Dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def __str__(self):
+    def __str__(self) -> str:
         lines = [f"gpu_puzzles.hf.patch({self.model_type}): {len(self.swapped)} swapped, {len(self.left)} left stock"]
         lines += [f"  {k}: {v}" for k, v in self.swapped.items()]
         lines += [f"  (stock) {k}: {v}" for k, v in self.left.items()]
@@ -86,17 +86,17 @@ def _swap(module: nn.Module, mixin: type) -> None:
 
 
 class _Embedding:
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         return ops.embedding(input, self.weight, padding_idx=self.padding_idx)
 
 
 class _LayerNorm:
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.layer_norm(x, self.weight, self.bias, eps=self.eps)
 
 
 class _RMSNorm:
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # transformers' RMSNorm returns weight * x_normed in the promoted dtype of the two;
         # rms_norm returns x's. They agree when the dtypes do (under autocast too: no rule
         # for either); a float32 weight kept beside bf16 activations runs stock.
@@ -109,14 +109,14 @@ class _Deferred:
     """A norm whose work moved into the layer that consumes its output (``_gp_consumer``):
     the block still calls it, and it hands its input on unchanged."""
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
 
 class _NormConv1D:
     """GPT-2's Conv1D (weight (in, out)) with the LayerNorm before it fused in."""
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         ln = self._gp_norm
         return ops.fused_layernorm_linear(x, ln.weight, ln.bias, self.weight.t(), self.bias, eps=ln.eps)
 
@@ -140,8 +140,9 @@ def _defer_into(norm: nn.Module, consumer: nn.Module, mixin: type) -> None:
 
 # ---- attention through the registry ----------------------------------------------------
 
-def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                       **kwargs):
+def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                       is_causal: Optional[bool] = None, **kwargs: Any) -> tuple:
     """transformers' attention interface: q (B, H, Sq, D), k/v (B, Hkv, Sk, D) -> ((B, Sq, H, D), None)."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     ours = (attention_mask is None and dropout == 0.0 and kwargs.get("softcap") is None
@@ -163,7 +164,7 @@ _sdpa_mask_signature = None
 _causal_mask_function = None
 
 
-def _mask(*args, **kwargs):
+def _mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
     """SDPA's mask, except that a plain causal mask without padding is None (our kernel's
     ``causal=True``) under torch.compile too: ``sdpa_mask`` cannot tell, while tracing, that
     no padding mask was given, so it builds the (B, 1, S, S) mask and attention goes to SDPA."""
@@ -225,12 +226,15 @@ def _set_attention(model: nn.Module, report: "PatchReport", dropout_attr: str, n
                                    "mask, soft-capping or Sq != Sk (generation with a KV cache)")
     p = getattr(model.config, dropout_attr, 0.0)
     if p:
-        report.left["attention while training"] = f"{dropout_attr}={p}: dropout in attention is not supported (SDPA runs it)"
+        report.left["attention while training"] = (f"{dropout_attr}={p}: dropout in attention is not supported "
+                                                   "(SDPA runs it)")
 
 
 # ---- the loss ------------------------------------------------------------------------
 
-def _causal_loss(loss_of, labels, shift_labels, num_items_in_batch, ignore_index, device):
+def _causal_loss(loss_of: Callable[[torch.Tensor, str], torch.Tensor], labels: Optional[torch.Tensor],
+                 shift_labels: Optional[torch.Tensor], num_items_in_batch: Optional[Any], ignore_index: int,
+                 device: torch.device) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` around ``loss_of(targets, reduction)``: the labels
     shifted one to the left (unless given shifted), the mean, or the sum over
     ``num_items_in_batch`` (gradient accumulation)."""
@@ -250,8 +254,9 @@ def _loss_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
-                   shift_labels=None, **kwargs):
+def causal_lm_loss(logits: torch.Tensor, labels: Optional[torch.Tensor], vocab_size: int,
+                   num_items_in_batch: Optional[Any] = None, ignore_index: int = -100,
+                   shift_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` on ``cross_entropy``: the logits are read in their
     dtype (stock upcasts the whole (B, S, V) tensor to float32 first), fp32 math inside, and
     the loss comes back in float32, as stock's."""
@@ -262,7 +267,9 @@ def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ign
                         labels, shift_labels, num_items_in_batch, ignore_index, logits.device)
 
 
-def _fused_lm_loss(hidden, lm_head, labels, shift_labels=None, num_items_in_batch=None, ignore_index: int = -100):
+def _fused_lm_loss(hidden: torch.Tensor, lm_head: nn.Linear, labels: Optional[torch.Tensor],
+                   shift_labels: Optional[torch.Tensor] = None, num_items_in_batch: Optional[Any] = None,
+                   ignore_index: int = -100) -> torch.Tensor:
     """``causal_lm_loss(lm_head(hidden), labels)`` through ``fused_linear_cross_entropy``."""
     h = hidden.reshape(-1, hidden.shape[-1])
     bias = getattr(lm_head, "bias", None)
@@ -273,7 +280,7 @@ def _fused_lm_loss(hidden, lm_head, labels, shift_labels=None, num_items_in_batc
                         labels, shift_labels, num_items_in_batch, ignore_index, hidden.device)
 
 
-def _fused_loss_forward(self, *args, **kwargs):
+def _fused_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A causal LM's forward (set on the instance by ``patch(fused_loss=True)``): in training
     with labels, the base model, then the LM head and the loss fused; otherwise the stock
     forward. Arguments are named as the stock forward names them (``_gp_forward_params``)."""
@@ -295,7 +302,7 @@ def _fused_loss_forward(self, *args, **kwargs):
     return self._gp_output_cls(**fields)
 
 
-def _set_fused_loss(model, report, output_cls):
+def _set_fused_loss(model: nn.Module, report: PatchReport, output_cls: type) -> None:
     import inspect
     if not hasattr(model, "lm_head") or not isinstance(model.lm_head, nn.Linear):
         report.left["lm_head+loss"] = "no nn.Linear LM head (not a *ForCausalLM model)"
@@ -320,7 +327,7 @@ def _embedding_ok(emb: nn.Module) -> Optional[str]:
     return None
 
 
-def _patch_embedding(emb, name, report):
+def _patch_embedding(emb: nn.Module, name: str, report: PatchReport) -> None:
     why = _embedding_ok(emb)
     if why:
         report.left[name] = why
@@ -329,7 +336,8 @@ def _patch_embedding(emb, name, report):
         report.swapped[name] = "embedding"
 
 
-def _patch_gpt2(model, report, embeddings, norms, attention, loss, fused_loss):
+def _patch_gpt2(model: nn.Module, report: PatchReport, embeddings: bool, norms: bool, attention: bool, loss: bool,
+                fused_loss: bool) -> None:
     from transformers.pytorch_utils import Conv1D
     base = getattr(model, "transformer", model)
     if embeddings:
@@ -361,7 +369,8 @@ def _patch_gpt2(model, report, embeddings, norms, attention, loss, fused_loss):
         _set_fused_loss(model, report, CausalLMOutputWithCrossAttentions)
 
 
-def _patch_llama(model, report, embeddings, norms, attention, loss, fused_loss):
+def _patch_llama(model: nn.Module, report: PatchReport, embeddings: bool, norms: bool, attention: bool, loss: bool,
+                 fused_loss: bool) -> None:
     base = getattr(model, "model", model)
     if embeddings:
         _patch_embedding(base.embed_tokens, "model.embed_tokens", report)
@@ -396,7 +405,7 @@ def _patch_llama(model, report, embeddings, norms, attention, loss, fused_loss):
         _set_fused_loss(model, report, CausalLMOutputWithPast)
 
 
-def _set_loss(model, report):
+def _set_loss(model: nn.Module, report: PatchReport) -> None:
     if not hasattr(model, "lm_head"):
         report.left["loss"] = "no LM head (not a *ForCausalLM model)"
         return

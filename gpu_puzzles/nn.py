@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from . import ops
-from .ops.layernorm_linear import ALGORITHMS as _LN_ALGORITHMS, _EPS as _LN_EPS
+from .ops.layernorm_linear import _EPS as _LN_EPS
+from .ops.layernorm_linear import ALGORITHMS as _LN_ALGORITHMS
 
 
 class Conv1d(nn.Module):
@@ -18,8 +19,9 @@ class Conv1d(nn.Module):
     ``torch.nn.Conv1d(C, C, K, groups=C)``: uniform in +-1/sqrt(K) for weight and bias.
     """
 
-    def __init__(self, *args, channels: Optional[int] = None, kernel_size: Optional[int] = None, bias: bool = True,
-                 causal: bool = False, device=None, dtype=None):
+    def __init__(self, *args: object, channels: Optional[int] = None, kernel_size: Optional[int] = None,
+                 bias: bool = True, causal: bool = False, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None):
         super().__init__()
         # *args only to say why a positional call is refused (Python's own message would not).
         if args or channels is None or kernel_size is None:
@@ -34,16 +36,16 @@ class Conv1d(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels, **factory)) if bias else None
         self.reset_parameters()
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
         bound = 1.0 / math.sqrt(self.kernel_size)
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.conv1d(x, self.weight, self.bias, causal=self.causal)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"channels={self.channels}, kernel_size={self.kernel_size}, bias={self.bias is not None}, "
                 f"causal={self.causal}")
 
@@ -55,8 +57,9 @@ class Embedding(nn.Module):
     like ``torch.nn.Embedding``: N(0, 1), with the ``padding_idx`` row zeroed.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx=None, *, algorithm: str = "auto",
-                 device=None, dtype=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
+                 algorithm: str = "auto",
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
         if num_embeddings < 0 or embedding_dim < 0:
             raise ValueError(f"Embedding: num_embeddings and embedding_dim must be >= 0, got "
@@ -71,16 +74,16 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
         nn.init.normal_(self.weight)
         if self.padding_idx is not None:
             with torch.no_grad():
                 self.weight[self.padding_idx].fill_(0)
 
-    def forward(self, indices):
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
         return ops.embedding(indices, self.weight, self.padding_idx, algorithm=self.algorithm)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}"
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
@@ -97,10 +100,10 @@ class Softmax(nn.Module):
         super().__init__()
         self.dim, self.algorithm = dim, algorithm
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fn(x, self.dim, algorithm=self.algorithm)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"dim={self.dim}, algorithm={self.algorithm!r}"
 
 
@@ -120,7 +123,7 @@ class LayerNormLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, eps: float = _LN_EPS,
-                 algorithm: str = "auto", device=None, dtype=None):
+                 algorithm: str = "auto", device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
         if in_features < 1 or out_features < 1:
             raise ValueError(f"LayerNormLinear: in_features and out_features must be >= 1, got "
@@ -135,7 +138,7 @@ class LayerNormLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.reset_parameters()
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
         nn.init.ones_(self.ln_weight)
         nn.init.zeros_(self.ln_bias)
         # Same as nn.Linear.reset_parameters.
@@ -167,23 +170,23 @@ class LayerNormLinear(nn.Module):
                 m.bias.copy_(linear.bias)
         return m
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.fused_layernorm_linear(x, self.ln_weight, self.ln_bias, self.weight, self.bias, eps=self.eps,
                                           algorithm=self.algorithm)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, eps={self.eps}, "
                 f"algorithm={self.algorithm!r}")
 
 
-def _norm_eps(norm):
+def _norm_eps(norm: nn.Module) -> Optional[float]:
     """eps of an RMSNorm-like module: transformers' ``variance_epsilon`` or torch's ``eps``;
     ``None`` (torch's default) is kept: the ops read it as ``F.rms_norm`` does."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     return None if eps is None else float(eps)
 
 
-def _norm_weight(norm, who):
+def _norm_weight(norm: nn.Module, who: str) -> torch.Tensor:
     w = getattr(norm, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 1:
         raise TypeError(f"{who}: the norm module needs a 1-D .weight (an RMSNorm with elementwise_affine), "
@@ -196,7 +199,8 @@ class RMSNorm(nn.Module):
     initialised to ones, as ``torch.nn.RMSNorm(hidden)`` and transformers' ``LlamaRMSNorm``.
     ``eps=None`` as ``torch.nn.RMSNorm``'s: the epsilon of the statistics' dtype."""
 
-    def __init__(self, hidden: int, eps: Optional[float] = None, device=None, dtype=None):
+    def __init__(self, hidden: int, eps: Optional[float] = None, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None):
         super().__init__()
         if hidden < 1:
             raise ValueError(f"RMSNorm: hidden must be >= 1, got {hidden}")
@@ -214,10 +218,10 @@ class RMSNorm(nn.Module):
         m.weight = w
         return m
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}"
 
 
@@ -227,7 +231,7 @@ class RMSNormLinear(nn.Module):
     and ``bias`` as ``nn.Linear(in_features, out_features, bias)``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: Optional[float] = None,
-                 device=None, dtype=None):
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
         if in_features < 1 or out_features < 1:
             raise ValueError(f"RMSNormLinear: in_features and out_features must be >= 1, got "
@@ -260,10 +264,10 @@ class RMSNormLinear(nn.Module):
         m.norm_weight, m.weight, m.bias = w, linear.weight, linear.bias
         return m
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.fused_rmsnorm_linear(x, self.norm_weight, self.weight, self.bias, self.eps)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, eps={self.eps}"
 
 
@@ -283,7 +287,8 @@ class Attention(nn.Module):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, causal: bool = False,
-                 algorithm: str = "auto", device=None, dtype=None, num_kv_heads: Optional[int] = None):
+                 algorithm: str = "auto", device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+                 num_kv_heads: Optional[int] = None):
         super().__init__()
         if embed_dim < 1 or num_heads < 1 or embed_dim % num_heads:
             raise ValueError(f"Attention: embed_dim ({embed_dim}) must be a positive multiple of num_heads "
@@ -299,7 +304,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() not in (2, 3) or x.shape[-1] != self.embed_dim:
             raise ValueError(f"Attention: x must be (B, S, {self.embed_dim}) or (S, {self.embed_dim}), "
                              f"got shape {tuple(x.shape)}")
@@ -321,7 +326,7 @@ class Attention(nn.Module):
         o = self.out_proj(o.transpose(1, 2).reshape(B, S, self.embed_dim))
         return o.squeeze(0) if unbatched else o
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
         return (f"{self.embed_dim}, num_heads={self.num_heads}{kv}, bias={self.qkv.bias is not None}, "
                 f"causal={self.causal}, algorithm={self.algorithm!r}")
@@ -332,12 +337,13 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
     ``reduction``, ``label_smoothing``; classes on dim 1 of ``(N, C, ...)`` input) on
     :func:`gpu_puzzles.cross_entropy`. Class-probability targets are not supported."""
 
-    def __init__(self, weight: Optional[torch.Tensor] = None, size_average=None, ignore_index: int = -100,
-                 reduce=None, reduction: str = "mean", label_smoothing: float = 0.0):
+    def __init__(self, weight: Optional[torch.Tensor] = None, size_average: Optional[bool] = None,
+                 ignore_index: int = -100, reduce: Optional[bool] = None, reduction: str = "mean",
+                 label_smoothing: float = 0.0):
         super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         if self.reduction not in ("mean", "sum", "none"):
             raise ValueError(f"CrossEntropyLoss: reduction must be 'mean', 'sum' or 'none', got {self.reduction!r}")
 
-    def forward(self, input, target):
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return ops.cross_entropy(input, target, self.weight, None, self.ignore_index, None, self.reduction,
                                  self.label_smoothing)

@@ -8,13 +8,24 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    DEVICES,
+    HAS_CUDA,
+    SANITIZE,
+    assert_backward_fills_as_op,
+    assert_compiled_matches_eager,
+    copy_kernels,
+    many,
+    poison_allocator,
+    requires_caching_allocator,
+    requires_cuda,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import OFFSET, make_tensor
 
 import gpu_puzzles as gp
 from gpu_puzzles.bench.attention import backward_kernels, forward_kernels
-
-from conftest import (DEVICES, HAS_CUDA, SANITIZE, assert_compiled_matches_eager, assert_backward_fills_as_op,
-                      copy_kernels, many, poison_allocator, requires_caching_allocator, requires_cuda)
-from strategies import OFFSET, make_tensor
 
 OPS = torch.ops.gpu_puzzles
 
@@ -351,7 +362,6 @@ def test_mixed_devices():
 # ---- property test -----------------------------------------------------------------
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=30, deadline=None)
@@ -715,7 +725,8 @@ def test_cuda_forward_configs(knobs, dtype):
                     lead = (2,) if (i + j) % 2 == 0 else (1, 3)
                     for D in (64, 128):
                         for causal in (False, True):
-                            check(lead, Sq, Sk, D, causal, f"wgmma {lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
+                            check(lead, Sq, Sk, D, causal,
+                                  f"wgmma {lead} Sq={Sq} Sk={Sk} D={D} causal={causal} {dtype}")
             # Sk = 0 is answered on the host (o = 0, lse = -inf) without any kernel.
             q, k, v = make_qkv((2,), 65, 0, 64, 64, "cuda", dtype)
             _poison_cache()
@@ -1067,7 +1078,8 @@ def test_cuda_auto_backward_kernel():
     out, lse = OPS.attention(q, k, v, None, True)
     call = lambda: OPS.attention_backward(g, q, k, v, out, lse, None, True)  # noqa: E731
     sm90 = torch.cuda.get_device_capability()[0] == 9 and _built_with_sm90_attn()
-    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    prev = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     with gp.tuning.override(attention_bwd=None):
         try:
             torch.use_deterministic_algorithms(False)

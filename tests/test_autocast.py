@@ -7,9 +7,9 @@ linear weight), called directly."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICES, poison_allocator, requires_cuda
 
 import gpu_puzzles as gp
-from conftest import DEVICES, poison_allocator, requires_cuda
 
 LOW = {"cpu": torch.bfloat16, "cuda": torch.float16}  # torch.autocast's default dtype per device
 # Error of a result computed from `low` inputs, relative to the reference's scale.

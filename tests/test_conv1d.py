@@ -1,11 +1,13 @@
 """conv1d: seed example, F.conv1d comparison, gradients, opcheck, compile, bad input."""
 import pytest
 import torch
+from conftest import DEVICES, assert_close_ref, assert_compiled_matches_eager, device_dtypes, requires_cuda
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import dtypes, extents, extents_or_zero, grad_close, layouts, make_tensor, seeds
 
 import gpu_puzzles as gp
 from gpu_puzzles.bench.conv1d import reference
-
-from conftest import DEVICES, assert_close_ref, assert_compiled_matches_eager, device_dtypes, requires_cuda
 
 SEED_IN = list(range(15))
 SEED_W = [0.0, 1.0, 2.0, 3.0]
@@ -196,10 +198,12 @@ def test_empty_sequence(device):
 
 BAD = [
     (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(4, 2, device=d), None), "channels"),
-    (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(3, 2, device=d, dtype=torch.float64), None), "weight has dtype"),
+    (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(3, 2, device=d, dtype=torch.float64), None),
+     "weight has dtype"),
     (lambda d: (torch.randn(2, 2, 3, 8, device=d), torch.randn(3, 2, device=d), None), "x must"),
     (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(3, device=d), None), "weight must be 2-D"),
-    (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(3, 2, device=d), torch.randn(4, device=d)), "bias must have shape"),
+    (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(3, 2, device=d), torch.randn(4, device=d)),
+     "bias must have shape"),
     (lambda d: (torch.randn(2, 3, 8, device=d), torch.randn(3, 0, device=d), None), "at least one tap"),
     (lambda d: (torch.randint(0, 4, (2, 3, 8), device=d), torch.randn(3, 2, device=d), None), "x must be a float"),
 ]
@@ -300,9 +304,6 @@ def test_cpu_same_result_for_any_thread_count(K):
 
 # ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
 
-from hypothesis import given, strategies as st  # noqa: E402
-
-from strategies import dtypes, extents, extents_or_zero, grad_close, layouts, make_tensor, seeds  # noqa: E402
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -4,12 +4,21 @@ without a copy, all-ignored batches, several fused chunks (knob), gradcheck, opc
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    DEVICES,
+    assert_backward_fills_as_op,
+    assert_close_ref,
+    copy_kernels,
+    device_dtypes,
+    fill_ops,
+    many,
+    poison_allocator,
+    requires_caching_allocator,
+    requires_cuda,
+)
 
 import gpu_puzzles as gp
 from gpu_puzzles import tuning
-
-from conftest import (DEVICES, HAS_CUDA, TOL, assert_close_ref, assert_backward_fills_as_op, copy_kernels,
-                      device_dtypes, fill_ops, many, poison_allocator, requires_caching_allocator, requires_cuda)
 
 OP = torch.ops.gpu_puzzles.cross_entropy.default
 BWD_OP = torch.ops.gpu_puzzles.cross_entropy_backward.default
@@ -63,7 +72,8 @@ def test_forward_backward_match_reference(device, dtype, V, reduction):
     xr = logits.detach().double().requires_grad_()
     ref = _ref(xr, target, reduction)
     assert_close_ref(loss, ref.detach(), dtype, "loss")
-    g = _logits(loss.shape, device, dtype, seed=3) if reduction == "none" else torch.tensor(1.7, device=device, dtype=dtype)
+    g = (_logits(loss.shape, device, dtype, seed=3) if reduction == "none"
+         else torch.tensor(1.7, device=device, dtype=dtype))
     (gx,) = torch.autograd.grad(loss, x, g)
     (gr,) = torch.autograd.grad(ref, xr, g.double())
     assert gx.dtype == dtype and gx.shape == logits.shape
@@ -263,8 +273,8 @@ def test_compile_fullgraph_weight_and_smoothing(device):
 def _backward_graphs(f, *args):
     """Compiles ``f`` (fullgraph, aot_eager) and runs it and its backward on ``args``; returns
     (outputs, input grads, the backward graphs' call targets as strings)."""
-    from torch._dynamo.backends.common import aot_autograd
     from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
     targets = []
 
     def bw(gm, _):

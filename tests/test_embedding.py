@@ -1,15 +1,34 @@
-"""embedding, both kernels (algorithm "coalesced" and "2d"): seed size, F.embedding comparison, out-of-range rows, gradients
-with heavy repetition, padding_idx, determinism, gradcheck, opcheck, compile, bad input."""
+"""embedding, both kernels (algorithm "coalesced" and "2d"): seed size, F.embedding comparison, out-of-range rows,
+gradients with heavy repetition, padding_idx, determinism, gradcheck, opcheck, compile, bad input."""
 import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    DEVICES,
+    assert_close_ref,
+    assert_compiled_matches_eager,
+    device_dtypes,
+    poison_allocator,
+    requires_cuda,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import (
+    dtypes,
+    extents_or_zero,
+    grad_close,
+    index_dtypes,
+    layouts,
+    make_indices,
+    make_tensor,
+    seeds,
+    shapes,
+)
 
 import gpu_puzzles as gp
 from gpu_puzzles.bench.embedding import reference, reference_grad
-
-from conftest import DEVICES, assert_close_ref, assert_compiled_matches_eager, device_dtypes, poison_allocator, requires_cuda
 
 # One entry per CUDA kernel, keyed by its algorithm name.
 FNS = {k: functools.partial(gp.embedding, algorithm=k) for k in ("coalesced", "2d")}
@@ -401,10 +420,6 @@ def test_cuda_large_bf16_matches_f_embedding():
 
 # ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
 
-from hypothesis import given, strategies as st  # noqa: E402
-
-from strategies import (dtypes, extents_or_zero, grad_close, index_dtypes, layouts, make_indices,  # noqa: E402
-                        make_tensor, seeds, shapes)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,10 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import HAS_CUDA  # noqa: E402
+
 import gpu_puzzles.hf as hf  # noqa: E402
 from gpu_puzzles.bench import model as model_bench  # noqa: E402
-
-from conftest import HAS_CUDA  # noqa: E402
 
 FAMILIES = ["gpt2", "llama"]
 

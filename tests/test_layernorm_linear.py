@@ -6,12 +6,24 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    DEVICES,
+    TOL,
+    assert_backward_fills_as_op,
+    assert_close_ref,
+    assert_compiled_matches_eager,
+    device_dtypes,
+    many,
+    poison_allocator,
+    requires_caching_allocator,
+    requires_cuda,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import dtypes, extents, grad_close, layouts, make_tensor, seeds, shapes
 
 import gpu_puzzles as gp
 from gpu_puzzles.ops._common import schema_default
-
-from conftest import (DEVICES, TOL, assert_close_ref, assert_compiled_matches_eager, assert_backward_fills_as_op,
-                      device_dtypes, many, poison_allocator, requires_caching_allocator, requires_cuda)
 
 unfused = functools.partial(gp.fused_layernorm_linear, algorithm="unfused")
 PLANS = ("fold", "normalize")  # the fused forward's plans (knob layernorm_linear_plan); "auto" picks one
@@ -1224,9 +1236,6 @@ def test_knobs_keep_results(device, knobs):
 
 # ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
 
-from hypothesis import given, strategies as st  # noqa: E402
-
-from strategies import dtypes, extents, grad_close, layouts, make_tensor, seeds, shapes  # noqa: E402
 
 
 def _draw_x(device, data, max_H):
@@ -1321,8 +1330,8 @@ def test_cpu_every_simd_level(level, dtype):
             what = f"H={H} N={N} {dtype} {level}"
             # layer_norm forward and backward
             y = gp.layer_norm(x, lw, lb)
-            assert_close_ref(y, F.layer_norm(x.detach().double(), (H,), lw.detach().double(), lb.detach().double(), EPS),
-                             dtype, "layer_norm " + what)
+            ref = F.layer_norm(x.detach().double(), (H,), lw.detach().double(), lb.detach().double(), EPS)
+            assert_close_ref(y, ref, dtype, "layer_norm " + what)
             g = torch.randn_like(y)
             grads = torch.autograd.grad(y, (x, lw, lb), g)
             refs = _layer_norm_ref_grads(x, lw, lb, g)

@@ -15,13 +15,13 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICES, HAS_CUDA, assert_close_ref, requires_cuda
+from strategies import grad_close
 
 import gpu_puzzles as gp
 from gpu_puzzles.bench.conv1d import reference as conv1d_ref
-from gpu_puzzles.bench.embedding import reference as embedding_ref, reference_grad as embedding_ref_grad
-
-from conftest import DEVICES, HAS_CUDA, assert_close_ref, requires_cuda
-from strategies import grad_close
+from gpu_puzzles.bench.embedding import reference as embedding_ref
+from gpu_puzzles.bench.embedding import reference_grad as embedding_ref_grad
 
 ERRORS = (RuntimeError, ValueError, TypeError)
 TWO_GPUS = HAS_CUDA and torch.cuda.device_count() >= 2
@@ -149,7 +149,8 @@ OPS = [
            deterministic_backward_always=False),
     OpCase("softmax", lambda x: gp.softmax(x, -1), _softmax_make, ("x",), ("float",),
            lambda x: torch.softmax(x, -1),
-           [("dim", lambda x: gp.softmax(x, 2), "dim"), ("algorithm", lambda x: gp.softmax(x, algorithm="x"), "algorithm")]),
+           [("dim", lambda x: gp.softmax(x, 2), "dim"),
+            ("algorithm", lambda x: gp.softmax(x, algorithm="x"), "algorithm")]),
     OpCase("log_softmax", lambda x: gp.log_softmax(x, 0), _softmax_make, ("x",), ("float",),
            lambda x: torch.log_softmax(x, 0), [("dim", lambda x: gp.log_softmax(x, -3), "dim")]),
     OpCase("layer_norm", gp.layer_norm, _ln_make, ("x", "weight", "bias"), ("float",) * 3,
@@ -161,7 +162,8 @@ OPS = [
            ("x", "ln_weight", "ln_bias", "linear_weight", "linear_bias"), ("float",) * 5, _lnl_ref,
            [("linear_weight (16, 23)", lambda x, lw, lb, W, b: gp.fused_layernorm_linear(x, lw, lb, W[:, 1:], b),
              "linear_weight"),
-            ("linear_bias (15,)", lambda x, lw, lb, W, b: gp.fused_layernorm_linear(x, lw, lb, W, b[1:]), "linear_bias"),
+            ("linear_bias (15,)", lambda x, lw, lb, W, b: gp.fused_layernorm_linear(x, lw, lb, W, b[1:]),
+             "linear_bias"),
             ("ln_weight (23,)", lambda x, lw, lb, W, b: gp.fused_layernorm_linear(x, lw[1:], lb, W, b), "ln_weight")]),
     OpCase("fused_layernorm_linear_naive", _naive, _lnl_make,
            ("x", "ln_weight", "ln_bias", "linear_weight", "linear_bias"), ("float",) * 5, _lnl_ref,
@@ -212,7 +214,8 @@ def hostile_calls(case, device):
             if any(r == "float" for r in case.roles[:i]):  # must match an earlier float input
                 calls.append((f"{name} {_other_float(t.dtype)}", sub(t.to(_other_float(t.dtype))), name))
         else:
-            calls += [(f"{name} float32", sub(t.float()), name), (f"{name} complex64", sub(t.to(torch.complex64)), name),
+            calls += [(f"{name} float32", sub(t.float()), name),
+                      (f"{name} complex64", sub(t.to(torch.complex64)), name),
                       (f"{name} int16", sub(t.short()), name), (f"{name} uint8", sub(t.clamp(0).to(torch.uint8)), name)]
         if HAS_CUDA and (i > 0 or role == "index"):
             other = "cpu" if device == "cuda" else "cuda"
@@ -274,7 +277,8 @@ def _check_against_ref(case, inputs, y, grads, grad_out, dtype, what):
 @pytest.mark.parametrize("case", OPS, ids=str)
 def test_hostile_input_names_the_argument(device, case):
     """Every input made integer, complex, bool, another float dtype, another device (cpu/cuda,
-    cuda:0/cuda:1 where two GPUs exist; float indices for embedding), plus the op's wrong shapes: an exception naming the argument.
+    cuda:0/cuda:1 where two GPUs exist; float indices for embedding), plus the op's wrong shapes: an exception
+    naming the argument.
     On CUDA the context stays usable: a correct call afterwards gives the right result."""
     for label, bad, name in hostile_calls(case, device):
         _check_raises_naming(lambda: case.fn(*bad), name, f"{case.name} {label}")
@@ -406,7 +410,8 @@ def test_compile_reduce_overhead(case):
 
 @pytest.fixture
 def deterministic():
-    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    prev = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         yield

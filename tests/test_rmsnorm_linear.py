@@ -3,12 +3,22 @@ opcheck, torch.compile, modules and bad input."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    DEVICES,
+    HAS_CUDA,
+    TOL,
+    assert_backward_fills_as_op,
+    assert_close_ref,
+    assert_compiled_matches_eager,
+    copy_kernels,
+    device_dtypes,
+    many,
+    poison_allocator,
+    requires_cuda,
+)
 
 import gpu_puzzles as gp
 from gpu_puzzles.ops._common import schema_default
-
-from conftest import (DEVICES, HAS_CUDA, TOL, assert_close_ref, assert_compiled_matches_eager, copy_kernels,
-                      assert_backward_fills_as_op, device_dtypes, many, poison_allocator, requires_cuda)
 
 PLANS = ("fold", "normalize")  # the fused forward's plans (knob layernorm_linear_plan)
 EPS = schema_default(torch.ops.gpu_puzzles.rms_norm.default, "eps")

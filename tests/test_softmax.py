@@ -3,12 +3,27 @@ import math
 
 import pytest
 import torch
+from conftest import (
+    DEVICES,
+    HAS_CUDA,
+    RACECHECK,
+    SANITIZE,
+    assert_close_ref,
+    assert_compiled_matches_eager,
+    copy_kernels,
+    device_dtypes,
+    kinds_for,
+    many,
+    poison_allocator,
+    racecheck_skips,
+    requires_cuda,
+    sanitize_timing,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import OFFSET, dtypes, grad_close, layouts, make_tensor, seeds, shapes
 
 import gpu_puzzles as gp
-
-from conftest import (DEVICES, HAS_CUDA, RACECHECK, SANITIZE, assert_close_ref, assert_compiled_matches_eager, copy_kernels, device_dtypes, kinds_for,
-                      many, poison_allocator, racecheck_skips, requires_cuda, sanitize_timing)
-from strategies import OFFSET, make_tensor
 
 ALGORITHMS = ["auto", "tree", "shuffle", "online"]
 FUNCS = {"softmax": (gp.softmax, torch.softmax), "log_softmax": (gp.log_softmax, torch.log_softmax)}
@@ -162,7 +177,8 @@ def test_modules():
 def test_bad_input(device):
     cases = [
         (lambda: gp.softmax(torch.arange(6, device=device).view(2, 3)), "softmax: x must be a float"),
-        (lambda: gp.log_softmax(torch.randn(2, 3, dtype=torch.complex64, device=device)), "log_softmax: x must be a float"),
+        (lambda: gp.log_softmax(torch.randn(2, 3, dtype=torch.complex64, device=device)),
+         "log_softmax: x must be a float"),
         (lambda: gp.softmax(torch.randn(2, 3, device=device), 2), "dim 2 is out of range"),
         (lambda: gp.softmax(torch.randn(2, 3, device=device), -3), "dim -3 is out of range"),
         (lambda: gp.softmax(torch.tensor(1.0, device=device), 1), "dim 1 is out of range"),
@@ -636,9 +652,6 @@ def test_cuda_variant_override():
 
 # ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
 
-from hypothesis import given, strategies as st  # noqa: E402
-
-from strategies import dtypes, grad_close, layouts, seeds, shapes  # noqa: E402
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -973,6 +986,7 @@ def _smem_variant(fn, *args):
     """fn(*args) once under the CUDA profiler; the shared-memory row kernel variant it launched."""
     import json
     import tempfile
+
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -58,7 +58,8 @@ def print_rows(rows, title):
         fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
         t.add_row(r["op"], r["case"], r["direction"], r["impl"],
                   fmt(ms, ".4f") if ms is not None else r.get("error", "error")[:40],
-                  fmt(r.get("GB/s"), ".0f"), fmt(r.get("pct_copy"), ".0f"), fmt(r.get("TFLOP/s"), ".0f" if (r.get("TFLOP/s") or 0) >= 10 else ".2f"),
+                  fmt(r.get("GB/s"), ".0f"), fmt(r.get("pct_copy"), ".0f"),
+                  fmt(r.get("TFLOP/s"), ".0f" if (r.get("TFLOP/s") or 0) >= 10 else ".2f"),
                   fmt(e / ms if (e and ms) else None, ".2f") + ("x" if (e and ms) else ""))
     Console(width=160).print(t)
 

@@ -264,7 +264,8 @@ def main(argv=None):
     p.add_argument("--json", help="write the rows and the summary to this file")
     p.add_argument("--rep", type=int, default=25,
                    help="timed calls per implementation, over the rounds (default 25)")
-    p.add_argument("--rounds", type=int, default=SWEEP_ROUNDS, help=f"turns per implementation (default {SWEEP_ROUNDS})")
+    p.add_argument("--rounds", type=int, default=SWEEP_ROUNDS,
+                   help=f"turns per implementation (default {SWEEP_ROUNDS})")
     p.add_argument("--M", type=int, nargs="*", default=list(SWEEP_M))
     p.add_argument("--K", type=int, nargs="*", default=list(SWEEP_K))
     args = p.parse_args(argv)
@@ -276,7 +277,8 @@ def main(argv=None):
     if args.json:
         import datetime
         meta = {"device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
-                "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "commit": git_commit(),
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "copy_GBps": copy_gbs, "rep": args.rep,
                 "timing": f"CUDA events, inputs rotated past L2; the implementations take turns in {args.rounds} "
                           f"rounds of --rep/{args.rounds} calls after warm-up; each row is the median of "

@@ -10,10 +10,10 @@ Lightning's bf16-mixed do); or under autocast(fp16) with a ``GradScaler``.
 ``--trainer`` times ``transformers.Trainer`` itself (bf16=True or fp16=True, through
 accelerate) instead of the hand-written step. Eager, the variants of one model are all built
 first and take turns (``--turns``), so that drift of the host or the GPU does not fall on one
-of them; compiled, each runs in a fresh dynamo state. Variants: stock, patched with attention left to SDPA (``attention=False``), fully
-patched, and fully patched with the fused LM head + loss (``fused_loss=True``); each eager and
-under ``torch.compile``. ``--profile`` adds the per-op breakdown: one
-profiled step's CUDA kernels, each and summed by group (``KERNEL_GROUPS``).
+of them; compiled, each runs in a fresh dynamo state. Variants: stock, patched with attention
+left to SDPA (``attention=False``), fully patched, and fully patched with the fused LM head +
+loss (``fused_loss=True``); each eager and under ``torch.compile``. ``--profile`` adds the
+per-op breakdown: one profiled step's CUDA kernels, each and summed by group (``KERNEL_GROUPS``).
 """
 from __future__ import annotations
 

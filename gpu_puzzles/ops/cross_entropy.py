@@ -4,8 +4,9 @@ The ops take the classes in the **last** dim (logits ``(..., V)``, target ``(...
 row is one sample, loss_r = logsumexp(logits_r) - logits_r[target_r]; targets equal to
 ``ignore_index`` add nothing and do not count for the mean. The public
 :func:`cross_entropy` is ``F.cross_entropy``'s signature and layout (classes on dim 1 of
-``(N, C, d1, ...)``, class weights, label smoothing) on top of the op. Statistics in float32 (float64 for float64 logits); half logits
-are read as they are. The forward keeps only each row's log-sum-exp for the backward.
+``(N, C, d1, ...)``, class weights, label smoothing) on top of the op. Statistics in float32
+(float64 for float64 logits); half logits are read as they are. The forward keeps only each
+row's log-sum-exp for the backward.
 
 The fused op never stores the (N, V) logits: it runs the GEMM, the loss and the
 gradients chunk by chunk (rows), in the forward; the backward only scales them.

@@ -18,7 +18,8 @@ from ._common import register_fake
 @register_fake("gpu_puzzles::embedding")
 def _embedding_fake(indices, weight, padding_idx=None, algorithm="auto"):
     torch._check(weight.dim() == 2,
-                 lambda: f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {tuple(weight.shape)}")
+                 lambda: "embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape "
+                         f"{tuple(weight.shape)}")
     return weight.new_empty((*indices.shape, weight.shape[1]))
 
 
