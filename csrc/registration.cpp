@@ -33,7 +33,9 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   // halo, K <= 9), "tiled" (shared-memory tile with halo), "naive" (one thread
   // per output). The latter two are the curriculum's steps, kept for the notebook.
   m.def("conv1d(Tensor x, Tensor weight, Tensor? bias=None, bool causal=False, str algorithm=\"auto\") -> Tensor");
-  m.def("conv1d_backward(Tensor grad_out, Tensor x, Tensor weight, bool causal, str algorithm=\"auto\") -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "conv1d_backward(Tensor grad_out, Tensor x, Tensor weight, bool causal, str algorithm=\"auto\") -> (Tensor, "
+      "Tensor, Tensor)");
 
   // ---- embedding ---------------------------------------------------------
   // algorithm: "auto" = "coalesced" (1D grid, 16-byte vectors), or "2d" (the
@@ -42,7 +44,9 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   // the dense (num_weights, E) weight gradient; deterministic=True forces a
   // bit-identical path (the coalesced kernel's backward always is).
   m.def("embedding(Tensor indices, Tensor weight, int? padding_idx=None, str algorithm=\"auto\") -> Tensor");
-  m.def("embedding_backward(Tensor grad_out, Tensor indices, SymInt num_weights, int? padding_idx, bool deterministic, str algorithm=\"auto\") -> Tensor");
+  m.def(
+      "embedding_backward(Tensor grad_out, Tensor indices, SymInt num_weights, int? padding_idx, bool deterministic, "
+      "str algorithm=\"auto\") -> Tensor");
 
   // ---- softmax -----------------------------------------------------------
   // algorithm: "auto" (fastest for the shape), or the curriculum's steps kept for
@@ -58,22 +62,34 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   // layer_norm returns (y, mean, rstd); mean/rstd are float32 (float64 for a
   // float64 x), shaped like x without its last dim, and feed the backward.
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps=1e-05) -> (Tensor, Tensor, Tensor)");
-  m.def("layer_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, "
+      "Tensor)");
   // y = linear_weight @ layer_norm(x) + linear_bias, without writing layer_norm(x); returns (y, mean, rstd).
   // linear_weight/bias may be float16/bfloat16 under a float32 x (as autocast hands them over):
   // the norm then runs in x's dtype, the linear and y in linear_weight's.
-  m.def("fused_layernorm_linear(Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor? linear_bias=None, float eps=1e-05) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_layernorm_linear(Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor? "
+      "linear_bias=None, float eps=1e-05) -> (Tensor, Tensor, Tensor)");
   // -> (dx, d ln_weight, d ln_bias, d linear_weight, d linear_bias)
-  m.def("fused_layernorm_linear_backward(Tensor grad_out, Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_layernorm_linear_backward(Tensor grad_out, Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor "
+      "linear_weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // The curriculum's kernel (one thread per row computes everything), forward only, for the notebook.
-  m.def("fused_layernorm_linear_naive(Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor? linear_bias=None, float eps=1e-05) -> Tensor");
+  m.def(
+      "fused_layernorm_linear_naive(Tensor x, Tensor ln_weight, Tensor ln_bias, Tensor linear_weight, Tensor? "
+      "linear_bias=None, float eps=1e-05) -> Tensor");
   // RMSNorm: y = x * rsqrt(mean(x^2) + eps) * weight; returns (y, rstd), rstd as layer_norm's.
   m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-06) -> (Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)");
   // y = linear_weight @ rms_norm(x, norm_weight) + linear_bias; returns (y, rstd).
-  m.def("fused_rmsnorm_linear(Tensor x, Tensor norm_weight, Tensor linear_weight, Tensor? linear_bias=None, float eps=1e-06) -> (Tensor, Tensor)");
+  m.def(
+      "fused_rmsnorm_linear(Tensor x, Tensor norm_weight, Tensor linear_weight, Tensor? linear_bias=None, float "
+      "eps=1e-06) -> (Tensor, Tensor)");
   // -> (dx, d norm_weight, d linear_weight, d linear_bias): the last is (0,) unless has_bias.
-  m.def("fused_rmsnorm_linear_backward(Tensor grad_out, Tensor x, Tensor norm_weight, Tensor linear_weight, Tensor rstd, bool has_bias) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_rmsnorm_linear_backward(Tensor grad_out, Tensor x, Tensor norm_weight, Tensor linear_weight, Tensor rstd, "
+      "bool has_bias) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- attention -----------------------------------------------------------
   // softmax(q k^T * scale) v; scale=None means 1/sqrt(D); causal is SDPA's
@@ -81,9 +97,13 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   // the log-sum-exp of each query row's scaled scores (float32, float64 for a
   // float64 q), saved for the backward so the S x S probabilities never exist.
   // enable_gqa (SDPA's): k and v may have fewer heads (dim -3), dividing q's; query head h reads kv head h / (H / Hkv).
-  m.def("attention(Tensor q, Tensor k, Tensor v, float? scale=None, bool causal=False, bool enable_gqa=False) -> (Tensor, Tensor)");
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, float? scale=None, bool causal=False, bool enable_gqa=False) -> "
+      "(Tensor, Tensor)");
   // -> (dq, dk, dv); dk, dv have k's and v's shapes (with enable_gqa: summed over each group's query heads)
-  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? scale, bool causal, bool enable_gqa=False) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? scale, bool "
+      "causal, bool enable_gqa=False) -> (Tensor, Tensor, Tensor)");
   // The curriculum's chain (attention(..., algorithm="unfused") in Python): our transpose, our
   // tiled matmul, the softmax op, our matmul. matmul is batched (..., M, K) @
   // (..., K, N) times alpha; causal_mask writes -inf where col > row.
@@ -99,13 +119,20 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   // Both read strided logits rows in place, so inductor may hand over its padded layout of
   // an odd-V GEMM output as it is (the default, exact eager strides, costs a copy each way).
   // loss_dtype: the loss's dtype (None: the logits'); autocast sets float32, as for F.cross_entropy.
-  m.def("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, str reduction=\"mean\", ScalarType? loss_dtype=None) -> (Tensor, Tensor)",
-        {at::Tag::needs_fixed_stride_order});
-  m.def("cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, int ignore_index, str reduction) -> Tensor",
-        {at::Tag::needs_fixed_stride_order});
+  m.def(
+      "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, str reduction=\"mean\", ScalarType? "
+      "loss_dtype=None) -> (Tensor, Tensor)",
+      {at::Tag::needs_fixed_stride_order});
+  m.def(
+      "cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, int ignore_index, str "
+      "reduction) -> Tensor",
+      {at::Tag::needs_fixed_stride_order});
   // cross_entropy(hidden @ weight.T + bias, target) without storing the logits (row chunks).
   // output_mask (hidden, weight, bias): the gradients computed in the forward, for a
   // loss of 1 (the backward scales them); unrequested ones are empty. reduction mean|sum.
   // loss_dtype as cross_entropy's (None: hidden's dtype). -> (loss, grad_hidden, grad_weight, grad_bias)
-  m.def("fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, str reduction=\"mean\", bool[3] output_mask=[False, False, False], ScalarType? loss_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, int "
+      "ignore_index=-100, str reduction=\"mean\", bool[3] output_mask=[False, False, False], ScalarType? "
+      "loss_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)");
 }

@@ -32,8 +32,8 @@ namespace {
 
 struct AttnShape {
   int64_t B, H, Hkv, BH, BHkv, Sq, Sk, D, Dv;  // BH = B * H, BHkv = B * Hkv
-  std::vector<int64_t> out_shape;  // q.shape[:-1] + (Dv,)
-  std::vector<int64_t> lse_shape;  // q.shape[:-1]
+  std::vector<int64_t> out_shape;              // q.shape[:-1] + (Dv,)
+  std::vector<int64_t> lse_shape;              // q.shape[:-1]
 };
 
 AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool enable_gqa, const char* op) {
@@ -71,8 +71,8 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                 "; they must be equal (k shape ", k.sizes(), ", v shape ", v.sizes(), ")");
     if (enable_gqa) {
       TORCH_CHECK(s.Hkv == s.H || (s.Hkv >= 1 && s.H % s.Hkv == 0), op, ": with enable_gqa, q's heads (", s.H,
-                  ") must be a multiple of k's and v's heads (", s.Hkv, ", dim -3; q shape ", q.sizes(),
-                  ", k shape ", k.sizes(), ")");
+                  ") must be a multiple of k's and v's heads (", s.Hkv, ", dim -3; q shape ", q.sizes(), ", k shape ",
+                  k.sizes(), ")");
     } else {
       TORCH_CHECK(s.Hkv == s.H, op, ": k has ", s.Hkv, " heads (dim -3) but q has ", s.H,
                   "; they must be equal, or pass enable_gqa=True for grouped k/v heads (q shape ", q.sizes(),
@@ -85,8 +85,8 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   s.Sk = k.size(-2);
   s.Dv = v.size(-1);
   TORCH_CHECK(s.D >= 1, op, ": q must have a head dim >= 1, got shape ", q.sizes());
-  TORCH_CHECK(k.size(-1) == s.D, op, ": k has head dim ", k.size(-1), " but q has head dim ", s.D,
-              " (q shape ", q.sizes(), ", k shape ", k.sizes(), ")");
+  TORCH_CHECK(k.size(-1) == s.D, op, ": k has head dim ", k.size(-1), " but q has head dim ", s.D, " (q shape ",
+              q.sizes(), ", k shape ", k.sizes(), ")");
   TORCH_CHECK(v.size(-2) == s.Sk, op, ": v has sequence length ", v.size(-2), " but k has ", s.Sk, " (k shape ",
               k.sizes(), ", v shape ", v.sizes(), ")");
   if (q.is_cuda()) {
@@ -165,7 +165,7 @@ AttnShape check_backward(const at::Tensor& grad_out, const at::Tensor& q, const 
 
 // dq, dk, dv in the memory order of q, k, v.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_grads(const at::Tensor& q, const at::Tensor& k,
-                                                            const at::Tensor& v) {
+                                                           const at::Tensor& v) {
   return {empty_in_order_of(q, q.sizes(), q.options()), empty_in_order_of(k, k.sizes(), q.options()),
           empty_in_order_of(v, v.sizes(), q.options())};
 }
@@ -182,8 +182,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
     return {o.to(q.scalar_type()), l};
   }
   const double sc = resolve_scale(scale, s.D);
-  const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BHkv, s.Sk, s.D),
-                   vc = as_3d(v, s.BHkv, s.Sk, s.Dv);
+  const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BHkv, s.Sk, s.D), vc = as_3d(v, s.BHkv, s.Sk, s.Dv);
   at::Tensor out = empty_in_order_of(q, s.out_shape, q.options());
   at::Tensor o3 = cpu_out_3d(out, s.BH, s.Sq, s.Dv);
   at::Tensor lse = at::empty({s.BH, s.Sq}, q.options().dtype(lse_dtype(q.scalar_type())));
@@ -192,19 +191,20 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
   return {out, lse.view(s.lse_shape)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, c10::optional<double> scale, bool causal, bool enable_gqa) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                      const at::Tensor& k, const at::Tensor& v,
+                                                                      const at::Tensor& out, const at::Tensor& lse,
+                                                                      c10::optional<double> scale, bool causal,
+                                                                      bool enable_gqa) {
   const AttnShape s = check_backward(grad_out, q, k, v, out, lse, enable_gqa);
   if (is_half(q.scalar_type())) {
-    auto [dq, dk, dv] = attention_backward_cpu(to_float(grad_out), to_float(q), to_float(k), to_float(v),
-                                               to_float(out), lse, scale, causal, enable_gqa);
+    auto [dq, dk, dv] = attention_backward_cpu(to_float(grad_out), to_float(q), to_float(k), to_float(v), to_float(out),
+                                               lse, scale, causal, enable_gqa);
     const auto t = q.scalar_type();
     return {dq.to(t), dk.to(t), dv.to(t)};
   }
   const double sc = resolve_scale(scale, s.D);
-  const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BHkv, s.Sk, s.D),
-                   vc = as_3d(v, s.BHkv, s.Sk, s.Dv);
+  const at::Tensor qc = as_3d(q, s.BH, s.Sq, s.D), kc = as_3d(k, s.BHkv, s.Sk, s.D), vc = as_3d(v, s.BHkv, s.Sk, s.Dv);
   const at::Tensor gc = as_3d(grad_out, s.BH, s.Sq, s.Dv), oc = as_3d(out, s.BH, s.Sq, s.Dv);
   const at::Tensor lc = lse.reshape({s.BH, s.Sq}).contiguous();
   at::Tensor dq, dk, dv;
@@ -244,8 +244,8 @@ MatmulShape check_matmul(const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(a.dim() >= 2, "matmul: a must be (..., M, K), got shape ", a.sizes());
   TORCH_CHECK(b.dim() == a.dim(), "matmul: b must have as many dims as a (", a.dim(), "), got shape ", b.sizes());
   const auto lead = a.sizes().slice(0, a.dim() - 2);
-  TORCH_CHECK(b.sizes().slice(0, b.dim() - 2) == lead, "matmul: b has leading dims ",
-              b.sizes().slice(0, b.dim() - 2), " but a has ", lead, "; they must be equal");
+  TORCH_CHECK(b.sizes().slice(0, b.dim() - 2) == lead, "matmul: b has leading dims ", b.sizes().slice(0, b.dim() - 2),
+              " but a has ", lead, "; they must be equal");
   TORCH_CHECK(b.size(-2) == a.size(-1), "matmul: b has ", b.size(-2), " rows but a has ", a.size(-1),
               " columns (a shape ", a.sizes(), ", b shape ", b.sizes(), ")");
   MatmulShape s{c10::multiply_integers(lead), a.size(-2), b.size(-1), a.size(-1), lead.vec()};
@@ -336,7 +336,7 @@ struct KernelOutput {
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  c10::optional<double> scale, bool causal, bool enable_gqa) {
+                                                     c10::optional<double> scale, bool causal, bool enable_gqa) {
   const AttnShape s = check_qkv(q, k, v, enable_gqa, "attention");
   const c10::cuda::CUDAGuard guard(q.device());
   const double sc = resolve_scale(scale, s.D);
@@ -349,11 +349,11 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const 
       lse.fill_(-std::numeric_limits<double>::infinity());
     } else {  // Dv == 0 still has a log-sum-exp; ATen computes it (a degenerate case)
       const at::Tensor q3 = q.reshape({s.BH, s.Sq, s.D}).to(lse.scalar_type());
-      const at::Tensor k3 =
-          k.reshape({s.BHkv, s.Sk, s.D}).repeat_interleave(s.H / s.Hkv, 0).to(lse.scalar_type());
+      const at::Tensor k3 = k.reshape({s.BHkv, s.Sk, s.D}).repeat_interleave(s.H / s.Hkv, 0).to(lse.scalar_type());
       at::Tensor scores = at::matmul(q3, k3.transpose(1, 2)) * sc;
-      if (causal) scores.masked_fill_(at::ones({s.Sq, s.Sk}, q.options().dtype(at::kBool)).triu(1),
-                                      -std::numeric_limits<double>::infinity());
+      if (causal)
+        scores.masked_fill_(at::ones({s.Sq, s.Sk}, q.options().dtype(at::kBool)).triu(1),
+                            -std::numeric_limits<double>::infinity());
       lse.view({s.BH, s.Sq}).copy_(at::logsumexp(scores, {-1}));
     }
     return {out, lse};
@@ -369,8 +369,24 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const 
   const KernelInput Q = kernel_input(qs, s, s.H, s.Sq, s.D), K = kernel_input(k, s, s.Hkv, s.Sk, s.D),
                     V = kernel_input(v, s, s.Hkv, s.Sk, s.Dv);
   KernelOutput O(out, s, s.H, s.Sq, s.Dv);
-  AttentionFwdArgs a{Q.t.data_ptr(), K.t.data_ptr(), V.t.data_ptr(), O.buf.data_ptr(), lse.data_ptr(),
-                     Q.st, K.st, V.st, O.st, s.B, s.H, s.Hkv, s.Sq, s.Sk, s.D, s.Dv, kscale, causal,
+  AttentionFwdArgs a{Q.t.data_ptr(),
+                     K.t.data_ptr(),
+                     V.t.data_ptr(),
+                     O.buf.data_ptr(),
+                     lse.data_ptr(),
+                     Q.st,
+                     K.st,
+                     V.st,
+                     O.st,
+                     s.B,
+                     s.H,
+                     s.Hkv,
+                     s.Sq,
+                     s.Sk,
+                     s.D,
+                     s.Dv,
+                     kscale,
+                     causal,
                      to_dtype(q.scalar_type())};
   GP_CUDA_CHECK_STATUS(attention_forward_cuda(a, current_stream()));
   O.finish();
@@ -402,10 +418,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
   at::Tensor lc = lse.reshape({s.BH, s.Sq}).contiguous();
   if (!aligned16(lc.data_ptr())) lc = lc.clone();
   KernelOutput DQ(dq, s, s.H, s.Sq, s.D), DK(dk, s, s.Hkv, s.Sk, s.D), DV(dv, s, s.Hkv, s.Sk, s.Dv);
-  AttentionBwdArgs a{Q.t.data_ptr(), K.t.data_ptr(), V.t.data_ptr(), O.t.data_ptr(), G.t.data_ptr(), lc.data_ptr(),
-                     DQ.buf.data_ptr(), DK.buf.data_ptr(), DV.buf.data_ptr(),
-                     Q.st, K.st, V.st, O.st, G.st, DQ.st, DK.st, DV.st,
-                     s.B, s.H, s.Hkv, s.Sq, s.Sk, s.D, s.Dv, kscale, causal, to_dtype(q.scalar_type()),
+  AttentionBwdArgs a{Q.t.data_ptr(),
+                     K.t.data_ptr(),
+                     V.t.data_ptr(),
+                     O.t.data_ptr(),
+                     G.t.data_ptr(),
+                     lc.data_ptr(),
+                     DQ.buf.data_ptr(),
+                     DK.buf.data_ptr(),
+                     DV.buf.data_ptr(),
+                     Q.st,
+                     K.st,
+                     V.st,
+                     O.st,
+                     G.st,
+                     DQ.st,
+                     DK.st,
+                     DV.st,
+                     s.B,
+                     s.H,
+                     s.Hkv,
+                     s.Sq,
+                     s.Sk,
+                     s.D,
+                     s.Dv,
+                     kscale,
+                     causal,
+                     to_dtype(q.scalar_type()),
                      at::globalContext().deterministicAlgorithms()};
   const int64_t ws_bytes = attention_backward_workspace_bytes(a);
   at::Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));

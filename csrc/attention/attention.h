@@ -38,8 +38,8 @@ namespace gpu_puzzles {
 // ---- CPU kernels (attention_cpu.cpp): float32 or float64, the layout above ----
 
 // Writes out (BH, Sq, Dv) and lse (BH, Sq); Sk == 0 gives zeros and lse = -inf.
-void attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                       at::Tensor& lse, double scale, bool causal);
+void attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                       double scale, bool causal);
 // Writes dq (BH, Sq, D), dk (BHkv, Sk, D), dv (BHkv, Sk, Dv).
 void attention_bwd_cpu(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& o, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,

@@ -11,8 +11,8 @@ using Tensor = at::Tensor;
 using Tensor2 = std::tuple<Tensor, Tensor>;
 
 template <c10::DeviceType D>
-Tensor2 attention_autocast(const Tensor& q, const Tensor& k, const Tensor& v, c10::optional<double> scale,
-                           bool causal, bool enable_gqa) {
+Tensor2 attention_autocast(const Tensor& q, const Tensor& k, const Tensor& v, c10::optional<double> scale, bool causal,
+                           bool enable_gqa) {
   static const auto op =
       typed_op<Tensor2(const Tensor&, const Tensor&, const Tensor&, c10::optional<double>, bool, bool)>(
           "gpu_puzzles::attention");

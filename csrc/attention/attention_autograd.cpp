@@ -30,9 +30,9 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto op = typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                            const Tensor&, const Tensor&, c10::optional<double>, bool, bool)>(
-        "gpu_puzzles::attention_backward");
+    static const auto op =
+        typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                         c10::optional<double>, bool, bool)>("gpu_puzzles::attention_backward");
     if (!grads[0].defined()) return variable_list(6);
     const auto s = ctx->get_saved_variables();
     auto [dq, dk, dv] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], ctx->saved_data["scale"].toOptional<double>(),
@@ -84,8 +84,8 @@ struct MatmulFunction : public torch::autograd::Function<MatmulFunction> {
   }
 };
 
-Tensor2 attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, c10::optional<double> scale,
-                           bool causal, bool enable_gqa) {
+Tensor2 attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, c10::optional<double> scale, bool causal,
+                           bool enable_gqa) {
   auto r = AttentionFunction::apply(q, k, v, scale, causal, enable_gqa);
   return {r[0], r[1]};
 }
@@ -93,12 +93,12 @@ Tensor2 attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, c1
 Tensor3 attention_backward_autograd(const Tensor& g, const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& out, const Tensor& lse, c10::optional<double> scale, bool causal,
                                     bool enable_gqa) {
-  static const auto op = typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                          const Tensor&, c10::optional<double>, bool, bool)>(
-      "gpu_puzzles::attention_backward");
-  return no_double_backward(
-      "attention_backward",
-      below_autograd([&] { return op.call(g, q, k, v, out, lse, scale, causal, enable_gqa); }), g, q, k, v, out);
+  static const auto op =
+      typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                       c10::optional<double>, bool, bool)>("gpu_puzzles::attention_backward");
+  return no_double_backward("attention_backward",
+                            below_autograd([&] { return op.call(g, q, k, v, out, lse, scale, causal, enable_gqa); }), g,
+                            q, k, v, out);
 }
 Tensor transpose_autograd(const Tensor& x) { return TransposeFunction::apply(x); }
 Tensor matmul_autograd(const Tensor& a, const Tensor& b, double alpha, bool causal_mask) {

@@ -65,27 +65,28 @@ __device__ __forceinline__ void mma_bn_pair(float (&c0)[4], float (&c1)[4], cons
 constexpr int kBwdKN = 64;  // keys per block (16 per warp)
 constexpr int kBwdKQ = 32;  // queries per tile
 
-template <int D> constexpr int tc_dkdv_smem_bytes() {
+template <int D>
+constexpr int tc_dkdv_smem_bytes() {
   return (2 * kBwdKN + 2 * 2 * kBwdKQ) * (D + 8) * 2 + 2 * 2 * kBwdKQ * 4;
 }
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kTcThreads)
-attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout,
-                 const float* __restrict__ lse, const float* __restrict__ delta, Rows<T> dk, Rows<T> dv, int64_t Hkv,
-                 int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale, bool causal) {
+    attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout,
+                     const float* __restrict__ lse, const float* __restrict__ delta, Rows<T> dk, Rows<T> dv,
+                     int64_t Hkv, int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale, bool causal) {
   constexpr int LDS = D + 8;
   constexpr int NQT = kBwdKQ / 8;  // n-tiles over queries
   constexpr int NDT = D / 8;
   constexpr int KD = D / 16;
   using Mma = MmaOp<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* Ks = reinterpret_cast<T*>(smem_raw);  // [KN][LDS]
-  T* Vs = Ks + kBwdKN * LDS;                // [KN][LDS]
-  T* Qs = Vs + kBwdKN * LDS;                // [2][KQ][LDS]
-  T* dOs = Qs + 2 * kBwdKQ * LDS;           // [2][KQ][LDS]
+  T* Ks = reinterpret_cast<T*>(smem_raw);                        // [KN][LDS]
+  T* Vs = Ks + kBwdKN * LDS;                                     // [KN][LDS]
+  T* Qs = Vs + kBwdKN * LDS;                                     // [2][KQ][LDS]
+  T* dOs = Qs + 2 * kBwdKQ * LDS;                                // [2][KQ][LDS]
   float* Ls = reinterpret_cast<float*>(dOs + 2 * kBwdKQ * LDS);  // [2][KQ]  lse * log2e (+inf past Sq)
-  float* Dl = Ls + 2 * kBwdKQ;                                    // [2][KQ]  delta
+  float* Dl = Ls + 2 * kBwdKQ;                                   // [2][KQ]  delta
 
   const int64_t bhk = bh0 + blockIdx.y;
   const KvHeadIdx hd(bhk, Hkv, G);
@@ -110,8 +111,7 @@ attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T
     const int gi = it / n_qt;
     const int64_t q0 = q_begin + static_cast<int64_t>(it - gi * n_qt) * kBwdKQ;
     load_tile_async<kBwdKQ, D, LDS, kTcThreads>(Qs + buf * kBwdKQ * LDS, qb + gi * q.sh, q.ss, q0, Sq, tid);
-    load_tile_async<kBwdKQ, D, LDS, kTcThreads>(dOs + buf * kBwdKQ * LDS, dob + gi * dout.sh, dout.ss, q0, Sq,
-                                                tid);
+    load_tile_async<kBwdKQ, D, LDS, kTcThreads>(dOs + buf * kBwdKQ * LDS, dob + gi * dout.sh, dout.ss, q0, Sq, tid);
     if (tid < kBwdKQ) {
       const int64_t qi = q0 + tid;
       Ls[buf * kBwdKQ + tid] = qi < Sq ? lb[gi * Sq + qi] * kLog2e : INFINITY;
@@ -177,7 +177,7 @@ attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T
         dpt[nt][e] = p * (dpt[nt][e] - Db[qc]);
       }
 
-    // dV += P^T dO and dK += dS^T Q (k = queries, 2 k-steps of 16).
+      // dV += P^T dO and dK += dS^T Q (k = queries, 2 k-steps of 16).
 #pragma unroll
     for (int kk = 0; kk < NQT / 2; ++kk) {
       uint32_t pa[4], sa[4];
@@ -213,15 +213,18 @@ attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T
 constexpr int kBwdQM = 64;  // queries per block (16 per warp)
 constexpr int kBwdQN = 32;  // keys per tile
 
-template <int D> constexpr int tc_dq_smem_bytes() { return (2 * kBwdQM + 2 * 2 * kBwdQN) * (D + 8) * 2; }
+template <int D>
+constexpr int tc_dq_smem_bytes() {
+  return (2 * kBwdQM + 2 * 2 * kBwdQN) * (D + 8) * 2;
+}
 
 // D = 64: at most 128 registers, so 4 blocks (16 warps) share an SM; ptxas fits the kernel
 // in them without spilling, and left free it takes ~150 (3 blocks).
 template <typename T, int D>
 __global__ void __launch_bounds__(kTcThreads, D == 64 ? 4 : 1)
-attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout, const float* __restrict__ lse,
-               const float* __restrict__ delta, Rows<T> dq, int64_t H, int64_t G, int64_t bh0, int64_t Sq,
-               int64_t Sk, float scale, bool causal) {
+    attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout, const float* __restrict__ lse,
+                   const float* __restrict__ delta, Rows<T> dq, int64_t H, int64_t G, int64_t bh0, int64_t Sq,
+                   int64_t Sk, float scale, bool causal) {
   constexpr int LDS = D + 8;
   constexpr int NKT = kBwdQN / 8;  // n-tiles over keys
   constexpr int NDT = D / 8;
@@ -229,9 +232,9 @@ attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> 
   using Mma = MmaOp<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);  // [QM][LDS]
-  T* dOs = Qs + kBwdQM * LDS;               // [QM][LDS]
-  T* Ks = dOs + kBwdQM * LDS;               // [2][QN][LDS]
-  T* Vs = Ks + 2 * kBwdQN * LDS;            // [2][QN][LDS]
+  T* dOs = Qs + kBwdQM * LDS;              // [QM][LDS]
+  T* Ks = dOs + kBwdQM * LDS;              // [2][QN][LDS]
+  T* Vs = Ks + 2 * kBwdQN * LDS;           // [2][QN][LDS]
 
   const int64_t bh = bh0 + blockIdx.y;
   const int64_t mblk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
@@ -316,7 +319,7 @@ attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> 
         s[nt][e] = p * (dp[nt][e] - dl[h]);
       }
 
-    // dQ += dS K (k = keys, 2 k-steps of 16).
+      // dQ += dS K (k = keys, 2 k-steps of 16).
 #pragma unroll
     for (int kk = 0; kk < NKT / 2; ++kk) {
       uint32_t sa[4];
@@ -336,7 +339,8 @@ attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> 
     T* out = dq.row(hd.b, hd.h, row);
 #pragma unroll
     for (int dt = 0; dt < NDT; ++dt)
-      *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * t) = Mma::pack(acc[dt][2 * h] * scale, acc[dt][2 * h + 1] * scale);
+      *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * t) =
+          Mma::pack(acc[dt][2 * h] * scale, acc[dt][2 * h + 1] * scale);
   }
 }
 
@@ -352,14 +356,14 @@ cudaError_t launch_bwd_tc(const AttentionBwdArgs& a, const float* delta, int dev
   if (e != cudaSuccess) return e;
   e = set_smem<kq>(dev, smem_q);
   if (e != cudaSuccess) return e;
-  const Rows<const T> q = rows_of<const T>(a.q, a.sq), k = rows_of<const T>(a.k, a.sk),
-                      v = rows_of<const T>(a.v, a.sv), dout = rows_of<const T>(a.dout, a.sdo);
+  const Rows<const T> q = rows_of<const T>(a.q, a.sq), k = rows_of<const T>(a.k, a.sk), v = rows_of<const T>(a.v, a.sv),
+                      dout = rows_of<const T>(a.dout, a.sdo);
   const float* lse = static_cast<const float*>(a.lse);
   if (a.Sk > 0) {
     e = for_bh_chunks(a.BHkv(), [&](int64_t bh0, unsigned nbh) {
       kkv<<<dim3(ceil_div_u(a.Sk, kBwdKN), nbh), kTcThreads, smem_kv, stream>>>(
-          q, k, v, dout, lse, delta, rows_of<T>(a.dk, a.sdk), rows_of<T>(a.dv, a.sdv), a.Hkv, a.G(), bh0, a.Sq,
-          a.Sk, a.scale, a.causal);
+          q, k, v, dout, lse, delta, rows_of<T>(a.dk, a.sdk), rows_of<T>(a.dv, a.sdv), a.Hkv, a.G(), bh0, a.Sq, a.Sk,
+          a.scale, a.causal);
     });
     if (e != cudaSuccess) return e;
   }
@@ -375,7 +379,8 @@ cudaError_t attention_bwd_mma(const AttentionBwdArgs& a, const float* delta, int
   if (a.dtype == DType::BFloat16)
     return a.D == 64 ? launch_bwd_tc<__nv_bfloat16, 64>(a, delta, dev, stream)
                      : launch_bwd_tc<__nv_bfloat16, 128>(a, delta, dev, stream);
-  return a.D == 64 ? launch_bwd_tc<__half, 64>(a, delta, dev, stream) : launch_bwd_tc<__half, 128>(a, delta, dev, stream);
+  return a.D == 64 ? launch_bwd_tc<__half, 64>(a, delta, dev, stream)
+                   : launch_bwd_tc<__half, 128>(a, delta, dev, stream);
 }
 
 }  // namespace gpu_puzzles

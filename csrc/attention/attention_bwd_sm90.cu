@@ -66,11 +66,12 @@ using namespace cute;
 constexpr int64_t kPadRows = 128;
 int64_t padded_rows(int64_t Sq) { return (Sq + kPadRows - 1) / kPadRows * kPadRows; }
 
-template <class Elem, int D_, bool DqTurns_ = false> struct BwdCfg {
+template <class Elem, int D_, bool DqTurns_ = false>
+struct BwdCfg {
   // A 3-stage Q / dO ring ran 0.93-0.96x this at D = 128 from 4096 rows and 0.99-1.02x at D = 64
   // (benchmarks/results/attention_bwd_stages_h100.json).
   static constexpr int D = D_, BN = 128, BM = 64, kStages = 2;
-  static constexpr int kThreads = 384;                   // producer + 2 consumer warpgroups
+  static constexpr int kThreads = 384;  // producer + 2 consumer warpgroups
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // dQ = dS K for the query block: each consumer takes half of D's columns over all BN keys,
   // so it needs the other's dS (a barrier over both). At D = 64, each consumer taking all
@@ -105,12 +106,12 @@ template <class Elem, int D_, bool DqTurns_ = false> struct BwdCfg {
   // dS as the (BM, BN) MN-major A operand of dQ = dS K (queries contiguous).
   using LayoutdS =
       decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<Int<BM>, Int<BN>>{}, Step<_2, _1>{}));
-  using OpSdP = decltype(SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<BM>, Int<D>>,
-                                                    GMMA::Major::K, GMMA::Major::K>());
-  using OpKV = decltype(SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<D>, Int<BM>>,
-                                                   GMMA::Major::K, GMMA::Major::MN>());
-  using OpQ = decltype(SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<DQN>, Int<BN>>,
-                                                  GMMA::Major::MN, GMMA::Major::MN>());
+  using OpSdP = decltype(SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<BM>, Int<D>>, GMMA::Major::K,
+                                                    GMMA::Major::K>());
+  using OpKV = decltype(SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<D>, Int<BM>>, GMMA::Major::K,
+                                                   GMMA::Major::MN>());
+  using OpQ = decltype(SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<DQN>, Int<BN>>, GMMA::Major::MN,
+                                                  GMMA::Major::MN>());
   using MmaSdP = decltype(make_tiled_mma(OpSdP{}));
   using MmaKV = decltype(make_tiled_mma(OpKV{}));
   using MmaQ = decltype(make_tiled_mma(OpQ{}));
@@ -142,7 +143,8 @@ template <class Elem, int D_, bool DqTurns_ = false> struct BwdCfg {
 // dQ tile stored (the writer warp waits); 4 + c that buffer read by the bulk copy (consumer c waits).
 constexpr int kDqSyncThreads = 128 + 32;  // a consumer warpgroup and the writer warp
 
-template <class Cfg> constexpr bool bwd_layouts_agree() {
+template <class Cfg>
+constexpr bool bwd_layouts_agree() {
   constexpr int D = Cfg::D, BM = Cfg::BM, BN = Cfg::BN;
   if (!transposed_views_agree<typename Cfg::LayoutQ, typename Cfg::LayoutQt, BM, D>()) return false;
   if (!transposed_views_agree<typename Cfg::LayoutK, typename Cfg::LayoutKt, BN, D>()) return false;
@@ -156,8 +158,8 @@ template <class Cfg> constexpr bool bwd_layouts_agree() {
 // where o's rows are 16-byte aligned (kVec; dout's always are: the plan checks).
 template <class T, int D, bool kVec>
 __global__ void __launch_bounds__(256)
-attn_bwd_prep_sm90(Rows<const T> o, Rows<const T> dout, const float* __restrict__ lse, float* __restrict__ lse2,
-                   float* __restrict__ delta, float* __restrict__ dq_acc, int64_t H, int64_t Sq, int64_t Sqp) {
+    attn_bwd_prep_sm90(Rows<const T> o, Rows<const T> dout, const float* __restrict__ lse, float* __restrict__ lse2,
+                       float* __restrict__ delta, float* __restrict__ dq_acc, int64_t H, int64_t Sq, int64_t Sqp) {
   constexpr int kTpr = D / 8;  // threads a row: a power of two dividing the warp
   static_assert(kTpr <= 32 && (kTpr & (kTpr - 1)) == 0, "row group within a warp");
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (256 / kTpr) + threadIdx.x / kTpr;
@@ -206,9 +208,8 @@ __host__ __device__ __forceinline__ int64_t dq_tile_offset(int64_t bh, int qb64,
 // (m, j): two 16-byte stores, and the lanes of a warp run over j first, so that a row's
 // stores are adjacent.
 template <class Cfg, class T>
-__global__ void __launch_bounds__(256)
-attn_bwd_dq_out_sm90(const float* __restrict__ dq_acc, Rows<T> dq, int64_t H, int64_t Sq, int64_t Sqp, int64_t n,
-                     float scale) {
+__global__ void __launch_bounds__(256) attn_bwd_dq_out_sm90(const float* __restrict__ dq_acc, Rows<T> dq, int64_t H,
+                                                            int64_t Sq, int64_t Sqp, int64_t n, float scale) {
   constexpr int D = Cfg::D, DQN = Cfg::DQN, kJ = DQN / 8;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -244,11 +245,11 @@ attn_bwd_dq_out_sm90(const float* __restrict__ dq_acc, Rows<T> dq, int64_t H, in
 
 template <class Cfg, class Elem, class TmaQ, class TmaKV>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const TmaQ tma_do,
-                 CUTE_GRID_CONSTANT const TmaKV tma_k, CUTE_GRID_CONSTANT const TmaKV tma_v,
-                 const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
-                 const Rows<Elem> dk, const Rows<Elem> dv, int H, int Hkv, int B, int64_t bh0, BlockOrder order,
-                 int Sq, int Sqp, int Sk, float scale, bool causal) {
+    attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const TmaQ tma_do,
+                     CUTE_GRID_CONSTANT const TmaKV tma_k, CUTE_GRID_CONSTANT const TmaKV tma_v,
+                     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+                     const Rows<Elem> dk, const Rows<Elem> dv, int H, int Hkv, int B, int64_t bh0, BlockOrder order,
+                     int Sq, int Sqp, int Sk, float scale, bool causal) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -325,8 +326,7 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
           if (qt >= ST) Barrier::wait(&sm.empty[st], static_cast<uint32_t>(((qt / ST) & 1) ^ 1));
           Tensor gQ = local_tile(mQ(_, _, t.h0 + gi, t.b), Shape<Int<BM>, Int<D>>{}, make_coord(_, _0{}));
           Tensor gdO = local_tile(mdO(_, _, t.h0 + gi, t.b), Shape<Int<BM>, Int<D>>{}, make_coord(_, _0{}));
-          auto [tQg, tQs] =
-              tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+          auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
           auto [tdOg, tdOs] =
               tma_partition(tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
           TxBarrier::arrive_and_expect_tx(&sm.full[st], Cfg::kStageBytes);
@@ -385,8 +385,8 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
     Tensor tSrK = thr_sdp.partition_fragment_A(local_tile(sK, Shape<_64, Int<D>>{}, make_coord(cw, 0)));
     Tensor tSrV = thr_sdp.partition_fragment_A(local_tile(sV, Shape<_64, Int<D>>{}, make_coord(cw, 0)));
     // dQ's B operand: K^T, this consumer's columns of D (all of them, kDqTurns) over every key.
-    Tensor tQrKt = thr_q.partition_fragment_B(local_tile(
-        sKt, Shape<Int<DQN>, Int<BN>>{}, make_coord(Cfg::kDqTurns ? 0 : cw, 0)));
+    Tensor tQrKt =
+        thr_q.partition_fragment_B(local_tile(sKt, Shape<Int<DQN>, Int<BN>>{}, make_coord(Cfg::kDqTurns ? 0 : cw, 0)));
 
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<BM>>{});   // S^T: (key, query)
     Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<_64, Int<BM>>{});  // dP^T
@@ -433,7 +433,7 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
       if (w < 0) break;
       const Item t = item_at(w);
       const int n_qt = t.n_qt, n_it = t.n_it, q_begin = t.q_begin;
-      const int key0 = t.n0 + 64 * cw;  // this warpgroup's first key
+      const int key0 = t.n0 + 64 * cw;               // this warpgroup's first key
       const auto row_value = [&](int g2, int qi2) {  // of query head h0 + g2, its block qi2 from q_begin
         const int64_t r0 = (static_cast<int64_t>(t.b) * H + t.h0 + g2) * Sqp + q_begin + qi2 * BM;
         return wtid < BM ? lse2[r0 + wtid] : delta[r0 + wtid - BM];
@@ -516,10 +516,10 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
           const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(sm.ds + (it & 1) * BM * BN));
 #pragma unroll
           for (int p = 0; p < BM / 16; ++p)
-            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                             base + ds_row_off[p]),
-                         "r"(ds32(4 * p)), "r"(ds32(4 * p + 1)), "r"(ds32(4 * p + 2)), "r"(ds32(4 * p + 3))
-                         : "memory");
+            asm volatile(
+                "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(base + ds_row_off[p]),
+                "r"(ds32(4 * p)), "r"(ds32(4 * p + 1)), "r"(ds32(4 * p + 2)), "r"(ds32(4 * p + 3))
+                : "memory");
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> wgmma's reads
 
@@ -588,7 +588,7 @@ attn_bwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
       qt += n_it;
       if (wtid == 0) Barrier::arrive(&sm.kv_empty);  // every GEMM of this consumer reading K and V is complete
 
-      // dK = scale * sum dS^T Q, dV = sum P^T dO: this warpgroup's 64 key rows.
+        // dK = scale * sum dS^T Q, dV = sum P^T dO: this warpgroup's 64 key rows.
 #pragma unroll
       for (int i = 0; i < size(tKVrdK); i += 2) {
         const int key = key0 + get<0>(tKVc(i)), c = get<1>(tKVc(i));
@@ -636,8 +636,8 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
                                    typename Cfg::LayoutK{}, Shape<Int<Cfg::BN>, Int<D>>{});
   const auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.v, a.Sk, a.Hkv, a.B, a.sv),
                                    typename Cfg::LayoutK{}, Shape<Int<Cfg::BN>, Int<D>>{});
-  constexpr auto kern = attn_bwd_ws_sm90<Cfg, Elem, std::remove_const_t<decltype(tma_q)>,
-                                         std::remove_const_t<decltype(tma_k)>>;
+  constexpr auto kern =
+      attn_bwd_ws_sm90<Cfg, Elem, std::remove_const_t<decltype(tma_q)>, std::remove_const_t<decltype(tma_k)>>;
   cudaError_t e = set_smem<kern>(dev, Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
   const int gx = static_cast<int>(ceil_div_u(a.Sk, Cfg::BN));
@@ -650,11 +650,12 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
   // there one CTA a block (grid_ctas; attention_bwd_grid_h100.json).
   e = for_ordered_grids(a.BHkv(), gx, a.causal, row_bytes, Knob::AttentionBwdGrid, dev,
                         [&](int64_t bh0, const BlockOrder& order, unsigned ctas) {
-    kern<<<ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        tma_q, tma_do, tma_k, tma_v, lse2, delta, dq_acc, rows_of<Elem>(a.dk, a.sdk), rows_of<Elem>(a.dv, a.sdv),
-        static_cast<int>(a.H), static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq),
-        static_cast<int>(Sqp), static_cast<int>(a.Sk), a.scale, a.causal);
-  });
+                          kern<<<ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+                              tma_q, tma_do, tma_k, tma_v, lse2, delta, dq_acc, rows_of<Elem>(a.dk, a.sdk),
+                              rows_of<Elem>(a.dv, a.sdv), static_cast<int>(a.H), static_cast<int>(a.Hkv),
+                              static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq), static_cast<int>(Sqp),
+                              static_cast<int>(a.Sk), a.scale, a.causal);
+                        });
   if (e != cudaSuccess) return e;
   const int64_t n = a.BH() * Sqp * D / 16;  // 16 floats a thread
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{1} << 20));
@@ -663,7 +664,8 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
   return cudaGetLastError();
 }
 
-template <class Elem> cudaError_t launch_bwd_d(const AttentionBwdArgs& a, void* ws, int dev, cudaStream_t stream) {
+template <class Elem>
+cudaError_t launch_bwd_d(const AttentionBwdArgs& a, void* ws, int dev, cudaStream_t stream) {
   if (a.D != 64) return launch_bwd<BwdCfg<Elem, 128>, Elem>(a, ws, dev, stream);
   // D = 64: dQ by turns where a CTA sweeps many query blocks (G * Sq >= 2048 rows): there it ran
   // 1.018-1.031x the column split, at (8,12,1024) causal 0.971x and (16,12,512) causal 0.954x,
@@ -680,9 +682,8 @@ template <class Elem> cudaError_t launch_bwd_d(const AttentionBwdArgs& a, void* 
 bool attention_backward_sm90_supported(const AttentionBwdArgs& a) {
   // int32 TMA coordinates and kernel row indices; padded lse2 rows below 2^31 as well.
   return tma_operand_ok(a.sq, a.Sq, a.H, a.B) && tma_operand_ok(a.sdo, a.Sq, a.H, a.B) &&
-         tma_operand_ok(a.sk, a.Sk, a.Hkv, a.B) && tma_operand_ok(a.sv, a.Sk, a.Hkv, a.B) && a.Sk > 0 &&
-         a.Sq > 0 && padded_rows(a.Sq) < (int64_t{1} << 31) && a.H < (int64_t{1} << 31) &&
-         a.BHkv() < (int64_t{1} << 31);
+         tma_operand_ok(a.sk, a.Sk, a.Hkv, a.B) && tma_operand_ok(a.sv, a.Sk, a.Hkv, a.B) && a.Sk > 0 && a.Sq > 0 &&
+         padded_rows(a.Sq) < (int64_t{1} << 31) && a.H < (int64_t{1} << 31) && a.BHkv() < (int64_t{1} << 31);
 }
 
 int64_t attention_backward_sm90_workspace_bytes(const AttentionBwdArgs& a) {

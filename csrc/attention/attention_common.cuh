@@ -26,20 +26,23 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int64_t kMaxGridY = 65535;
 
-template <typename T> constexpr bool is_half_type() {
+template <typename T>
+constexpr bool is_half_type() {
   return std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value;
 }
 
 // One operand's rows in its (B, H, S, Dlast) layout (attention.h: AttnStrides): the one
 // place the kernels turn (batch, head, row) into an address.
-template <typename T> struct Rows {
+template <typename T>
+struct Rows {
   T* p;
   int64_t sb, sh, ss;  // element strides of batch, head, row; Dlast is contiguous
   __device__ __forceinline__ T* head(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
   __device__ __forceinline__ T* row(int64_t b, int64_t h, int64_t s) const { return head(b, h) + s * ss; }
 };
 
-template <typename T, typename P> Rows<T> rows_of(P* p, const AttnStrides& st) {
+template <typename T, typename P>
+Rows<T> rows_of(P* p, const AttnStrides& st) {
   return Rows<T>{static_cast<T*>(p), st.b, st.h, st.s};
 }
 
@@ -60,14 +63,16 @@ struct KvHeadIdx {
 };
 
 // The key tiles of BN that query rows [m0, m0 + BM) see: up to Sk, causal up to their last row.
-template <int BM, int BN> __device__ __forceinline__ int key_tiles(int64_t m0, int64_t Sq, int64_t Sk, bool causal) {
+template <int BM, int BN>
+__device__ __forceinline__ int key_tiles(int64_t m0, int64_t Sq, int64_t Sk, bool causal) {
   const int64_t row_end = std::min<int64_t>(m0 + BM, Sq);
   const int64_t n_end = causal ? std::min<int64_t>(Sk, row_end) : Sk;
   return static_cast<int>((n_end + BN - 1) / BN);
 }
 
 // Call f(bh0, nbh) for chunks of at most 65535 (grid.y limit).
-template <typename F> cudaError_t for_bh_chunks(int64_t BH, F&& f) {
+template <typename F>
+cudaError_t for_bh_chunks(int64_t BH, F&& f) {
   for (int64_t bh0 = 0; bh0 < BH; bh0 += kMaxGridY) {
     f(bh0, static_cast<unsigned>(std::min<int64_t>(kMaxGridY, BH - bh0)));
     const cudaError_t e = cudaGetLastError();
@@ -172,8 +177,7 @@ inline int64_t chunk_rows(bool causal, int64_t nbh, int gx, int sms, int64_t byt
 // (grid_ctas with `grid_knob`), each fitting gridDim.x (2^31 - 1), in the order above
 // (chunk_rows with `bytes_per_row` and device dev's SM count).
 template <typename F>
-cudaError_t for_ordered_grids(int64_t BH, int gx, bool causal, int64_t bytes_per_row, Knob grid_knob, int dev,
-                              F&& f) {
+cudaError_t for_ordered_grids(int64_t BH, int gx, bool causal, int64_t bytes_per_row, Knob grid_knob, int dev, F&& f) {
   cudaError_t e = cudaSuccess;
   const int sms = device_sm_count(dev, e);
   if (e != cudaSuccess) return e;

@@ -220,12 +220,12 @@ void bwd_kernel(const T* dout, const T* q, const T* k, const T* v, const T* o, c
 
 }  // namespace
 
-void attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                       at::Tensor& lse, double scale, bool causal) {
+void attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                       double scale, bool causal) {
   const int64_t BH = q.size(0), Sq = q.size(1), Sk = k.size(1), D = q.size(2), Dv = v.size(2);
   if (BH * Sq == 0) return;
   const int64_t G = BH / k.size(0);  // query heads per kv head
-  if (Sk == 0) {  // no visible key: zero output, lse = -inf
+  if (Sk == 0) {                     // no visible key: zero output, lse = -inf
     out.zero_();
     lse.fill_(-std::numeric_limits<double>::infinity());
     return;

@@ -33,12 +33,15 @@ namespace {
 // block does 64 FLOP per byte loaded, which at 300 TFLOP/s is ~4.7 TB/s of L2).
 constexpr int kFwdBN = 64;  // keys per tile
 
-template <int D, int WARPS> constexpr int tc_fwd_smem_bytes() { return (16 * WARPS + 2 * kFwdBN) * (D + 8) * 2; }
+template <int D, int WARPS>
+constexpr int tc_fwd_smem_bytes() {
+  return (16 * WARPS + 2 * kFwdBN) * (D + 8) * 2;
+}
 
 template <typename T, int D, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
-attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
-            int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
+    attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
+                int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
   constexpr int BM = 16 * WARPS;  // query rows per block (16 per warp)
   constexpr int NT = WARPS * 32;
   constexpr int LDS = D + 8;
@@ -48,8 +51,8 @@ attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float*
   using Mma = MmaOp<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LDS]
-  T* Ks = Qs + BM * LDS;                // [BN][LDS]
-  T* Vs = Ks + kFwdBN * LDS;                // [BN][LDS]
+  T* Ks = Qs + BM * LDS;                   // [BN][LDS]
+  T* Vs = Ks + kFwdBN * LDS;               // [BN][LDS]
 
   const int64_t bh = bh0 + blockIdx.y;
   // Causal: heaviest query tiles (largest m0) first, for a better tail.
@@ -93,8 +96,7 @@ attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float*
 #pragma unroll
       for (int np = 0; np < NKT / 2; ++np) {
         uint32_t b[4];
-        ldsm_x4(b, smem_addr(Ks + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 +
-                             ((lane >> 3) & 1) * 8));
+        ldsm_x4(b, smem_addr(Ks + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8));
         Mma::run(s[2 * np], qf[kk], b[0], b[1]);
         Mma::run(s[2 * np + 1], qf[kk], b[2], b[3]);
       }
@@ -115,7 +117,7 @@ attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float*
         s[nt][e] = x;
       }
 
-    // Online softmax on rows g (e = 0, 1) and g + 8 (e = 2, 3).
+      // Online softmax on rows g (e = 0, 1) and g + 8 (e = 2, 3).
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       online_softmax_step<false, true, NKT, NDT>([&](int nt, int e) -> float& { return s[nt][e]; },
@@ -124,7 +126,7 @@ attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float*
 
     __syncthreads();  // every warp is done reading K(j)
     if (j + 1 < n_tiles) load_tile_async<kFwdBN, D, LDS, NT>(Ks, kb, k.ss, n0 + kFwdBN, Sk, tid);
-    cp_async_commit();  // possibly empty group: keeps the wait counts uniform
+    cp_async_commit();   // possibly empty group: keeps the wait counts uniform
     cp_async_wait<1>();  // V(j) has landed
     __syncthreads();
 
@@ -135,8 +137,8 @@ attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float*
 #pragma unroll
       for (int dp = 0; dp < NDT / 2; ++dp) {
         uint32_t b[4];
-        ldsm_x4_trans(b, smem_addr(Vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 +
-                                   (lane >> 4) * 8));
+        ldsm_x4_trans(b,
+                      smem_addr(Vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 + (lane >> 4) * 8));
         Mma::run(acc[2 * dp], pa, b[0], b[1]);
         Mma::run(acc[2 * dp + 1], pa, b[2], b[3]);
       }
@@ -179,14 +181,15 @@ attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float*
 // Causal: a warp whose rows all precede a tile's first key skips that tile's math (it
 // still joins the loads and barriers); only tiles that cross the diagonal or the key
 // tail are masked. Warps whose rows are all past Sq skip the math too (never stored).
-template <int D, int RPW, int BN, int WARPS, int STAGES> constexpr int tc_fwd2_smem_bytes() {
+template <int D, int RPW, int BN, int WARPS, int STAGES>
+constexpr int tc_fwd2_smem_bytes() {
   return (RPW * WARPS + STAGES * 2 * BN) * (D + 8) * 2;
 }
 
 template <typename T, int D, int RPW, int BN, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32)
-attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
-             int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
+    attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
+                 int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
   static_assert(RPW == 16 || RPW == 32, "RPW");
   static_assert(BN == 32 || BN == 64, "BN");
   static_assert(STAGES == 1 || STAGES == 2, "STAGES");
@@ -245,7 +248,7 @@ attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float
 
   // s = Q K^T for this warp's rows and the BN keys at Kt (log2-scaled, masked), then the
   // online-softmax update; on return s holds the unnormalised probabilities.
-  auto scores = [&](float (&s)[MT][NKT][4], const T* Kt, int64_t n0) {
+  auto scores = [&](float(&s)[MT][NKT][4], const T* Kt, int64_t n0) {
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -265,8 +268,7 @@ attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float
 #pragma unroll
       for (int np = 0; np < NKT / 2; ++np) {
         uint32_t b[4];
-        ldsm_x4(b, smem_addr(Kt + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 +
-                             ((lane >> 3) & 1) * 8));
+        ldsm_x4(b, smem_addr(Kt + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8));
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
           Mma::run_nv(s[mi][2 * np], a[mi], b[0], b[1]);
@@ -298,12 +300,12 @@ attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         online_softmax_step<true, true, NKT, NDT>([&](int nt, int e) -> float& { return s[mi][nt][e]; },
-                                                  [&](int dt, int e) -> float& { return acc[mi][dt][e]; },
-                                                  m_r[mi][h], l_r[mi][h], h);
+                                                  [&](int dt, int e) -> float& { return acc[mi][dt][e]; }, m_r[mi][h],
+                                                  l_r[mi][h], h);
   };
 
   // O += P V for the BN keys at Vt; P comes straight from the S accumulators.
-  auto pv = [&](const float (&s)[MT][NKT][4], const T* Vt) {
+  auto pv = [&](const float(&s)[MT][NKT][4], const T* Vt) {
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       uint32_t pa[MT][4];
@@ -312,8 +314,8 @@ attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float
 #pragma unroll
       for (int dp = 0; dp < NDT / 2; ++dp) {
         uint32_t b[4];
-        ldsm_x4_trans(b, smem_addr(Vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 +
-                                   (lane >> 4) * 8));
+        ldsm_x4_trans(b,
+                      smem_addr(Vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 + (lane >> 4) * 8));
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
           Mma::run_nv(acc[mi][2 * dp], pa[mi], b[0], b[1]);
@@ -406,7 +408,8 @@ cudaError_t launch_fwd_mma(const AttentionFwdArgs& a, const AttnFwdPlan& p, int 
     return launch_fwd<attn_fwd_tc2<T, D, RPW, BN, WARPS, STAGES>, RPW * WARPS, WARPS * 32,
                       tc_fwd2_smem_bytes<D, RPW, BN, WARPS, STAGES>(), T>(a, dev, stream);
   }
-  if (p.warps == 4) return launch_fwd<attn_fwd_tc<T, D, 4>, 16 * 4, 4 * 32, tc_fwd_smem_bytes<D, 4>(), T>(a, dev, stream);
+  if (p.warps == 4)
+    return launch_fwd<attn_fwd_tc<T, D, 4>, 16 * 4, 4 * 32, tc_fwd_smem_bytes<D, 4>(), T>(a, dev, stream);
   return launch_fwd<attn_fwd_tc<T, D, 8>, 16 * 8, 8 * 32, tc_fwd_smem_bytes<D, 8>(), T>(a, dev, stream);
 }
 

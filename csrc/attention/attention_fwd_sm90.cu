@@ -70,7 +70,8 @@ namespace {
 
 using namespace cute;
 
-template <class Elem, int D_, int BN_, int NWG_> struct Sm90FwdCfg {
+template <class Elem, int D_, int BN_, int NWG_>
+struct Sm90FwdCfg {
   static constexpr int D = D_, BN = BN_, NWG = NWG_;
   static constexpr int BM = 64 * NWG;
   static constexpr int kThreads = 128 * NWG;
@@ -84,10 +85,10 @@ template <class Elem, int D_, int BN_, int NWG_> struct Sm90FwdCfg {
   using LayoutVt =
       decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<Int<D>, Int<BN>>{}, Step<_2, _1>{}));
   // One warpgroup per TiledMMA (each warpgroup runs its own 64-row problem).
-  using OpS = decltype(SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<BN>, Int<D>>,
-                                                  GMMA::Major::K, GMMA::Major::K>());
-  using OpO = decltype(SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<D>, Int<BN>>,
-                                                  GMMA::Major::K, GMMA::Major::MN>());
+  using OpS = decltype(SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<BN>, Int<D>>, GMMA::Major::K,
+                                                  GMMA::Major::K>());
+  using OpO = decltype(SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<D>, Int<BN>>, GMMA::Major::K,
+                                                  GMMA::Major::MN>());
   using MmaS = decltype(make_tiled_mma(OpS{}));
   using MmaO = decltype(make_tiled_mma(OpO{}));
   // The softmax and the P -> A-operand reuse rely on these register layouts:
@@ -107,7 +108,6 @@ template <class Elem, int D_, int BN_, int NWG_> struct Sm90FwdCfg {
   static_assert((BM * D * sizeof(Elem)) % 1024 == 0 && (kTileElems * sizeof(Elem)) % 1024 == 0,
                 "every tile starts 1024-byte aligned (128-byte swizzle phase)");
 };
-
 
 // ---- The warp-specialised forward (knob attention_fwd=ws) --------------------------------
 //
@@ -132,7 +132,8 @@ template <class Elem, int D_, int BN_, int NWG_> struct Sm90FwdCfg {
 //  * kConsumers = 3 ("ws192", D = 64 only): 192 query rows a CTA, three consumers taking
 //    turns. At D = 64 a tile's GEMMs are half as long against the same softmax, so a third
 //    consumer keeps the tensor cores busier (FlashAttention-3's D = 64 tiling).
-template <class Elem, int D_, int BN_, int Stages_, int Consumers_, bool Overlap_, bool Pingpong_> struct WsFwdCfg {
+template <class Elem, int D_, int BN_, int Stages_, int Consumers_, bool Overlap_, bool Pingpong_>
+struct WsFwdCfg {
   using Base = Sm90FwdCfg<Elem, D_, BN_, Consumers_>;  // tiles, MMAs and register layouts of the kernel above
   static constexpr int D = D_, BN = BN_, kStages = Stages_, BM = Base::BM, kConsumers = Consumers_;
   static_assert(kConsumers == 2 || kConsumers == 3, "consumers");
@@ -143,9 +144,9 @@ template <class Elem, int D_, int BN_, int Stages_, int Consumers_, bool Overlap
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // setmaxnreg: 128 x 24 + 256 x 240 registers fit the SM's 64 K, or 128 x 32 + 384 x 160.
   static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32, kConsumerRegs = kConsumers == 2 ? 240 : 160;
-  using LayoutQ = typename Base::LayoutQ;                        // (BM, D)
-  using LayoutK = typename Base::LayoutK;                        // (BN, D), one stage
-  using LayoutVt = typename Base::LayoutVt;                      // (D, BN), one stage
+  using LayoutQ = typename Base::LayoutQ;    // (BM, D)
+  using LayoutK = typename Base::LayoutK;    // (BN, D), one stage
+  using LayoutVt = typename Base::LayoutVt;  // (D, BN), one stage
   using LayoutKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
                                           Shape<Int<BN>, Int<D>, Int<kStages>>{}));  // the TMA's view of the ring
   using MmaS = typename Base::MmaS;
@@ -166,7 +167,8 @@ template <class Elem, int D_, int BN_, int Stages_, int Consumers_, bool Overlap
 
 // The ring's stage s, element (key r, dim c), sits where a one-stage K tile and the PV
 // GEMM's V^T view put it.
-template <class Cfg> constexpr bool ws_layouts_agree() {
+template <class Cfg>
+constexpr bool ws_layouts_agree() {
   return ring_stages_agree<typename Cfg::LayoutKV, typename Cfg::LayoutK, Cfg::BN, Cfg::D, Cfg::kStages>() &&
          ring_stages_agree<typename Cfg::LayoutQ2, typename Cfg::LayoutQ, Cfg::BM, Cfg::D, 2>() &&
          transposed_views_agree<typename Cfg::LayoutK, typename Cfg::LayoutVt, Cfg::BN, Cfg::D>();
@@ -227,9 +229,9 @@ template <int BN, int D, class Elem, class TS, class TO, class TP>
 __device__ __forceinline__ void softmax_to_p(TS& tSrS, TO& tOrO, TP& tOrP, float (&m_r)[2], float (&l_r)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h)
-    online_softmax_step<true, false, BN / 8, D / 8>(
-        [&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
-        [&](int nb, int e) -> float& { return tOrO(4 * nb + e); }, m_r[h], l_r[h], h);
+    online_softmax_step<true, false, BN / 8, D / 8>([&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
+                                                    [&](int nb, int e) -> float& { return tOrO(4 * nb + e); }, m_r[h],
+                                                    l_r[h], h);
   pack_a<Elem>(tSrS, tOrP);
 }
 
@@ -255,8 +257,8 @@ __device__ __forceinline__ void gemm_pv(Mma& mma_o, TP& tOrP, const TV& tOrV, TO
 // Epilogue: O / l, lse = (m + log2 l) * ln2 (natural log); l == 0 only when Sk == 0.
 template <int D, class Elem, class TO, class TC>
 __device__ __forceinline__ void store_rows(TO& tOrO, const TC& tOcO, const float (&m_r)[2], const float (&l_r)[2],
-                                           const Rows<Elem>& o, float* __restrict__ lse, const HeadIdx& hd,
-                                           int64_t bh, int64_t wrow0, int64_t Sq) {
+                                           const Rows<Elem>& o, float* __restrict__ lse, const HeadIdx& hd, int64_t bh,
+                                           int64_t wrow0, int64_t Sq) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float l = quad_sum(l_r[h]);
@@ -285,8 +287,8 @@ __device__ __forceinline__ void softmax_rows_unscaled(TS& tSrS, float scale_log2
 #pragma unroll
   for (int h = 0; h < 2; ++h)  // with no output n-tiles the second accessor is never called
     online_softmax_step<true, false, BN / 8, 0, true>([&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
-                                                      [&](int nb, int e) -> float& { return tSrS(4 * nb + e); },
-                                                      m_r[h], l_r[h], h, scale_log2);
+                                                      [&](int nb, int e) -> float& { return tSrS(4 * nb + e); }, m_r[h],
+                                                      l_r[h], h, scale_log2);
 }
 
 // O *= alpha, alpha = 2^(m_prev - m) as online_softmax_step computes it.
@@ -303,17 +305,16 @@ __device__ __forceinline__ void rescale_o(TO& tOrO, const float (&m_prev)[2], co
   }
 }
 
-
 template <class Cfg, class Elem>
 __device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Rows<const Elem> k,
-                                              const Rows<const Elem> v, const Rows<Elem> o,
-                                              float* __restrict__ lse, int64_t H, int64_t G, int64_t bh0,
-                                              int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
+                                              const Rows<const Elem> v, const Rows<Elem> o, float* __restrict__ lse,
+                                              int64_t H, int64_t G, int64_t bh0, int64_t Sq, int64_t Sk,
+                                              float scale_log2, bool causal) {
   constexpr int D = Cfg::D, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::kThreads;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Elem* q_s = reinterpret_cast<Elem*>(smem_raw);
-  Elem* k_s = q_s + BM * D;                // [2][BN * D]
-  Elem* v_s = k_s + 2 * Cfg::kTileElems;   // [2][BN * D]
+  Elem* k_s = q_s + BM * D;                                              // [2][BN * D]
+  Elem* v_s = k_s + 2 * Cfg::kTileElems;                                 // [2][BN * D]
   Tensor sQ = make_tensor(make_smem_ptr(q_s), typename Cfg::LayoutQ{});  // (BM, D)
 
   const int tid = threadIdx.x;
@@ -331,7 +332,7 @@ __device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Ro
   const int n_tiles = key_tiles<BM, BN>(m0, Sq, Sk, causal);
 
   auto load_kv = [&](int stage, int64_t n0) {
-    Tensor sK = make_tensor(make_smem_ptr(k_s + stage * Cfg::kTileElems), typename Cfg::LayoutK{});   // (BN, D)
+    Tensor sK = make_tensor(make_smem_ptr(k_s + stage * Cfg::kTileElems), typename Cfg::LayoutK{});    // (BN, D)
     Tensor sVt = make_tensor(make_smem_ptr(v_s + stage * Cfg::kTileElems), typename Cfg::LayoutVt{});  // (D, BN)
     load_rows_async<BN, D, NT>([&](int r, int c) { return &sK(r, c); }, kb, k.ss, n0, Sk, tid);
     // The swizzles permute 16-byte units only: 8 consecutive d of one key stay contiguous.
@@ -368,7 +369,7 @@ __device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Ro
   for (int j = 0; j < n_tiles; ++j) {
     const int st = j & 1;
     const int64_t n0 = static_cast<int64_t>(j) * BN;
-    cp_async_wait<0>();  // tile j (and Q) landed for this thread's copies
+    cp_async_wait<0>();                                             // tile j (and Q) landed for this thread's copies
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // ... visible to wgmma (async proxy)
     __syncthreads();  // ... for all threads; every warpgroup is done with stage st ^ 1 (tile j - 1)
     if (j + 1 < n_tiles) load_kv(st ^ 1, n0 + BN);
@@ -395,16 +396,15 @@ __device__ __forceinline__ void fwd_sm90_body(const Rows<const Elem> q, const Ro
 
 template <class Cfg, class Elem>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-attn_fwd_sm90(const Rows<const Elem> q, const Rows<const Elem> k, const Rows<const Elem> v, const Rows<Elem> o,
-              float* __restrict__ lse, int64_t H, int64_t G, int64_t bh0, int64_t Sq, int64_t Sk,
-              float scale_log2, bool causal) {
+    attn_fwd_sm90(const Rows<const Elem> q, const Rows<const Elem> k, const Rows<const Elem> v, const Rows<Elem> o,
+                  float* __restrict__ lse, int64_t H, int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2,
+                  bool causal) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   fwd_sm90_body<Cfg, Elem>(q, k, v, o, lse, H, G, bh0, Sq, Sk, scale_log2, causal);
 #elif defined(__CUDA_ARCH__)
   __trap();  // not sm_90a: the host never launches this image (attention_forward_sm90_available)
 #endif
 }
-
 
 // A persistent grid (one CTA an SM, WorkCursor in attention_common.cuh) loads the next item's Q
 // and K while it finishes the last (double-buffered Q).
@@ -433,9 +433,9 @@ __device__ __forceinline__ WsItem ws_item(int w, const BlockOrder& order, int64_
 
 template <class Cfg, class Elem, class TmaQ, class TmaKV>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const TmaKV tma_k,
-                 CUTE_GRID_CONSTANT const TmaKV tma_v, const Rows<Elem> o, float* __restrict__ lse, int H, int Hkv,
-                 int B, int64_t bh0, BlockOrder order, int Sq, int Sk, float scale_log2, bool causal) {
+    attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const TmaKV tma_k,
+                     CUTE_GRID_CONSTANT const TmaKV tma_v, const Rows<Elem> o, float* __restrict__ lse, int H, int Hkv,
+                     int B, int64_t bh0, BlockOrder order, int Sq, int Sk, float scale_log2, bool causal) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -664,19 +664,23 @@ attn_fwd_ws_sm90(CUTE_GRID_CONSTANT const TmaQ tma_q, CUTE_GRID_CONSTANT const T
 //  3 warpgroups ("wgmma3"): BM = 192 (a third less K/V traffic from L2 per FLOP, 12 warps to hide
 //    latency), BN = 64 at D = 128 (141 regs, 112 KiB; BN = 128 would pass the 168-register cap of
 //    384 threads) and BN = 128 at D = 64 (160 regs, 88 KiB).
-template <class Elem, int D> using FwdCfgSm90 = Sm90FwdCfg<Elem, D, 128, 2>;
-template <class Elem, int D> using FwdCfgSm90W3 = Sm90FwdCfg<Elem, D, D == 128 ? 64 : 128, 3>;
+template <class Elem, int D>
+using FwdCfgSm90 = Sm90FwdCfg<Elem, D, 128, 2>;
+template <class Elem, int D>
+using FwdCfgSm90W3 = Sm90FwdCfg<Elem, D, D == 128 ? 64 : 128, 3>;
 
 // Both kernels' launch: Kern's shared memory raised to Cfg::kSmemBytes, then a grid of
 // query blocks of Cfg::BM rows by (batch, head) chunks; launch(grid, bh0) launches one chunk.
-template <class Cfg, auto Kern, class F> cudaError_t launch_blocks(const AttentionFwdArgs& a, int dev, F&& launch) {
+template <class Cfg, auto Kern, class F>
+cudaError_t launch_blocks(const AttentionFwdArgs& a, int dev, F&& launch) {
   cudaError_t e = set_smem<Kern>(dev, Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
   const unsigned gx = static_cast<unsigned>((a.Sq + Cfg::BM - 1) / Cfg::BM);
   return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) { launch(dim3(gx, nbh), bh0); });
 }
 
-template <class Cfg, class Elem> cudaError_t launch_sm90(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+template <class Cfg, class Elem>
+cudaError_t launch_sm90(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   constexpr auto kern = attn_fwd_sm90<Cfg, Elem>;
   const float sl = a.scale * kLog2e;
   return launch_blocks<Cfg, kern>(a, dev, [&](dim3 grid, int64_t bh0) {
@@ -702,7 +706,8 @@ cudaError_t launch_sm90_d(const AttentionFwdArgs& a, int warpgroups, int dev, cu
 template <class Elem, int D, int Variant>
 using FwdCfgWs = WsFwdCfg<Elem, D, 128, 2, Variant == 3 ? 3 : 2, Variant >= 1, Variant >= 2>;
 
-template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+template <class Cfg, class Elem>
+cudaError_t launch_ws(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   constexpr int D = Cfg::D;
   const auto tma_q = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.q, a.Sq, a.H, a.B, a.sq),
                                    typename Cfg::LayoutQ{}, Shape<Int<Cfg::BM>, Int<D>>{});
@@ -710,8 +715,8 @@ template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a
                                    typename Cfg::LayoutK{}, Shape<Int<Cfg::BN>, Int<D>>{});
   const auto tma_v = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.v, a.Sk, a.Hkv, a.B, a.sv),
                                    typename Cfg::LayoutK{}, Shape<Int<Cfg::BN>, Int<D>>{});
-  constexpr auto kern = attn_fwd_ws_sm90<Cfg, Elem, std::remove_const_t<decltype(tma_q)>,
-                                         std::remove_const_t<decltype(tma_k)>>;
+  constexpr auto kern =
+      attn_fwd_ws_sm90<Cfg, Elem, std::remove_const_t<decltype(tma_q)>, std::remove_const_t<decltype(tma_k)>>;
   const float sl = a.scale * kLog2e;
   cudaError_t e = set_smem<kern>(dev, Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
@@ -720,11 +725,11 @@ template <class Cfg, class Elem> cudaError_t launch_ws(const AttentionFwdArgs& a
   const int64_t row_bytes = 2 * a.Sk * D * static_cast<int64_t>(sizeof(Elem)) / a.G();
   return for_ordered_grids(a.BH(), gx, a.causal, row_bytes, Knob::AttentionFwdGrid, dev,
                            [&](int64_t bh0, const BlockOrder& order, unsigned ctas) {
-    kern<<<ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        tma_q, tma_k, tma_v, rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse), static_cast<int>(a.H),
-        static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq), static_cast<int>(a.Sk),
-        sl, a.causal);
-  });
+                             kern<<<ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+                                 tma_q, tma_k, tma_v, rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse),
+                                 static_cast<int>(a.H), static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order,
+                                 static_cast<int>(a.Sq), static_cast<int>(a.Sk), sl, a.causal);
+                           });
 }
 
 template <class Elem, int Variant>
@@ -733,7 +738,8 @@ cudaError_t launch_ws_d(const AttentionFwdArgs& a, int dev, cudaStream_t stream)
                    : launch_ws<FwdCfgWs<Elem, 128, Variant>, Elem>(a, dev, stream);
 }
 
-template <class Elem> cudaError_t launch_ws_v(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream) {
+template <class Elem>
+cudaError_t launch_ws_v(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream) {
   if (variant == 3 && a.D == 64) return launch_ws<FwdCfgWs<Elem, 64, 3>, Elem>(a, dev, stream);
   return variant >= 2   ? launch_ws_d<Elem, 2>(a, dev, stream)
          : variant == 1 ? launch_ws_d<Elem, 1>(a, dev, stream)
@@ -756,8 +762,8 @@ bool attention_forward_sm90_available(int dev, cudaError_t& err) {
     bool ok = false;
     if (major == 9) {
       cudaFuncAttributes fa;
-      const cudaError_t fe = cudaFuncGetAttributes(
-          &fa, attn_fwd_sm90<FwdCfgSm90<cutlass::half_t, 64>, cutlass::half_t>);
+      const cudaError_t fe =
+          cudaFuncGetAttributes(&fa, attn_fwd_sm90<FwdCfgSm90<cutlass::half_t, 64>, cutlass::half_t>);
       if (fe == cudaSuccess) {
         ok = fa.ptxVersion >= 90 && fa.ptxVersion < 100 && fa.binaryVersion >= 90 && fa.binaryVersion < 100;
       } else {

@@ -30,7 +30,8 @@ namespace {  // one copy per .cu file
 // Hence, for an operand stored row-major in shared memory X[row][col]:
 //  * A fragment of rows r0..r0+15, cols k0..k0+15 (ldsm_A):
 //      lane l points at X[r0 + (l & 15)][k0 + (l >> 4) * 8]
-//      (matrices: rows 0-7/cols 0-7 -> a0, rows 8-15/cols 0-7 -> a1, rows 0-7/cols 8-15 -> a2, rows 8-15/cols 8-15 -> a3)
+//      (matrices: rows 0-7/cols 0-7 -> a0, rows 8-15/cols 0-7 -> a1, rows 0-7/cols 8-15 -> a2, rows 8-15/cols 8-15 ->
+//      a3)
 //  * B fragments with B[kk][n] = X[n][kk] (X = K for Q K^T), two n-tiles n0..n0+15 (ldsm_Bt):
 //      lane l points at X[n0 + (l & 7) + ((l >> 4) << 3)][k0 + ((l >> 3) & 1) * 8]
 //      r0 = b0 (n-tile 0), r1 = b1 (n-tile 0), r2 = b0 (n-tile 1), r3 = b1 (n-tile 1)
@@ -53,10 +54,12 @@ __device__ __forceinline__ void ldsm_x4_impl(uint32_t (&r)[4], uint32_t addr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (kTrans)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
   else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
 #endif
 }
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) { ldsm_x4_impl<false>(r, addr); }
@@ -64,13 +67,15 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
 
 // One mma.sync.m16n8k16 (fp32 accumulate), C += A B, 16-bit inputs of PTX type TY
 // ("f16" | "bf16"); ASM is `asm volatile` or plain `asm`.
-#define GP_ATTN_MMA_16816(ASM, TY)                                                                          \
-  ASM("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, " \
-      "{%0, %1, %2, %3};\n"                                                                                  \
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                       \
+#define GP_ATTN_MMA_16816(ASM, TY)                          \
+  ASM("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY    \
+      ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, " \
+      "{%0, %1, %2, %3};\n"                                 \
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])      \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 
-template <typename T> struct MmaOp {
+template <typename T>
+struct MmaOp {
   static_assert(is_half_type<T>(), "mma.sync kernels take fp16 / bf16");
   static constexpr bool kHalf = std::is_same<T, __half>::value;
   static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -103,7 +108,8 @@ template <typename T> struct MmaOp {
     }
   }
   // The A operand of k-step kk from fp32 accumulator n-tiles c[2kk], c[2kk + 1] (above).
-  template <int NT> static __device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&c)[NT][4], int kk) {
+  template <int NT>
+  static __device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&c)[NT][4], int kk) {
     a[0] = pack(c[2 * kk][0], c[2 * kk][1]);
     a[1] = pack(c[2 * kk][2], c[2 * kk][3]);
     a[2] = pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
@@ -115,7 +121,8 @@ template <typename T> struct MmaOp {
 
 // Grid row bh's heads hd and the first rows of q's head hd.h (qb) and of k's and v's head
 // hd.hk (kb, vb).
-template <typename T> struct QkvHeads {
+template <typename T>
+struct QkvHeads {
   HeadIdx hd;
   const T *qb, *kb, *vb;
 };

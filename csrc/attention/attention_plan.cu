@@ -44,9 +44,7 @@ bool half_type(DType t) { return t == DType::Float16 || t == DType::BFloat16; }
 // Rows 16-byte aligned (fp16 / bf16: 2 bytes an element; only they reach the tensor-core
 // checks below), and rows close enough that a tile's offsets fit in 32 bits (the tile
 // loaders, load_rows_async: up to 192 rows of a tile times the row stride).
-bool rows16(const void* p, const AttnStrides& st) {
-  return attn_rows_aligned16(p, st, 2) && st.s < (int64_t{1} << 23);
-}
+bool rows16(const void* p, const AttnStrides& st) { return attn_rows_aligned16(p, st, 2) && st.s < (int64_t{1} << 23); }
 
 // The tensor-core kernels' shapes: one head dim, 64 or 128, for q/k and v.
 bool tc_head_dims(int64_t D, int64_t Dv) { return D == Dv && (D == 64 || D == 128); }
@@ -169,13 +167,16 @@ LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stre
   if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
   switch (p.kernel) {
 #if defined(GPU_PUZZLES_WITH_SM90A)
-    case AttnFwdKernel::Wgmma: return static_cast<LaunchStatus>(attention_forward_sm90(a, p.warpgroups, dev, stream));
+    case AttnFwdKernel::Wgmma:
+      return static_cast<LaunchStatus>(attention_forward_sm90(a, p.warpgroups, dev, stream));
     case AttnFwdKernel::WgmmaWs:
       return static_cast<LaunchStatus>(attention_forward_sm90_ws(a, p.variant, dev, stream));
 #endif
     case AttnFwdKernel::Mma:
-    case AttnFwdKernel::MmaR32: return static_cast<LaunchStatus>(attention_fwd_mma(a, p, dev, stream));
-    default: return static_cast<LaunchStatus>(attention_fwd_simt(a, dev, stream));
+    case AttnFwdKernel::MmaR32:
+      return static_cast<LaunchStatus>(attention_fwd_mma(a, p, dev, stream));
+    default:
+      return static_cast<LaunchStatus>(attention_fwd_simt(a, dev, stream));
   }
 }
 

@@ -20,7 +20,10 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 
-template <typename A> __device__ __forceinline__ A neg_inf() { return -static_cast<A>(INFINITY); }
+template <typename A>
+__device__ __forceinline__ A neg_inf() {
+  return -static_cast<A>(INFINITY);
+}
 
 // Block = 4 warps. RPW rows (queries or keys) per warp; NC = 32-wide column
 // chunks per lane (covers max(D, Dv) <= 32 * NC). KT = 32: one lane per key (or
@@ -43,13 +46,13 @@ __device__ __forceinline__ void load_rows_acc(A* dst, const T* __restrict__ src,
 
 template <typename T, typename A, int NC, int RPW>
 __global__ void __launch_bounds__(kSimtWarps * 32)
-attn_fwd_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, A* __restrict__ lse, int64_t H,
-              int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
+    attn_fwd_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, A* __restrict__ lse, int64_t H,
+                  int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
   constexpr int BM = kSimtWarps * RPW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* Qs = reinterpret_cast<A*>(smem_raw);  // [BM][D]
-  A* Ks = Qs + BM * D;                      // [KT][D+1]
-  A* Vs = Ks + kSimtT * (D + 1);            // [KT][Dv]
+  A* Ks = Qs + BM * D;                     // [KT][D+1]
+  A* Vs = Ks + kSimtT * (D + 1);           // [KT][Dv]
 
   const int64_t bh = bh0 + blockIdx.y;
   const HeadIdx hd(bh, H, G);
@@ -129,9 +132,8 @@ attn_fwd_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, A* _
 
 // delta[i] = sum_d dout[i, d] * o[i, d]: one warp per row. Shared by both paths.
 template <typename T, typename A>
-__global__ void __launch_bounds__(128)
-attn_bwd_delta(Rows<const T> o, Rows<const T> dout, A* __restrict__ delta, int64_t H, int64_t Sq, int64_t rows,
-               int Dv) {
+__global__ void __launch_bounds__(128) attn_bwd_delta(Rows<const T> o, Rows<const T> dout, A* __restrict__ delta,
+                                                      int64_t H, int64_t Sq, int64_t rows, int Dv) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;  // whole warp leaves together
@@ -148,15 +150,15 @@ attn_bwd_delta(Rows<const T> o, Rows<const T> dout, A* __restrict__ delta, int64
 // dQ = scale * sum_j dS_ij k_j, dS = P (dP - delta), one block per query tile.
 template <typename T, typename A, int NC, int RPW>
 __global__ void __launch_bounds__(kSimtWarps * 32)
-attn_bwd_dq_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout, const A* __restrict__ lse,
-                 const A* __restrict__ delta, Rows<T> dq, int64_t H, int64_t G, int64_t bh0, int64_t Sq,
-                 int64_t Sk, int D, int Dv, A scale, bool causal) {
+    attn_bwd_dq_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout, const A* __restrict__ lse,
+                     const A* __restrict__ delta, Rows<T> dq, int64_t H, int64_t G, int64_t bh0, int64_t Sq, int64_t Sk,
+                     int D, int Dv, A scale, bool causal) {
   constexpr int BM = kSimtWarps * RPW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* Qs = reinterpret_cast<A*>(smem_raw);  // [BM][D]
-  A* dOs = Qs + BM * D;                     // [BM][Dv]
-  A* Ks = dOs + BM * Dv;                    // [KT][D+1]
-  A* Vs = Ks + kSimtT * (D + 1);            // [KT][Dv+1]
+  A* dOs = Qs + BM * D;                    // [BM][Dv]
+  A* Ks = dOs + BM * Dv;                   // [KT][D+1]
+  A* Vs = Ks + kSimtT * (D + 1);           // [KT][Dv+1]
 
   const int64_t bh = bh0 + blockIdx.y;
   const HeadIdx hd(bh, H, G);
@@ -238,17 +240,17 @@ attn_bwd_dq_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T
 // group, so dK and dV are written once, in a fixed order.
 template <typename T, typename A, int NC, int RPW>
 __global__ void __launch_bounds__(kSimtWarps * 32)
-attn_bwd_dkdv_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout,
-                   const A* __restrict__ lse, const A* __restrict__ delta, Rows<T> dk, Rows<T> dv, int64_t Hkv,
-                   int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
+    attn_bwd_dkdv_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout, const A* __restrict__ lse,
+                       const A* __restrict__ delta, Rows<T> dk, Rows<T> dv, int64_t Hkv, int64_t G, int64_t bh0,
+                       int64_t Sq, int64_t Sk, int D, int Dv, A scale, bool causal) {
   constexpr int BN = kSimtWarps * RPW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* Ks = reinterpret_cast<A*>(smem_raw);  // [BN][D]
-  A* Vs = Ks + BN * D;                      // [BN][Dv]
-  A* Qs = Vs + BN * Dv;                     // [QT][D+1]
-  A* dOs = Qs + kSimtT * (D + 1);           // [QT][Dv+1]
-  A* Ls = dOs + kSimtT * (Dv + 1);          // [QT]
-  A* Dl = Ls + kSimtT;                      // [QT]
+  A* Vs = Ks + BN * D;                     // [BN][Dv]
+  A* Qs = Vs + BN * Dv;                    // [QT][D+1]
+  A* dOs = Qs + kSimtT * (D + 1);          // [QT][Dv+1]
+  A* Ls = dOs + kSimtT * (Dv + 1);         // [QT]
+  A* Dl = Ls + kSimtT;                     // [QT]
 
   const int64_t bhk = bh0 + blockIdx.y;
   const KvHeadIdx hd(bhk, Hkv, G);
@@ -290,7 +292,7 @@ attn_bwd_dkdv_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const
         Dl[tid] = qi < Sq ? db[qi] : A(0);
       }
       __syncthreads();
-  #pragma unroll
+#pragma unroll
       for (int rr = 0; rr < RPW; ++rr) {
         const int r = warp * RPW + rr;
         const int64_t key = n0 + r;
@@ -308,7 +310,7 @@ attn_bwd_dkdv_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const
         for (int ii = 0; ii < kSimtT; ++ii) {
           const A pi = __shfl_sync(kFull, p, ii);
           const A dsi = __shfl_sync(kFull, ds, ii);
-  #pragma unroll
+#pragma unroll
           for (int c = 0; c < NC; ++c) {
             const int d = lane + 32 * c;
             if (d < Dv) dv_acc[rr][c] += pi * dOs[ii * (Dv + 1) + d];
@@ -337,16 +339,21 @@ attn_bwd_dkdv_simt(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const
 // ---- launchers ------------------------------------------------------------------
 
 // Chunk count (32 columns each) covering a head dim, as a template dispatch.
-template <typename F> cudaError_t dispatch_nc(int64_t dmax, F&& f) {
+template <typename F>
+cudaError_t dispatch_nc(int64_t dmax, F&& f) {
   if (dmax <= 32) return f(std::integral_constant<int, 1>{});
   if (dmax <= 64) return f(std::integral_constant<int, 2>{});
   if (dmax <= 128) return f(std::integral_constant<int, 4>{});
   return f(std::integral_constant<int, 8>{});
 }
 
-template <typename T> constexpr int simt_rpw() { return sizeof(acc_t<T>) == 8 ? 2 : 4; }
+template <typename T>
+constexpr int simt_rpw() {
+  return sizeof(acc_t<T>) == 8 ? 2 : 4;
+}
 
-template <typename T> cudaError_t launch_fwd_simt(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+template <typename T>
+cudaError_t launch_fwd_simt(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   using A = acc_t<T>;
   constexpr int RPW = simt_rpw<T>();
   return dispatch_nc(std::max(a.D, a.Dv), [&](auto nc) -> cudaError_t {
@@ -359,9 +366,8 @@ template <typename T> cudaError_t launch_fwd_simt(const AttentionFwdArgs& a, int
     const unsigned gx = ceil_div_u(a.Sq, kSimtWarps * RPW);
     return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
       kern<<<dim3(gx, nbh), kSimtWarps * 32, smem, stream>>>(
-          rows_of<const T>(a.q, a.sq), rows_of<const T>(a.k, a.sk), rows_of<const T>(a.v, a.sv),
-          rows_of<T>(a.o, a.so), static_cast<A*>(a.lse), a.H, a.G(), bh0, a.Sq, a.Sk, D, Dv,
-          static_cast<A>(a.scale), a.causal);
+          rows_of<const T>(a.q, a.sq), rows_of<const T>(a.k, a.sk), rows_of<const T>(a.v, a.sv), rows_of<T>(a.o, a.so),
+          static_cast<A*>(a.lse), a.H, a.G(), bh0, a.Sq, a.Sk, D, Dv, static_cast<A>(a.scale), a.causal);
     });
   });
 }
@@ -379,27 +385,25 @@ cudaError_t launch_bwd_simt(const AttentionBwdArgs& a, const acc_t<T>* delta, in
     const A scale = static_cast<A>(a.scale);
     constexpr int R = kSimtWarps * RPW;
     if (a.Sk > 0) {
-      const size_t smem_kv = sizeof(A) * (static_cast<size_t>(R) * D + R * Dv + kSimtT * (D + 1) +
-                                          kSimtT * (Dv + 1) + 2 * kSimtT);
+      const size_t smem_kv =
+          sizeof(A) * (static_cast<size_t>(R) * D + R * Dv + kSimtT * (D + 1) + kSimtT * (Dv + 1) + 2 * kSimtT);
       constexpr auto kkv = attn_bwd_dkdv_simt<T, A, NC, RPW>;
       cudaError_t e = set_smem<kkv>(dev, smem_kv);
       if (e != cudaSuccess) return e;
       e = for_bh_chunks(a.BHkv(), [&](int64_t bh0, unsigned nbh) {
         kkv<<<dim3(ceil_div_u(a.Sk, R), nbh), kSimtWarps * 32, smem_kv, stream>>>(
-            q, k, v, dout, lse, delta, rows_of<T>(a.dk, a.sdk), rows_of<T>(a.dv, a.sdv), a.Hkv, a.G(), bh0, a.Sq,
-            a.Sk, D, Dv, scale, a.causal);
+            q, k, v, dout, lse, delta, rows_of<T>(a.dk, a.sdk), rows_of<T>(a.dv, a.sdv), a.Hkv, a.G(), bh0, a.Sq, a.Sk,
+            D, Dv, scale, a.causal);
       });
       if (e != cudaSuccess) return e;
     }
-    const size_t smem_q =
-        sizeof(A) * (static_cast<size_t>(R) * D + R * Dv + kSimtT * (D + 1) + kSimtT * (Dv + 1));
+    const size_t smem_q = sizeof(A) * (static_cast<size_t>(R) * D + R * Dv + kSimtT * (D + 1) + kSimtT * (Dv + 1));
     constexpr auto kq = attn_bwd_dq_simt<T, A, NC, RPW>;
     cudaError_t e = set_smem<kq>(dev, smem_q);
     if (e != cudaSuccess) return e;
     return for_bh_chunks(a.BH(), [&](int64_t bh0, unsigned nbh) {
       kq<<<dim3(ceil_div_u(a.Sq, R), nbh), kSimtWarps * 32, smem_q, stream>>>(
-          q, k, v, dout, lse, delta, rows_of<T>(a.dq, a.sdq), a.H, a.G(), bh0, a.Sq, a.Sk, D, Dv, scale,
-          a.causal);
+          q, k, v, dout, lse, delta, rows_of<T>(a.dq, a.sdq), a.H, a.G(), bh0, a.Sq, a.Sk, D, Dv, scale, a.causal);
     });
   });
 }
@@ -415,9 +419,9 @@ cudaError_t attention_bwd_delta(const AttentionBwdArgs& a, void* delta, cudaStre
     using T = decltype(tag);
     using A = acc_t<T>;
     const int64_t rows = a.BH() * a.Sq;
-    attn_bwd_delta<T, A><<<ceil_div_u(rows, 4), 128, 0, stream>>>(
-        rows_of<const T>(a.o, a.so), rows_of<const T>(a.dout, a.sdo), static_cast<A*>(delta), a.H, a.Sq, rows,
-        static_cast<int>(a.Dv));
+    attn_bwd_delta<T, A>
+        <<<ceil_div_u(rows, 4), 128, 0, stream>>>(rows_of<const T>(a.o, a.so), rows_of<const T>(a.dout, a.sdo),
+                                                  static_cast<A*>(delta), a.H, a.Sq, rows, static_cast<int>(a.Dv));
     return cudaGetLastError();
   });
 }

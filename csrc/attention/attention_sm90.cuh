@@ -18,7 +18,8 @@ namespace gpu_puzzles {
 namespace {
 
 // Two floats to one register of 16-bit values (lo in the low half): a wgmma A-operand register.
-template <class Elem> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+template <class Elem>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   uint32_t r;
   if constexpr (std::is_same<Elem, cutlass::bfloat16_t>::value) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
@@ -64,7 +65,8 @@ inline bool tma_operand_ok(const AttnStrides& st, int64_t S, int64_t heads, int6
 
 // Accumulator values to 16-bit wgmma A-operand registers (value 2i low half, 2i + 1 high half):
 // the forward's P, the backward's P^T and dS^T, each reused as the RS A operand of the next GEMM.
-template <class Elem, class TC, class TA> __device__ __forceinline__ void pack_a(const TC& acc, TA& frag) {
+template <class Elem, class TC, class TA>
+__device__ __forceinline__ void pack_a(const TC& acc, TA& frag) {
   cute::Tensor f32 = cute::recast<uint32_t>(frag);
 #pragma unroll
   for (int i = 0; i < cute::size(f32); ++i) f32(i) = pack2<Elem>(acc(2 * i), acc(2 * i + 1));
@@ -85,7 +87,8 @@ __device__ __forceinline__ void gemm_fresh(Mma& mma, const TA& a, const TB& b, T
 
 // Constexpr layout checks, on rows and columns that set every bit the 128-byte swizzle reads
 // and cross each atom edge.
-template <int Rows, int Cols, class F> constexpr bool for_sample_cells(F&& agree) {
+template <int Rows, int Cols, class F>
+constexpr bool for_sample_cells(F&& agree) {
   constexpr int rows[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 63, Rows / 2, Rows - 1};
   constexpr int cols[] = {0, 1, 7, 8, 9, 16, 24, 31, 32, 56, 63, Cols / 2 + 1, Cols - 8, Cols - 1};
   for (int r : rows)
@@ -96,15 +99,16 @@ template <int Rows, int Cols, class F> constexpr bool for_sample_cells(F&& agree
 
 // A K-major (rows x cols) tile, 128-byte swizzle, as the TMA writes it, is the MN-major
 // (cols x rows) operand view KMajor's transpose: element (r, c) at the same offset.
-template <class KMajor, class MNMajor, int Rows, int Cols> constexpr bool transposed_views_agree() {
-  return for_sample_cells<Rows, Cols>([](int r, int c) {
-    return static_cast<int>(KMajor{}(r, c)) == static_cast<int>(MNMajor{}(c, r));
-  });
+template <class KMajor, class MNMajor, int Rows, int Cols>
+constexpr bool transposed_views_agree() {
+  return for_sample_cells<Rows, Cols>(
+      [](int r, int c) { return static_cast<int>(KMajor{}(r, c)) == static_cast<int>(MNMajor{}(c, r)); });
 }
 
 // Stage s of a TMA ring (rows x cols x stages) holds element (r, c) where a one-stage tile
 // One puts it, s whole tiles on.
-template <class Ring, class One, int Rows, int Cols, int Stages> constexpr bool ring_stages_agree() {
+template <class Ring, class One, int Rows, int Cols, int Stages>
+constexpr bool ring_stages_agree() {
   for (int s = 0; s < Stages; ++s)
     if (!for_sample_cells<Rows, Cols>([s](int r, int c) {
           return static_cast<int>(Ring{}(r, c, s)) == s * Rows * Cols + static_cast<int>(One{}(r, c));

@@ -43,16 +43,16 @@ __global__ void transpose_kernel(const T* __restrict__ x, T* __restrict__ out, i
 // shared memory along K (the puzzle-14 tiled matmul, register-blocked so that a
 // shared-memory read feeds 4 FMAs instead of 1). A is stored k-major so both
 // operands are read along a row of shared memory (broadcast or consecutive).
-constexpr int kMT = 64;   // output tile edge
-constexpr int kKT = 16;   // K depth per stage
-constexpr int kTh = 16;   // threads per tile edge
-constexpr int kPer = 4;   // outputs per thread per dim (kMT / kTh)
+constexpr int kMT = 64;  // output tile edge
+constexpr int kKT = 16;  // K depth per stage
+constexpr int kTh = 16;  // threads per tile edge
+constexpr int kPer = 4;  // outputs per thread per dim (kMT / kTh)
 constexpr int kThreads = kTh * kTh;
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) matmul_kernel(const T* __restrict__ a, const T* __restrict__ b,
-                                                          T* __restrict__ c, int64_t B, int64_t M, int64_t N,
-                                                          int64_t K, acc_t<T> alpha, bool causal) {
+__global__ void __launch_bounds__(kThreads)
+    matmul_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c, int64_t B, int64_t M, int64_t N,
+                  int64_t K, acc_t<T> alpha, bool causal) {
   using A = acc_t<T>;
   __shared__ T As[kKT][kMT + 1];  // As[k][m]
   __shared__ T Bs[kKT][kMT];      // Bs[k][n]
@@ -141,9 +141,8 @@ LaunchStatus matmul_cuda(const void* a, const void* b, void* c, int64_t B, int64
                          double alpha, bool causal_mask, DType dt, cudaStream_t stream) {
   return launch_tiled(B, M, N, kMT, dim3(kTh, kTh), dt, [&](auto tag, dim3 grid, dim3 block) {
     using T = decltype(tag);
-    matmul_kernel<T><<<grid, block, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b),
-                                                 static_cast<T*>(c), B, M, N, K, static_cast<acc_t<T>>(alpha),
-                                                 causal_mask);
+    matmul_kernel<T><<<grid, block, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(c),
+                                                 B, M, N, K, static_cast<acc_t<T>>(alpha), causal_mask);
   });
 }
 

@@ -51,8 +51,8 @@ c10::optional<at::Tensor> cast(at::ScalarType to, const c10::optional<at::Tensor
 
 // Registers fn<CPU> for AutocastCPU and fn<CUDA> for AutocastCUDA, in a
 // TORCH_LIBRARY_FRAGMENT(gpu_puzzles, m) block (the schemas stay in registration.cpp).
-#define GP_AUTOCAST(m, name, fn)                                                                    \
-  do {                                                                                              \
-    (m).impl(name, torch::dispatch(c10::DispatchKey::AutocastCPU, &fn<c10::DeviceType::CPU>));     \
-    (m).impl(name, torch::dispatch(c10::DispatchKey::AutocastCUDA, &fn<c10::DeviceType::CUDA>));   \
+#define GP_AUTOCAST(m, name, fn)                                                                 \
+  do {                                                                                           \
+    (m).impl(name, torch::dispatch(c10::DispatchKey::AutocastCPU, &fn<c10::DeviceType::CPU>));   \
+    (m).impl(name, torch::dispatch(c10::DispatchKey::AutocastCUDA, &fn<c10::DeviceType::CUDA>)); \
   } while (0)

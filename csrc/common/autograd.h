@@ -55,7 +55,7 @@ bool differentiated(Args&&... inputs) {
 // backward raises `msg`, as ATen's not-implemented derivatives do. `inputs`: the edges to the
 // arguments (torch::autograd::collect_next_edges).
 inline void error_on_backward(std::string msg, torch::autograd::edge_list&& inputs,
-                               const std::vector<at::Tensor>& outputs) {
+                              const std::vector<at::Tensor>& outputs) {
   auto node = std::make_shared<torch::autograd::Error>(std::move(msg), std::move(inputs));
   for (const auto& t : outputs)
     if (t.defined()) torch::autograd::set_history(t, node);

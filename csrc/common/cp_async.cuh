@@ -37,7 +37,8 @@ __device__ __forceinline__ void cp_async_commit() {
 }
 
 // Wait until at most N of this thread's committed groups are still pending.
-template <int N> __device__ __forceinline__ void cp_async_wait() {
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
@@ -50,8 +51,8 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // are 32-bit: a thread's chunk offsets then stay loop-invariant 32-bit registers, as with
 // a compile-time row length, instead of 64-bit products.
 template <int ROWS, int D, int NT, class At, class T>
-__device__ __forceinline__ void load_rows_async(At&& at, const T* __restrict__ src, int64_t ld, int64_t row0,
-                                                int64_t S, int tid) {
+__device__ __forceinline__ void load_rows_async(At&& at, const T* __restrict__ src, int64_t ld, int64_t row0, int64_t S,
+                                                int tid) {
   constexpr int CPR = D / 8;  // 16-byte chunks per row
   constexpr int TOTAL = ROWS * CPR;
   const T* tile = src + row0 * ld;
@@ -70,8 +71,7 @@ __device__ __forceinline__ void load_rows_async(At&& at, const T* __restrict__ s
 
 // The same for a contiguous matrix (ld = D).
 template <int ROWS, int D, int NT, class At, class T>
-__device__ __forceinline__ void load_rows_async(At&& at, const T* __restrict__ src, int64_t row0, int64_t S,
-                                                int tid) {
+__device__ __forceinline__ void load_rows_async(At&& at, const T* __restrict__ src, int64_t row0, int64_t S, int tid) {
   load_rows_async<ROWS, D, NT>(at, src, static_cast<int64_t>(D), row0, S, tid);
 }
 

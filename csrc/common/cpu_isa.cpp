@@ -37,9 +37,12 @@ CpuIsa cpu_isa() {
 
 const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {
-    case CpuIsa::Avx512: return "avx512";
-    case CpuIsa::Avx2: return "avx2";
-    default: return "baseline";
+    case CpuIsa::Avx512:
+      return "avx512";
+    case CpuIsa::Avx2:
+      return "avx2";
+    default:
+      return "baseline";
   }
 }
 

@@ -40,16 +40,24 @@ const char* cpu_isa_name(CpuIsa isa);
 
 // In the op's header, inside namespace gpu_puzzles: GP_CPU_DECLARE(void, softmax_forward_cpu, const SoftmaxCpuArgs&);
 #ifdef GP_CPU_MULTI_ISA
-#define GP_CPU_DECLARE(ret, name, ...)         \
-  namespace cpu_baseline { ret name(__VA_ARGS__); } \
-  namespace cpu_avx2 { ret name(__VA_ARGS__); }     \
-  namespace cpu_avx512 { ret name(__VA_ARGS__); }
-#define GP_CPU_CALL(name)                                                                 \
+#define GP_CPU_DECLARE(ret, name, ...) \
+  namespace cpu_baseline {             \
+  ret name(__VA_ARGS__);               \
+  }                                    \
+  namespace cpu_avx2 {                 \
+  ret name(__VA_ARGS__);               \
+  }                                    \
+  namespace cpu_avx512 {               \
+  ret name(__VA_ARGS__);               \
+  }
+#define GP_CPU_CALL(name)                                                                       \
   (::gpu_puzzles::cpu_isa() == ::gpu_puzzles::CpuIsa::Avx512 ? &::gpu_puzzles::cpu_avx512::name \
    : ::gpu_puzzles::cpu_isa() == ::gpu_puzzles::CpuIsa::Avx2 ? &::gpu_puzzles::cpu_avx2::name   \
-                                                               : &::gpu_puzzles::cpu_baseline::name)
+                                                             : &::gpu_puzzles::cpu_baseline::name)
 #else
 #define GP_CPU_DECLARE(ret, name, ...) \
-  namespace cpu_baseline { ret name(__VA_ARGS__); }
+  namespace cpu_baseline {             \
+  ret name(__VA_ARGS__);               \
+  }
 #define GP_CPU_CALL(name) (&::gpu_puzzles::cpu_baseline::name)
 #endif

@@ -156,8 +156,10 @@ struct RowOut {
   explicit RowOut(int64_t n) : buf(kSame ? 0 : n) {}
   S* get(T* p) {
     dst = p;
-    if constexpr (kSame) return p;
-    else return buf.data();
+    if constexpr (kSame)
+      return p;
+    else
+      return buf.data();
   }
   void put() {
     if constexpr (!kSame) store_line(buf.data(), dst, static_cast<int64_t>(buf.size()));
@@ -168,10 +170,18 @@ struct RowOut {
 template <typename F>
 inline void dispatch_dtype(DType dt, F&& fn) {
   switch (dt) {
-    case DType::Float32: fn(float{}); break;
-    case DType::Float64: fn(double{}); break;
-    case DType::Float16: fn(c10::Half{}); break;
-    case DType::BFloat16: fn(c10::BFloat16{}); break;
+    case DType::Float32:
+      fn(float{});
+      break;
+    case DType::Float64:
+      fn(double{});
+      break;
+    case DType::Float16:
+      fn(c10::Half{});
+      break;
+    case DType::BFloat16:
+      fn(c10::BFloat16{});
+      break;
   }
 }
 

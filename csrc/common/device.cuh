@@ -12,23 +12,53 @@
 namespace gpu_puzzles {
 
 // Half types accumulate in float; float64 stays in float64.
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
-template <typename T> using acc_t = typename Acc<T>::type;
+template <typename T>
+struct Acc {
+  using type = float;
+};
+template <>
+struct Acc<double> {
+  using type = double;
+};
+template <typename T>
+using acc_t = typename Acc<T>::type;
 
-template <typename A, typename T> __device__ __forceinline__ A to_acc(T v) { return static_cast<A>(v); }
-template <> __device__ __forceinline__ float to_acc<float, __half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_acc<float, __nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename A, typename T>
+__device__ __forceinline__ A to_acc(T v) {
+  return static_cast<A>(v);
+}
+template <>
+__device__ __forceinline__ float to_acc<float, __half>(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float to_acc<float, __nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 
-template <typename T, typename A> __device__ __forceinline__ T from_acc(A v) { return static_cast<T>(v); }
-template <> __device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) { return __float2bfloat16_rn(v); }
+template <typename T, typename A>
+__device__ __forceinline__ T from_acc(A v) {
+  return static_cast<T>(v);
+}
+template <>
+__device__ __forceinline__ __half from_acc<__half, float>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 // N elements of T moved as whole 16-byte words (N * sizeof(T) must be a multiple of 16).
-template <typename T, int N> struct alignas(16) Vec {
+template <typename T, int N>
+struct alignas(16) Vec {
   static_assert((N * sizeof(T)) % 16 == 0, "Vec must be whole 16-byte words");
   static constexpr int kWords = N * sizeof(T) / 4;
-  union { T e[N]; uint32_t w[kWords]; uint4 q[N * sizeof(T) / 16]; };
+  union {
+    T e[N];
+    uint32_t w[kWords];
+    uint4 q[N * sizeof(T) / 16];
+  };
   __device__ __forceinline__ Vec() {}
 };
 
@@ -52,13 +82,15 @@ __device__ __forceinline__ void zero_vec(Vec<T, N>& v) {
   for (int i = 0; i < Vec<T, N>::kWords; ++i) v.w[i] = 0u;
 }
 
-template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+template <typename A>
+__device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
-template <typename A> __device__ __forceinline__ A warp_max(A v) {
+template <typename A>
+__device__ __forceinline__ A warp_max(A v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
@@ -76,13 +108,18 @@ __device__ __forceinline__ float quad_sum(float v) {
 }
 
 // Call a functor templated on the CUDA element type that matches `dt`.
-template <typename F> inline auto dispatch_dtype(DType dt, F&& f) {
+template <typename F>
+inline auto dispatch_dtype(DType dt, F&& f) {
   switch (dt) {
-    case DType::Float64: return f(double{});
-    case DType::Float16: return f(__half{});
-    case DType::BFloat16: return f(__nv_bfloat16{});
+    case DType::Float64:
+      return f(double{});
+    case DType::Float16:
+      return f(__half{});
+    case DType::BFloat16:
+      return f(__nv_bfloat16{});
     case DType::Float32:
-    default: return f(float{});
+    default:
+      return f(float{});
   }
 }
 

@@ -29,7 +29,8 @@ inline int device_sm_count(int dev, cudaError_t& err) {
 // Resident blocks per SM of kernel Kern at `threads` threads per block and no dynamic
 // shared memory, cached per device and thread count (multiples of 32 up to 1024; other
 // counts are served uncached); 0 when the query fails (err says why).
-template <auto Kern> int blocks_per_sm(int dev, int threads, cudaError_t& err) {
+template <auto Kern>
+int blocks_per_sm(int dev, int threads, cudaError_t& err) {
   static std::atomic<int> tab[kMaxCachedDevices][33];  // by threads / 32; 0: not queried yet
   err = cudaSuccess;
   const int slot = threads / 32;
@@ -46,7 +47,8 @@ template <auto Kern> int blocks_per_sm(int dev, int threads, cudaError_t& err) {
 // Opt kernel Kern in to `bytes` of dynamic shared memory on device dev (the current
 // one). Remembers per device the largest size set (a kernel's size may depend on
 // the shape), never lowering it under a larger launch.
-template <auto Kern> cudaError_t set_smem(int dev, size_t bytes) {
+template <auto Kern>
+cudaError_t set_smem(int dev, size_t bytes) {
   if (bytes <= 48 * 1024) return cudaSuccess;
   static std::atomic<int> done[kMaxCachedDevices];  // largest size set so far, 0 = none
   const int b = static_cast<int>(bytes);

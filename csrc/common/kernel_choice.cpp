@@ -60,8 +60,8 @@ std::string set_knob(const std::string& name, const std::string& value) {
     if (!value.empty() && value != "auto") {
       for (size_t i = 0; i < t[k].values.size(); ++i)
         if (value == t[k].values[i]) idx = static_cast<int>(i) + 1;
-      TORCH_CHECK(idx != 0, "gpu_puzzles: knob ", name, " takes one of auto, ", joined(t[k].values), "; got '",
-                  value, "'");
+      TORCH_CHECK(idx != 0, "gpu_puzzles: knob ", name, " takes one of auto, ", joined(t[k].values), "; got '", value,
+                  "'");
     }
     const int old = g_knobs[k].exchange(idx, std::memory_order_relaxed);
     return old == 0 ? std::string() : std::string(t[k].values[old - 1]);

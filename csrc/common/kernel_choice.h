@@ -8,26 +8,26 @@ namespace gpu_puzzles {
 
 // The order matches kKnobs in kernel_choice.cpp (one row per knob: name and values).
 enum class Knob : int {
-  SoftmaxRows,         // long rows, forward: old | new | smem | bulk
-  SoftmaxCluster,      // 4 | 8 | 16
-  SoftmaxStages,       // 1 | 2 | 3
-  SoftmaxCols,         // non-last dim: old | new
-  SoftmaxColRowsFwd,   // 4 | 8 | 16
-  SoftmaxColRowsBwd,   // 4 | 8 | 16
-  SoftmaxGrid,         // 1 | 4
-  SoftmaxSmemAlign,    // smem/bulk rows, the most specialised kernel allowed: aligned | same | shifted
-  AttentionFwd,        // forward kernel: mma | mma_r32 | wgmma | wgmma3 | ws | ws2 | ws3 | ws192
-  AttentionFwdWarps,   // mma kernel's warps per block: 4 | 8
-  AttentionBwd,        // backward: mma (two passes, deterministic) | wgmma (sm_90a, dq in any order) |
-                       // wgmma_split | wgmma_turns (wgmma, D = 64: dQ by column halves | by turns)
-  AttentionOrder,      // sm_90a causal grids: rows ((batch, head)-major) | longest (heaviest blocks first)
-  AttentionFwdGrid,    // ws forward's grid: blocks (one CTA a query block) | persistent (default where balanced)
-  AttentionBwdGrid,    // wgmma backward's grid: blocks (one CTA a key block) | persistent (default where balanced)
-  LayerNormLinearEvt,  // sm_90 fused forward: evt (CUTLASS epilogue) | cublas
-  LayerNormLinearPdl,  // EVT launches: pdl (programmatic dependent) | plain
+  SoftmaxRows,          // long rows, forward: old | new | smem | bulk
+  SoftmaxCluster,       // 4 | 8 | 16
+  SoftmaxStages,        // 1 | 2 | 3
+  SoftmaxCols,          // non-last dim: old | new
+  SoftmaxColRowsFwd,    // 4 | 8 | 16
+  SoftmaxColRowsBwd,    // 4 | 8 | 16
+  SoftmaxGrid,          // 1 | 4
+  SoftmaxSmemAlign,     // smem/bulk rows, the most specialised kernel allowed: aligned | same | shifted
+  AttentionFwd,         // forward kernel: mma | mma_r32 | wgmma | wgmma3 | ws | ws2 | ws3 | ws192
+  AttentionFwdWarps,    // mma kernel's warps per block: 4 | 8
+  AttentionBwd,         // backward: mma (two passes, deterministic) | wgmma (sm_90a, dq in any order) |
+                        // wgmma_split | wgmma_turns (wgmma, D = 64: dQ by column halves | by turns)
+  AttentionOrder,       // sm_90a causal grids: rows ((batch, head)-major) | longest (heaviest blocks first)
+  AttentionFwdGrid,     // ws forward's grid: blocks (one CTA a query block) | persistent (default where balanced)
+  AttentionBwdGrid,     // wgmma backward's grid: blocks (one CTA a key block) | persistent (default where balanced)
+  LayerNormLinearEvt,   // sm_90 fused forward: evt (CUTLASS epilogue) | cublas
+  LayerNormLinearPdl,   // EVT launches: pdl (programmatic dependent) | plain
   LayerNormLinearPlan,  // fused forward: fold (gamma into W) | normalize (xn, then cuBLAS)
-  CpuSimd,             // CPU kernels' SIMD level, a cap: baseline | avx2 | avx512 (common/cpu_isa.h)
-  CrossEntropyChunk,   // fused linear cross-entropy: rows per chunk
+  CpuSimd,              // CPU kernels' SIMD level, a cap: baseline | avx2 | avx512 (common/cpu_isa.h)
+  CrossEntropyChunk,    // fused linear cross-entropy: rows per chunk
   Count
 };
 

@@ -20,7 +20,8 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-template <bool kFtz> __device__ __forceinline__ float online_exp2(float x) {
+template <bool kFtz>
+__device__ __forceinline__ float online_exp2(float x) {
   if constexpr (kFtz) {
     return exp2_ftz(x);
   } else {
@@ -39,14 +40,13 @@ template <bool kFtz> __device__ __forceinline__ float online_exp2(float x) {
 // them and scaled once (the same m: rounding is monotonic), and each exponent
 // s scale_log2 - m is one FFMA instead of an FMUL before the max and an FADD after it.
 template <bool kFtz, bool kPairs, int NS, int NO, bool kUnscaled = false, class S, class O>
-__device__ __forceinline__ void online_softmax_step(S&& s, O&& o, float& m, float& l, int h,
-                                                    float scale_log2 = 1.f) {
+__device__ __forceinline__ void online_softmax_step(S&& s, O&& o, float& m, float& l, int h, float scale_log2 = 1.f) {
   float mx = kUnscaled ? -INFINITY : m;
 #pragma unroll
   for (int nt = 0; nt < NS; ++nt) mx = fmaxf(mx, fmaxf(s(nt, 2 * h), s(nt, 2 * h + 1)));
   mx = quad_max(mx);
   if constexpr (kUnscaled) mx = fmaxf(m, mx * scale_log2);
-  const float base = mx == -INFINITY ? 0.f : mx;      // row still fully masked
+  const float base = mx == -INFINITY ? 0.f : mx;    // row still fully masked
   const float alpha = online_exp2<kFtz>(m - base);  // old max -inf -> 0
   m = mx;
   const auto exponent = [&](float x) { return kUnscaled ? fmaf(x, scale_log2, -base) : x - base; };

@@ -6,10 +6,10 @@
 #include <torch/library.h>
 
 #ifdef WITH_CUDA
-#define GP_IMPL(m, name, cpu_fn, cuda_fn)                                \
-  do {                                                                   \
-    (m).impl(name, torch::dispatch(c10::DispatchKey::CPU, &cpu_fn));    \
-    (m).impl(name, torch::dispatch(c10::DispatchKey::CUDA, &cuda_fn));  \
+#define GP_IMPL(m, name, cpu_fn, cuda_fn)                              \
+  do {                                                                 \
+    (m).impl(name, torch::dispatch(c10::DispatchKey::CPU, &cpu_fn));   \
+    (m).impl(name, torch::dispatch(c10::DispatchKey::CUDA, &cuda_fn)); \
   } while (0)
 #else
 #define GP_IMPL(m, name, cpu_fn, cuda_fn) (m).impl(name, torch::dispatch(c10::DispatchKey::CPU, &cpu_fn))

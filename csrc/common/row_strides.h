@@ -37,9 +37,12 @@ inline int collapse_rows(const int64_t* sizes, const int64_t* strides, int64_t d
     st[n] = strides[i];
     ++n;
   }
-  if (n == 0) L = RowStrides{1, 0, 0};
-  else if (n == 1) L = RowStrides{1, st[0], 0};
-  else L = RowStrides{sz[0], st[1], st[0]};
+  if (n == 0)
+    L = RowStrides{1, 0, 0};
+  else if (n == 1)
+    L = RowStrides{1, st[0], 0};
+  else
+    L = RowStrides{sz[0], st[1], st[0]};
   return n;
 }
 

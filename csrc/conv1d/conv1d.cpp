@@ -54,8 +54,8 @@ Shape check_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::opt
     TORCH_CHECK(weight.dim() == 2, "conv1d: weight must be 2-D (C, K) for a ", x.dim(), "-D x, got shape ",
                 weight.sizes());
     const int64_t C = x.size(x.dim() - 2);
-    TORCH_CHECK(weight.size(0) == C, "conv1d: weight has ", weight.size(0), " channels but x has ", C,
-                " (x shape ", x.sizes(), ", weight shape ", weight.sizes(), ")");
+    TORCH_CHECK(weight.size(0) == C, "conv1d: weight has ", weight.size(0), " channels but x has ", C, " (x shape ",
+                x.sizes(), ", weight shape ", weight.sizes(), ")");
     s = {x.dim() == 3 ? x.size(0) : 1, C, x.size(-1), weight.size(1)};
   }
   TORCH_CHECK(s.K >= 1, "conv1d: weight must have at least one tap (K >= 1), got shape ", weight.sizes());
@@ -63,8 +63,8 @@ Shape check_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::opt
     const at::Tensor& b = *bias;
     check_same_dtype(b, x, "conv1d: bias", "x");
     check_same_device(b, x, "conv1d: bias", "x");
-    TORCH_CHECK(b.dim() <= 1 && b.numel() == s.C && (b.dim() == 1 || x.dim() == 1),
-                "conv1d: bias must have shape (", s.C, ",), got ", b.sizes());
+    TORCH_CHECK(b.dim() <= 1 && b.numel() == s.C && (b.dim() == 1 || x.dim() == 1), "conv1d: bias must have shape (",
+                s.C, ",), got ", b.sizes());
   }
   return s;
 }
@@ -77,8 +77,8 @@ std::pair<at::Tensor, int64_t> taps_of(const at::Tensor& w) {
 }
 #endif
 
-at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                      bool causal, c10::string_view algorithm) {
+at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool causal,
+                      c10::string_view algorithm) {
   const Shape s = check_inputs(x, weight, bias);
   parse_algorithm(std::string(algorithm), s.K, /*on_cuda=*/false);
   TORCH_CHECK(x.device().is_cpu(), "conv1d: x must be a CPU tensor for the CPU kernel, got ", x.device());
@@ -121,8 +121,18 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, const c10:
   const auto [wc, ws] = taps_of(weight);
   const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor out = at::empty(x.sizes(), x.options());
-  Conv1dArgs a{xc.data_ptr(), wc.data_ptr(), bc.defined() ? bc.data_ptr() : nullptr, out.data_ptr(),
-               s.B, s.C, s.L, static_cast<int>(s.K), causal, to_dtype(x.scalar_type()), xs, ws};
+  Conv1dArgs a{xc.data_ptr(),
+               wc.data_ptr(),
+               bc.defined() ? bc.data_ptr() : nullptr,
+               out.data_ptr(),
+               s.B,
+               s.C,
+               s.L,
+               static_cast<int>(s.K),
+               causal,
+               to_dtype(x.scalar_type()),
+               xs,
+               ws};
   GP_CUDA_CHECK_STATUS(conv1d_forward_cuda(a, algo, current_stream()));
   return out;
 }
@@ -143,16 +153,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv1d_backward_cuda(const at::Te
   const cudaStream_t stream = current_stream();
   if (algo == Conv1dAlgo::Fast) {
     const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    at::Tensor ws = at::empty({conv1d_backward_fast_workspace(s.B, s.C, s.L, static_cast<int>(s.K))},
-                              x.options().dtype(acc));
+    at::Tensor ws =
+        at::empty({conv1d_backward_fast_workspace(s.B, s.C, s.L, static_cast<int>(s.K))}, x.options().dtype(acc));
     const auto [wc, wstride] = taps_of(weight);
     GP_CUDA_CHECK_STATUS(conv1d_backward_fast_cuda(g.data_ptr(), gs, xc.data_ptr(), xs, wc.data_ptr(), wstride,
-                                                   dx.data_ptr(), dw.data_ptr(), db.data_ptr(), ws.data_ptr(), s.B,
-                                                   s.C, s.L, static_cast<int>(s.K), causal, dt, stream));
+                                                   dx.data_ptr(), dw.data_ptr(), db.data_ptr(), ws.data_ptr(), s.B, s.C,
+                                                   s.L, static_cast<int>(s.K), causal, dt, stream));
   } else {
     const at::Tensor wflip = weight.flip({-1}).contiguous();
-    Conv1dArgs a{g.data_ptr(), wflip.data_ptr(), nullptr, dx.data_ptr(), s.B, s.C, s.L, static_cast<int>(s.K),
-                 !causal, dt, gs, s.K};
+    Conv1dArgs a{
+        g.data_ptr(), wflip.data_ptr(), nullptr, dx.data_ptr(), s.B, s.C, s.L, static_cast<int>(s.K), !causal, dt, gs,
+        s.K};
     GP_CUDA_CHECK_STATUS(conv1d_forward_cuda(a, algo, stream));
     GP_CUDA_CHECK_STATUS(conv1d_weight_grad_generic_cuda(g.data_ptr(), gs, xc.data_ptr(), xs, dw.data_ptr(),
                                                          db.data_ptr(), s.B, s.C, s.L, static_cast<int>(s.K), causal,

@@ -56,14 +56,13 @@ int64_t conv1d_backward_fast_workspace(int64_t B, int64_t C, int64_t L, int K);
 // Fused fast backward: dx, dw and dbias in one pass over dy and x.
 // `workspace` holds conv1d_backward_fast_workspace(...) accumulate-type elements.
 // dy and x are read through their row strides, w through w_stride; dx is contiguous.
-LaunchStatus conv1d_backward_fast_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs,
-                                       const void* w, int64_t w_stride, void* dx, void* dw, void* dbias,
-                                       void* workspace, int64_t B, int64_t C, int64_t L, int K, bool causal,
-                                       DType dtype, cudaStream_t stream);
+LaunchStatus conv1d_backward_fast_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs, const void* w,
+                                       int64_t w_stride, void* dx, void* dw, void* dbias, void* workspace, int64_t B,
+                                       int64_t C, int64_t L, int K, bool causal, DType dtype, cudaStream_t stream);
 
 // dw and dbias by one block per (channel, tap): the path for any K.
-LaunchStatus conv1d_weight_grad_generic_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs,
-                                             void* dw, void* dbias, int64_t B, int64_t C, int64_t L, int K,
-                                             bool causal, DType dtype, cudaStream_t stream);
+LaunchStatus conv1d_weight_grad_generic_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs, void* dw,
+                                             void* dbias, int64_t B, int64_t C, int64_t L, int K, bool causal,
+                                             DType dtype, cudaStream_t stream);
 
 }  // namespace gpu_puzzles

@@ -9,11 +9,11 @@ namespace {
 using Tensor = at::Tensor;
 using ForwardSig = Tensor(const Tensor&, const Tensor&, const c10::optional<Tensor>&, bool, c10::string_view);
 using BackwardSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, bool,
-                                                        c10::string_view);
+                                                       c10::string_view);
 
 struct Conv1dFunction : public torch::autograd::Function<Conv1dFunction> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
-                        const c10::optional<Tensor>& bias, bool causal, c10::string_view algorithm) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
+                        bool causal, c10::string_view algorithm) {
     static const auto op = typed_op<ForwardSig>("gpu_puzzles::conv1d");
     ctx->save_for_backward({x, weight});
     ctx->saved_data["causal"] = causal;
@@ -31,8 +31,8 @@ struct Conv1dFunction : public torch::autograd::Function<Conv1dFunction> {
     auto [dx, dw, db] = op.call(grads[0], saved[0], saved[1], ctx->saved_data["causal"].toBool(), algorithm);
     const int64_t bias_dim = ctx->saved_data["bias_dim"].toInt();
     if (bias_dim == 0) db = db.reshape({});
-    return {if_needed(ctx, 0, dx), if_needed(ctx, 1, dw), bias_dim >= 0 ? if_needed(ctx, 2, db) : Tensor(),
-            Tensor(), Tensor()};
+    return {if_needed(ctx, 0, dx), if_needed(ctx, 1, dw), bias_dim >= 0 ? if_needed(ctx, 2, db) : Tensor(), Tensor(),
+            Tensor()};
   }
 };
 
@@ -45,8 +45,8 @@ Tensor conv1d_autograd(const Tensor& x, const Tensor& weight, const c10::optiona
 std::tuple<Tensor, Tensor, Tensor> conv1d_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& w,
                                                             bool causal, c10::string_view algorithm) {
   static const auto op = typed_op<BackwardSig>("gpu_puzzles::conv1d_backward");
-  return no_double_backward("conv1d_backward", below_autograd([&] { return op.call(g, x, w, causal, algorithm); }),
-                            g, x, w);
+  return no_double_backward("conv1d_backward", below_autograd([&] { return op.call(g, x, w, causal, algorithm); }), g,
+                            x, w);
 }
 
 }  // namespace

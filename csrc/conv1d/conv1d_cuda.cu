@@ -12,10 +12,10 @@
 namespace gpu_puzzles {
 namespace {
 
-constexpr int kE = 8;              // elements per lane in the fast path
-constexpr int kWarps = 4;          // warps per block in the fast path
-constexpr int kSeg = 32 * kE;      // elements per warp segment of a row
-constexpr int kTile = 256;         // outputs per block in the tiled path
+constexpr int kE = 8;          // elements per lane in the fast path
+constexpr int kWarps = 4;      // warps per block in the fast path
+constexpr int kSeg = 32 * kE;  // elements per warp segment of a row
+constexpr int kTile = 256;     // outputs per block in the tiled path
 constexpr unsigned kFull = 0xffffffffu;
 
 static_assert(kConv1dFastMaxK == kE + 1, "fast path halo is one neighbouring chunk");
@@ -25,8 +25,7 @@ static_assert(kConv1dFastMaxK == kE + 1, "fast path halo is one neighbouring chu
 // Chunk [i0, i0 + kE) of one row, zero outside [0, L). In the vector form
 // L % kE == 0 and the row is 16-byte aligned, so a chunk is wholly in or out.
 template <typename T, bool VEC>
-__device__ __forceinline__ void load_chunk(acc_t<T> (&v)[kE], const T* __restrict__ row,
-                                           int64_t i0, int64_t L) {
+__device__ __forceinline__ void load_chunk(acc_t<T> (&v)[kE], const T* __restrict__ row, int64_t i0, int64_t L) {
   using A = acc_t<T>;
   if constexpr (VEC) {
     if (i0 >= 0 && i0 < L) {
@@ -48,8 +47,7 @@ __device__ __forceinline__ void load_chunk(acc_t<T> (&v)[kE], const T* __restric
 }
 
 template <typename T, bool VEC>
-__device__ __forceinline__ void store_chunk(T* __restrict__ row, const acc_t<T> (&v)[kE], int64_t i0,
-                                            int64_t L) {
+__device__ __forceinline__ void store_chunk(T* __restrict__ row, const acc_t<T> (&v)[kE], int64_t i0, int64_t L) {
   if constexpr (VEC) {
     if (i0 < L) {
       Vec<T, kE> t;
@@ -68,13 +66,11 @@ __device__ __forceinline__ void store_chunk(T* __restrict__ row, const acc_t<T> 
 // the previous one), taken from the adjacent lane; the warp's edge lane loads it.
 // Every lane of the warp must call this (shuffles), in range or not.
 template <typename T, bool VEC, int DIR>
-__device__ __forceinline__ void load_window(acc_t<T> (&own)[kE], acc_t<T> (&nb)[kE],
-                                            const T* __restrict__ row, int64_t i0, int64_t L,
-                                            int lane) {
+__device__ __forceinline__ void load_window(acc_t<T> (&own)[kE], acc_t<T> (&nb)[kE], const T* __restrict__ row,
+                                            int64_t i0, int64_t L, int lane) {
   load_chunk<T, VEC>(own, row, i0, L);
 #pragma unroll
-  for (int k = 0; k < kE; ++k)
-    nb[k] = DIR > 0 ? __shfl_down_sync(kFull, own[k], 1) : __shfl_up_sync(kFull, own[k], 1);
+  for (int k = 0; k < kE; ++k) nb[k] = DIR > 0 ? __shfl_down_sync(kFull, own[k], 1) : __shfl_up_sync(kFull, own[k], 1);
   if (DIR > 0 ? lane == 31 : lane == 0) load_chunk<T, VEC>(nb, row, i0 + DIR * kE, L);
 }
 
@@ -89,8 +85,7 @@ __device__ __forceinline__ A win(const A (&own)[kE], const A (&nb)[kE], int idx)
 // y[v] = sum_j window * wr[j]. NEXT form: x[i+v+j]; PREV form: x[i+v-j]
 // (the causal form, with wr holding the taps reversed).
 template <int KMAX, bool PREV, typename A>
-__device__ __forceinline__ void taps(A (&y)[kE], const A (&own)[kE], const A (&nb)[kE],
-                                     const A (&wr)[KMAX], A init) {
+__device__ __forceinline__ void taps(A (&y)[kE], const A (&own)[kE], const A (&nb)[kE], const A (&wr)[KMAX], A init) {
 #pragma unroll
   for (int v = 0; v < kE; ++v) {
     A s = init;
@@ -138,8 +133,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 template <typename T, int KMAX, bool CAUSAL, bool VEC>
 __global__ void __launch_bounds__(kWarps * 32)
     conv1d_bwd_fast(const T* __restrict__ dy, RowStrides dys, const T* __restrict__ x, RowStrides xs,
-                    const T* __restrict__ w, int64_t ws, T* __restrict__ dx, acc_t<T>* __restrict__ partial,
-                    int64_t B, int64_t C, int64_t L, int K, int64_t segs, int64_t bper, int64_t nbg) {
+                    const T* __restrict__ w, int64_t ws, T* __restrict__ dx, acc_t<T>* __restrict__ partial, int64_t B,
+                    int64_t C, int64_t L, int K, int64_t segs, int64_t bper, int64_t nbg) {
   using A = acc_t<T>;
   const int lane = threadIdx.x & 31;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -171,8 +166,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int v = 0; v < kE; ++v) {
       dbp += gown[v];
 #pragma unroll
-      for (int j = 0; j < KMAX; ++j)
-        dwp[j] += gown[v] * win<CAUSAL>(xown, xnb, CAUSAL ? kE + v - j : v + j);
+      for (int j = 0; j < KMAX; ++j) dwp[j] += gown[v] * win<CAUSAL>(xown, xnb, CAUSAL ? kE + v - j : v + j);
     }
   }
 
@@ -190,9 +184,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 // dw[c, :] and dbias[c] from the per-warp partials of channel c.
 template <typename T>
-__global__ void conv1d_reduce_partials(const acc_t<T>* __restrict__ partial, T* __restrict__ dw,
-                                       T* __restrict__ dbias, int64_t C, int K, int64_t segs,
-                                       int64_t nbg) {
+__global__ void conv1d_reduce_partials(const acc_t<T>* __restrict__ partial, T* __restrict__ dw, T* __restrict__ dbias,
+                                       int64_t C, int K, int64_t segs, int64_t nbg) {
   using A = acc_t<T>;
   constexpr int kMaxOut = kConv1dFastMaxK + 1;
   __shared__ A red[kMaxOut][32];
@@ -217,8 +210,10 @@ __global__ void conv1d_reduce_partials(const acc_t<T>* __restrict__ partial, T* 
   if (threadIdx.x <= K) {
     A v = A(0);
     for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) v += red[threadIdx.x][i];
-    if (threadIdx.x < K) dw[c * K + threadIdx.x] = from_acc<T>(v);
-    else if (dbias) dbias[c] = from_acc<T>(v);
+    if (threadIdx.x < K)
+      dw[c * K + threadIdx.x] = from_acc<T>(v);
+    else if (dbias)
+      dbias[c] = from_acc<T>(v);
   }
 }
 
@@ -255,8 +250,8 @@ __global__ void __launch_bounds__(kTile)
 
 template <typename T>
 __global__ void conv1d_fwd_naive(const T* __restrict__ x, RowStrides xs, const T* __restrict__ w, int64_t ws,
-                                 const T* __restrict__ bias, T* __restrict__ out, int64_t n,
-                                 int64_t C, int64_t L, int K, int shift) {
+                                 const T* __restrict__ bias, T* __restrict__ out, int64_t n, int64_t C, int64_t L,
+                                 int K, int shift) {
   using A = acc_t<T>;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -273,9 +268,9 @@ __global__ void conv1d_fwd_naive(const T* __restrict__ x, RowStrides xs, const T
 
 // dw[c, j] (j < K) or dbias[c] (j == K): one block reduces over (b, i).
 template <typename T>
-__global__ void conv1d_dw_generic(const T* __restrict__ dy, RowStrides dys, const T* __restrict__ x,
-                                  RowStrides xs, T* __restrict__ dw, T* __restrict__ dbias, int64_t B,
-                                  int64_t C, int64_t L, int K, int shift) {
+__global__ void conv1d_dw_generic(const T* __restrict__ dy, RowStrides dys, const T* __restrict__ x, RowStrides xs,
+                                  T* __restrict__ dw, T* __restrict__ dbias, int64_t B, int64_t C, int64_t L, int K,
+                                  int shift) {
   using A = acc_t<T>;
   __shared__ A red[32];
   const int64_t c = blockIdx.x / (K + 1);
@@ -297,8 +292,10 @@ __global__ void conv1d_dw_generic(const T* __restrict__ dy, RowStrides dys, cons
   if (threadIdx.x == 0) {
     A v = A(0);
     for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) v += red[i];
-    if (j < K) dw[c * K + j] = from_acc<T>(v);
-    else if (dbias) dbias[c] = from_acc<T>(v);
+    if (j < K)
+      dw[c * K + j] = from_acc<T>(v);
+    else if (dbias)
+      dbias[c] = from_acc<T>(v);
   }
 }
 
@@ -317,15 +314,21 @@ bool vec_ok(const void* const* ptrs, int n, const RowStrides* rows, int nrows, i
 template <typename F>
 void dispatch_fast(int K, bool causal, bool vec, F&& f) {
   auto with_kmax = [&](auto causal_c, auto vec_c) {
-    if (K <= 4) f(std::integral_constant<int, 4>{}, causal_c, vec_c);
-    else f(std::integral_constant<int, kConv1dFastMaxK>{}, causal_c, vec_c);
+    if (K <= 4)
+      f(std::integral_constant<int, 4>{}, causal_c, vec_c);
+    else
+      f(std::integral_constant<int, kConv1dFastMaxK>{}, causal_c, vec_c);
   };
   if (causal) {
-    if (vec) with_kmax(std::true_type{}, std::true_type{});
-    else with_kmax(std::true_type{}, std::false_type{});
+    if (vec)
+      with_kmax(std::true_type{}, std::true_type{});
+    else
+      with_kmax(std::true_type{}, std::false_type{});
   } else {
-    if (vec) with_kmax(std::false_type{}, std::true_type{});
-    else with_kmax(std::false_type{}, std::false_type{});
+    if (vec)
+      with_kmax(std::false_type{}, std::true_type{});
+    else
+      with_kmax(std::false_type{}, std::false_type{});
   }
 }
 
@@ -362,10 +365,11 @@ LaunchStatus conv1d_forward_cuda(const Conv1dArgs& a, Conv1dAlgo algo, cudaStrea
       const int64_t segs = (a.L + kSeg - 1) / kSeg;
       const void* ptrs[2] = {a.x, a.out};
       const unsigned blocks = ceil_div_u(rows * segs, kWarps);
-      dispatch_fast(a.K, a.causal, vec_ok(ptrs, 2, &a.xs, 1, a.L, sizeof(T)), [&](auto kmax, auto causal_c, auto vec_c) {
-        conv1d_fwd_fast<T, decltype(kmax)::value, decltype(causal_c)::value, decltype(vec_c)::value>
-            <<<blocks, kWarps * 32, 0, stream>>>(x, a.xs, w, a.w_stride, bias, out, rows, a.C, a.L, a.K, segs);
-      });
+      dispatch_fast(
+          a.K, a.causal, vec_ok(ptrs, 2, &a.xs, 1, a.L, sizeof(T)), [&](auto kmax, auto causal_c, auto vec_c) {
+            conv1d_fwd_fast<T, decltype(kmax)::value, decltype(causal_c)::value, decltype(vec_c)::value>
+                <<<blocks, kWarps * 32, 0, stream>>>(x, a.xs, w, a.w_stride, bias, out, rows, a.C, a.L, a.K, segs);
+          });
     } else if (algo == Conv1dAlgo::Tiled) {
       const int64_t tiles = (a.L + kTile - 1) / kTile;
       const size_t smem = sizeof(A) * (kTile + 2 * a.K - 1);
@@ -390,10 +394,9 @@ int64_t conv1d_backward_fast_workspace(int64_t B, int64_t C, int64_t L, int K) {
   return nbg * C * segs * (K + 1);
 }
 
-LaunchStatus conv1d_backward_fast_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs,
-                                       const void* w, int64_t w_stride, void* dx, void* dw, void* dbias,
-                                       void* workspace, int64_t B, int64_t C, int64_t L, int K, bool causal,
-                                       DType dtype, cudaStream_t stream) {
+LaunchStatus conv1d_backward_fast_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs, const void* w,
+                                       int64_t w_stride, void* dx, void* dw, void* dbias, void* workspace, int64_t B,
+                                       int64_t C, int64_t L, int K, bool causal, DType dtype, cudaStream_t stream) {
   if (C == 0) return 0;
   const int64_t segs = (L + kSeg - 1) / kSeg;
   int64_t bper, nbg;
@@ -409,27 +412,27 @@ LaunchStatus conv1d_backward_fast_cuda(const void* dy, RowStrides dys, const voi
       dispatch_fast(K, causal, vec_ok(ptrs, 3, strided, 2, L, sizeof(T)), [&](auto kmax, auto causal_c, auto vec_c) {
         conv1d_bwd_fast<T, decltype(kmax)::value, decltype(causal_c)::value, decltype(vec_c)::value>
             <<<blocks, kWarps * 32, 0, stream>>>(static_cast<const T*>(dy), dys, static_cast<const T*>(x), xs,
-                                                 static_cast<const T*>(w), w_stride, static_cast<T*>(dx), partial,
-                                                 B, C, L, K, segs, bper, nbg);
+                                                 static_cast<const T*>(w), w_stride, static_cast<T*>(dx), partial, B, C,
+                                                 L, K, segs, bper, nbg);
       });
     } else {
       cudaMemsetAsync(partial, 0, sizeof(A) * nbg * C * segs * (K + 1), stream);
     }
-    conv1d_reduce_partials<T><<<static_cast<unsigned>(C), 128, 0, stream>>>(
-        partial, static_cast<T*>(dw), static_cast<T*>(dbias), C, K, segs, nbg);
+    conv1d_reduce_partials<T><<<static_cast<unsigned>(C), 128, 0, stream>>>(partial, static_cast<T*>(dw),
+                                                                            static_cast<T*>(dbias), C, K, segs, nbg);
   });
   return static_cast<LaunchStatus>(cudaGetLastError());
 }
 
-LaunchStatus conv1d_weight_grad_generic_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs,
-                                             void* dw, void* dbias, int64_t B, int64_t C, int64_t L, int K,
-                                             bool causal, DType dtype, cudaStream_t stream) {
+LaunchStatus conv1d_weight_grad_generic_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs, void* dw,
+                                             void* dbias, int64_t B, int64_t C, int64_t L, int K, bool causal,
+                                             DType dtype, cudaStream_t stream) {
   if (C == 0) return 0;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     conv1d_dw_generic<T><<<static_cast<unsigned>(C * (K + 1)), 256, 0, stream>>>(
-        static_cast<const T*>(dy), dys, static_cast<const T*>(x), xs, static_cast<T*>(dw),
-        static_cast<T*>(dbias), B, C, L, K, causal ? K - 1 : 0);
+        static_cast<const T*>(dy), dys, static_cast<const T*>(x), xs, static_cast<T*>(dw), static_cast<T*>(dbias), B, C,
+        L, K, causal ? K - 1 : 0);
   });
   return static_cast<LaunchStatus>(cudaGetLastError());
 }

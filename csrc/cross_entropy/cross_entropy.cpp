@@ -56,14 +56,13 @@ Reduction parse_reduction(c10::string_view r, const char* op) {
   TORCH_CHECK(false, op, ": reduction must be one of 'mean', 'sum', 'none', got '", std::string(r), "'");
 }
 
-
 // target: int32/int64 of shape `rows_shape` (the logits' or hidden's shape without its last dim).
 void check_target(const Tensor& target, at::IntArrayRef rows_shape, const Tensor& ref, const char* op,
                   const char* ref_name) {
   TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt, op,
               ": target must be an int64 or int32 tensor of class indices, got ", target.scalar_type());
-  TORCH_CHECK(target.sizes() == rows_shape, op, ": target must have shape ", ref_name, ".shape[:-1] = ",
-              rows_shape, ", got ", target.sizes());
+  TORCH_CHECK(target.sizes() == rows_shape, op, ": target must have shape ", ref_name, ".shape[:-1] = ", rows_shape,
+              ", got ", target.sizes());
   const std::string t = std::string(op) + ": target";
   check_same_device(target, ref, t.c_str(), ref_name);
 }
@@ -73,8 +72,7 @@ void check_logits(const Tensor& logits, const char* op) {
   const std::string name = std::string(op) + ": logits";
   check_float(logits, name.c_str());
   TORCH_CHECK(logits.dim() >= 1, op, ": logits must have at least 1 dimension (..., num_classes), got a 0-d tensor");
-  TORCH_CHECK(logits.size(-1) >= 1, op, ": logits must have at least one class (last dim), got shape ",
-              logits.sizes());
+  TORCH_CHECK(logits.size(-1) >= 1, op, ": logits must have at least one class (last dim), got shape ", logits.sizes());
 }
 
 // CPU: every target in [0, V) or equal to ignore_index.
@@ -125,8 +123,9 @@ void forward_rows(const Tensor& logits0, const Tensor& target, int64_t ignore, c
   const auto [lt, ls] = tensor_rows(logits, true);
   const auto [tt, ts] = tensor_rows(target, false);
   const CrossEntropyPlan plan = cross_entropy_plan(rows, V, logits.element_size());
-  CeFwdArgs a{lt.data_ptr(), ls, tt.data_ptr(), tt.scalar_type() == at::kLong, ts, loss.data_ptr(),
-              lse.data_ptr(), rows, V, ignore, to_dtype(lt.scalar_type()), plan.threads};
+  CeFwdArgs a{
+      lt.data_ptr(), ls, tt.data_ptr(), tt.scalar_type() == at::kLong, ts,          loss.data_ptr(), lse.data_ptr(),
+      rows,          V,  ignore,        to_dtype(lt.scalar_type()),    plan.threads};
   if (grad_scale.defined()) {
     TORCH_CHECK(!cpu && lt.data_ptr() == logits0.data_ptr(), "gpu_puzzles: in-place gradient rows need CUDA logits");
     a.grad_in_place = true;
@@ -150,8 +149,8 @@ Tensor empty_grad_like(const Tensor& logits, const at::TensorOptions& opts) {
 }
 
 // grad: rows evenly spaced (empty_grad_like), or the logits themselves (in place) when grad is logits.
-void backward_rows(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& scale,
-                   bool per_row, int64_t ignore, const Tensor& grad) {
+void backward_rows(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& scale, bool per_row,
+                   int64_t ignore, const Tensor& grad) {
   const bool cpu = logits.device().is_cpu();
   const int64_t V = logits.size(-1), rows = lse.numel();
   const auto [lt, ls] = tensor_rows(logits, true);
@@ -161,9 +160,21 @@ void backward_rows(const Tensor& logits, const Tensor& target, const Tensor& lse
   TORCH_INTERNAL_ASSERT(levels <= 1 && grad.stride(-1) == 1, "cross_entropy: gradient rows must be evenly spaced");
   const int64_t grad_stride = levels == 1 ? gs.s0 : V;
   const CrossEntropyPlan plan = cross_entropy_plan(rows, V, logits.element_size());
-  const CeBwdArgs a{lt.data_ptr(), ls, tt.data_ptr(), tt.scalar_type() == at::kLong, ts, lse.data_ptr(),
-                    scale.data_ptr(), per_row, grad.data_ptr(), grad_stride, rows, V, ignore,
-                    to_dtype(lt.scalar_type()), plan.threads};
+  const CeBwdArgs a{lt.data_ptr(),
+                    ls,
+                    tt.data_ptr(),
+                    tt.scalar_type() == at::kLong,
+                    ts,
+                    lse.data_ptr(),
+                    scale.data_ptr(),
+                    per_row,
+                    grad.data_ptr(),
+                    grad_stride,
+                    rows,
+                    V,
+                    ignore,
+                    to_dtype(lt.scalar_type()),
+                    plan.threads};
   launch_backward(a, cpu);
 }
 
@@ -177,9 +188,16 @@ Tensor reduce_cuda(const Tensor& loss_rows, const Tensor& target, int64_t ignore
                    const at::TensorOptions& out_opts, at::ScalarType dtype) {
   const auto [tt, ts] = tensor_rows(target, false);
   Tensor out = at::empty({}, out_opts);
-  const CeReduceArgs a{loss_rows.defined() ? loss_rows.data_ptr() : nullptr, tt.data_ptr(),
-                       tt.scalar_type() == at::kLong, ts, target.numel(), ignore, mean,
-                       grad_loss.defined() ? grad_loss.data_ptr() : nullptr, out.data_ptr(), to_dtype(dtype)};
+  const CeReduceArgs a{loss_rows.defined() ? loss_rows.data_ptr() : nullptr,
+                       tt.data_ptr(),
+                       tt.scalar_type() == at::kLong,
+                       ts,
+                       target.numel(),
+                       ignore,
+                       mean,
+                       grad_loss.defined() ? grad_loss.data_ptr() : nullptr,
+                       out.data_ptr(),
+                       to_dtype(dtype)};
   GP_CUDA_CHECK_STATUS(cross_entropy_reduce_cuda(a, current_stream()));
   return out;
 }
@@ -190,7 +208,8 @@ Tensor finalize(const Tensor& loss_rows, const Tensor& target, int64_t ignore, R
   if (red == Reduction::None) return loss_rows.view(target.sizes()).to(out);
 #ifdef WITH_CUDA
   if (loss_rows.is_cuda())
-    return reduce_cuda(loss_rows, target, ignore, red == Reduction::Mean, Tensor(), loss_rows.options().dtype(out), out);
+    return reduce_cuda(loss_rows, target, ignore, red == Reduction::Mean, Tensor(), loss_rows.options().dtype(out),
+                       out);
 #endif
   const Tensor s = loss_rows.sum();
   if (red == Reduction::Sum) return s.to(out);
@@ -261,9 +280,9 @@ Tensor cross_entropy_backward_impl(const Tensor& grad_loss, const Tensor& logits
     // accumulate type, never in the logits' half dtype: a float32 grad_loss of 65536
     // (GradScaler's first scale, under autocast's float32 loss) would be inf in float16.
     const Tensor g = acc_type(grad_loss.scalar_type()) == acc ? grad_loss : grad_loss.to(acc);
-    scale = reduce_cuda(Tensor(), target, ignore, red == Reduction::Mean, g, logits.options().dtype(acc),
-                        g.scalar_type())
-                .reshape({1});
+    scale =
+        reduce_cuda(Tensor(), target, ignore, red == Reduction::Mean, g, logits.options().dtype(acc), g.scalar_type())
+            .reshape({1});
 #endif
   } else {
     const Tensor g = grad_loss.to(acc);
@@ -314,14 +333,14 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
   check_same_device(weight, hidden, "fused_linear_cross_entropy: weight", "hidden");
   TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D (num_classes, H), got shape ", weight.sizes());
   TORCH_CHECK(weight.size(0) >= 1, op, ": weight must have at least one class (row), got shape ", weight.sizes());
-  TORCH_CHECK(weight.size(1) == hidden.size(-1), op, ": weight has shape ", weight.sizes(), " but hidden has H = ",
-              hidden.size(-1), " (last dim); weight must be (num_classes, H)");
+  TORCH_CHECK(weight.size(1) == hidden.size(-1), op, ": weight has shape ", weight.sizes(),
+              " but hidden has H = ", hidden.size(-1), " (last dim); weight must be (num_classes, H)");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     check_same_dtype(*bias, hidden, "fused_linear_cross_entropy: bias", "hidden");
     check_same_device(*bias, hidden, "fused_linear_cross_entropy: bias", "hidden");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), op, ": bias must have shape (",
-                weight.size(0), ",), got ", bias->sizes());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), op, ": bias must have shape (", weight.size(0),
+                ",), got ", bias->sizes());
   }
   const Reduction red = parse_reduction(reduction, op);
   TORCH_CHECK(red != Reduction::None, op,

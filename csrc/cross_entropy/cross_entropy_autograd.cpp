@@ -37,8 +37,9 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
-                                           c10::string_view)>("gpu_puzzles::cross_entropy_backward");
+    static const auto op =
+        typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, c10::string_view)>(
+            "gpu_puzzles::cross_entropy_backward");
     if (!grads[0].defined() || !ctx->needs_input_grad(0)) return variable_list(5);
     const auto s = ctx->get_saved_variables();
     const std::string reduction = ctx->saved_data["reduction"].toStringRef();
@@ -85,10 +86,11 @@ struct FusedLinearCeFunction : public torch::autograd::Function<FusedLinearCeFun
     for (int i = 0; i < 3; ++i)
       if (mask[i] && ctx->needs_input_grad(slot[i])) out[slot[i]] = scaled(s[i], grads[0]);
     if (create_graph)
-      error_on_backward("gpu_puzzles::fused_linear_cross_entropy: double backward (create_graph=True, then "
-                        "differentiating the gradients) is not supported: its gradients are computed in the "
-                        "forward; cross_entropy(F.linear(hidden, weight, bias), target) supports it",
-                        torch::autograd::collect_next_edges(grads[0]), {out[0], out[1], out[3]});
+      error_on_backward(
+          "gpu_puzzles::fused_linear_cross_entropy: double backward (create_graph=True, then "
+          "differentiating the gradients) is not supported: its gradients are computed in the "
+          "forward; cross_entropy(F.linear(hidden, weight, bias), target) supports it",
+          torch::autograd::collect_next_edges(grads[0]), {out[0], out[1], out[3]});
     return out;
   }
 
@@ -130,8 +132,9 @@ Tensor4 fused_autograd(const Tensor& hidden, const Tensor& weight, const Tensor&
 // dependence on the logits put back (straight through); otherwise our kernel, below autograd.
 Tensor cross_entropy_backward_autograd(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
                                        const Tensor& lse, int64_t ignore_index, c10::string_view reduction) {
-  static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
-                                         c10::string_view)>("gpu_puzzles::cross_entropy_backward");
+  static const auto op =
+      typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, c10::string_view)>(
+          "gpu_puzzles::cross_entropy_backward");
   if (!differentiated(grad_loss, logits))
     return below_autograd([&] { return op.call(grad_loss, logits, target, lse, ignore_index, reduction); });
   const auto acc = acc_type(logits.scalar_type());

@@ -44,8 +44,8 @@ void forward_rows(const CeFwdArgs& a) {
       const S m = row_max(x, V);
       // m = +-inf or NaN: x - m is NaN somewhere (or everywhere), so lse is NaN, as in PyTorch.
       const Vv vm(m);
-      const double s = vsum<S>(V, [&](int64_t i) { return (Vv::loadu(x + i) - vm).exp(); },
-                               [&](int64_t i) { return std::exp(x[i] - m); });
+      const double s = vsum<S>(
+          V, [&](int64_t i) { return (Vv::loadu(x + i) - vm).exp(); }, [&](int64_t i) { return std::exp(x[i] - m); });
       const S l = m + static_cast<S>(std::log(s));
       lse_out[r] = l;
       loss[r] = (t >= 0 && t < V) ? l - x[t] : std::numeric_limits<S>::quiet_NaN();
@@ -73,8 +73,9 @@ void backward_rows(const CeBwdArgs& a) {
       const S l = lse[r], g = scale[a.scale_per_row ? r : 0];
       const S xt = (t >= 0 && t < V) ? x[t] : S(0);  // read before an in-place write
       const Vv vl(l), vg(g);
-      vfor<S>(V, [&](int64_t i) { ((Vv::loadu(x + i) - vl).exp() * vg).store(y + i); },
-              [&](int64_t i) { y[i] = std::exp(x[i] - l) * g; });
+      vfor<S>(
+          V, [&](int64_t i) { ((Vv::loadu(x + i) - vl).exp() * vg).store(y + i); },
+          [&](int64_t i) { y[i] = std::exp(x[i] - l) * g; });
       if (t >= 0 && t < V) y[t] = (std::exp(xt - l) - S(1)) * g;
     }
   });
@@ -83,13 +84,17 @@ void backward_rows(const CeBwdArgs& a) {
 }  // namespace
 
 void cross_entropy_forward_cpu(const CeFwdArgs& a) {
-  if (a.dtype == DType::Float64) forward_rows<double>(a);
-  else forward_rows<float>(a);
+  if (a.dtype == DType::Float64)
+    forward_rows<double>(a);
+  else
+    forward_rows<float>(a);
 }
 
 void cross_entropy_backward_cpu(const CeBwdArgs& a) {
-  if (a.dtype == DType::Float64) backward_rows<double>(a);
-  else backward_rows<float>(a);
+  if (a.dtype == DType::Float64)
+    backward_rows<double>(a);
+  else
+    backward_rows<float>(a);
 }
 
 }  // namespace GP_CPU_NS

@@ -20,34 +20,50 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 // 16-byte vectors in flight per thread (float64: 2, its wider accumulators would spill
 // under the forward's 64-register bound).
-template <typename T> constexpr int kUnrollOf = sizeof(T) == 8 ? 2 : 4;
+template <typename T>
+constexpr int kUnrollOf = sizeof(T) == 8 ? 2 : 4;
 
 // exp in the accumulate type's log2 domain: float values are pre-multiplied by log2(e)
 // (one FFMA + MUFU.EX2 per element), double stays natural.
-template <typename A> struct Domain;
-template <> struct Domain<float> {
+template <typename A>
+struct Domain;
+template <>
+struct Domain<float> {
   static __device__ __forceinline__ float in(float x) { return x * kLog2e; }
   static __device__ __forceinline__ float ex(float x) { return exp2f(x); }
   static __device__ __forceinline__ float lse(float m, float s) { return (m + log2f(s)) * kLn2; }
 };
-template <> struct Domain<double> {
+template <>
+struct Domain<double> {
   static __device__ __forceinline__ double in(double x) { return x; }
   static __device__ __forceinline__ double ex(double x) { return exp(x); }
   static __device__ __forceinline__ double lse(double m, double s) { return m + log(s); }
 };
 
-template <typename A> __device__ __forceinline__ A neg_inf();
-template <> __device__ __forceinline__ float neg_inf<float>() { return -INFINITY; }
-template <> __device__ __forceinline__ double neg_inf<double>() { return -static_cast<double>(INFINITY); }
+template <typename A>
+__device__ __forceinline__ A neg_inf();
+template <>
+__device__ __forceinline__ float neg_inf<float>() {
+  return -INFINITY;
+}
+template <>
+__device__ __forceinline__ double neg_inf<double>() {
+  return -static_cast<double>(INFINITY);
+}
 
-template <typename A> __device__ __forceinline__ A max_of(A a, A b) { return a > b ? a : b; }
+template <typename A>
+__device__ __forceinline__ A max_of(A a, A b) {
+  return a > b ? a : b;
+}
 
 // Running (max m, sum s of ex(x - m)) over values in the Domain. A NaN value makes s NaN
 // (the max skips it), so the row's lse is NaN as in PyTorch; -inf values add 0.
-template <typename A> struct Online {
+template <typename A>
+struct Online {
   A m, s;
   __device__ __forceinline__ Online() : m(neg_inf<A>()), s(A(0)) {}
-  template <int N> __device__ __forceinline__ void add(const A (&v)[N]) {
+  template <int N>
+  __device__ __forceinline__ void add(const A (&v)[N]) {
     A mx = m;
 #pragma unroll
     for (int k = 0; k < N; ++k) mx = max_of(mx, v[k]);
@@ -64,12 +80,14 @@ template <typename A> struct Online {
   __device__ __forceinline__ void merge(A om, A os) {
     const A nm = max_of(m, om);
     if (nm == neg_inf<A>()) return;  // both empty
-    s = (m == neg_inf<A>() ? A(0) : s * Domain<A>::ex(m - nm)) + (om == neg_inf<A>() ? A(0) : os * Domain<A>::ex(om - nm));
+    s = (m == neg_inf<A>() ? A(0) : s * Domain<A>::ex(m - nm)) +
+        (om == neg_inf<A>() ? A(0) : os * Domain<A>::ex(om - nm));
     m = nm;
   }
 };
 
-template <typename A> __device__ __forceinline__ void block_merge(Online<A>& o, A* sm, A* ss) {
+template <typename A>
+__device__ __forceinline__ void block_merge(Online<A>& o, A* sm, A* ss) {
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) {
     const A om = __shfl_xor_sync(0xffffffffu, o.m, d);
@@ -96,7 +114,8 @@ __device__ __forceinline__ int64_t target_at(const void* t, bool t64, const RowS
 }
 
 // Elements before the first 16-byte boundary of p (at most V).
-template <typename T> __device__ __forceinline__ int64_t head_elems(const T* p, int64_t V) {
+template <typename T>
+__device__ __forceinline__ int64_t head_elems(const T* p, int64_t V) {
   constexpr int VEC = 16 / sizeof(T);
   const int mis = static_cast<int>((reinterpret_cast<uintptr_t>(p) & 15u) / sizeof(T));
   return mis == 0 ? 0 : (VEC - mis < V ? VEC - mis : V);
@@ -291,7 +310,8 @@ __global__ void __launch_bounds__(kReduceThreads) ce_reduce_kernel(CeReduceArgs 
   }
 }
 
-template <typename T> int rows_grid(int64_t rows) {
+template <typename T>
+int rows_grid(int64_t rows) {
   // Rows beyond the grid loop in the kernel; 2^31 - 1 is the x-dim limit.
   return static_cast<int>(rows < 0x7fffffff ? rows : 0x7fffffff);
 }

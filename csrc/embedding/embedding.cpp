@@ -32,8 +32,8 @@ void check_indices(const at::Tensor& indices, const char* op) {
 int64_t normalise_padding(c10::optional<int64_t> padding_idx, int64_t V, const char* op) {
   if (!padding_idx.has_value()) return -1;
   const int64_t p = *padding_idx;
-  TORCH_CHECK(p >= -V && p < V, op, ": padding_idx must be within [-num_embeddings, num_embeddings) = [", -V,
-              ", ", V, "), got ", p);
+  TORCH_CHECK(p >= -V && p < V, op, ": padding_idx must be within [-num_embeddings, num_embeddings) = [", -V, ", ", V,
+              "), got ", p);
   return p < 0 ? p + V : p;
 }
 
@@ -59,8 +59,8 @@ Sizes check_backward(const at::Tensor& grad_out, const at::Tensor& indices, int6
   TORCH_CHECK(V >= 0, op, ": num_weights must be >= 0, got ", V);
   bool ok = grad_out.dim() == indices.dim() + 1;
   for (int64_t d = 0; ok && d < indices.dim(); ++d) ok = grad_out.size(d) == indices.size(d);
-  TORCH_CHECK(ok, op, ": grad_out must have shape indices.shape + (embedding_dim,), got grad_out ",
-              grad_out.sizes(), " and indices ", indices.sizes());
+  TORCH_CHECK(ok, op, ": grad_out must have shape indices.shape + (embedding_dim,), got grad_out ", grad_out.sizes(),
+              " and indices ", indices.sizes());
   return {indices.numel(), V, grad_out.size(-1)};
 }
 
@@ -81,8 +81,7 @@ std::vector<int64_t> out_shape(const at::Tensor& indices, int64_t E) {
 at::Tensor forward_cpu_op(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx,
                           const char* op) {
   const Sizes s = check_forward(indices, weight, padding_idx, op);
-  TORCH_CHECK(weight.device().is_cpu(), op, ": weight must be a CPU tensor for the CPU kernel, got ",
-              weight.device());
+  TORCH_CHECK(weight.device().is_cpu(), op, ": weight must be a CPU tensor for the CPU kernel, got ", weight.device());
   const at::Tensor ic = indices.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty(out_shape(indices, s.E), weight.options());
   embedding_forward_cpu_kernel(ic, wc, out);
@@ -121,8 +120,16 @@ at::Tensor forward_cuda_op(const at::Tensor& indices, const at::Tensor& weight, 
   const auto [ic, is] = tensor_rows(indices, false);
   const at::Tensor wc = s.E <= 1 || weight.stride(1) == 1 ? weight : weight.contiguous();
   at::Tensor out = at::empty(out_shape(indices, s.E), weight.options());
-  EmbeddingFwdArgs a{ic.data_ptr(), ic.scalar_type() == at::kLong, wc.data_ptr(), out.data_ptr(),
-                     s.T, s.V, s.E, to_dtype(weight.scalar_type()), is, s.E <= 1 ? s.E : wc.stride(0)};
+  EmbeddingFwdArgs a{ic.data_ptr(),
+                     ic.scalar_type() == at::kLong,
+                     wc.data_ptr(),
+                     out.data_ptr(),
+                     s.T,
+                     s.V,
+                     s.E,
+                     to_dtype(weight.scalar_type()),
+                     is,
+                     s.E <= 1 ? s.E : wc.stride(0)};
   GP_CUDA_CHECK_STATUS(two_d ? embedding_forward_2d_cuda(a, current_stream())
                              : embedding_forward_cuda(a, current_stream()));
   return out;
@@ -139,8 +146,18 @@ at::Tensor backward_sorted_cuda(const at::Tensor& grad_out, const at::Tensor& ic
   const auto acc = gc.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor partial = at::empty({embedding_backward_partial_elems(s.T, s.E)}, gc.options().dtype(acc));
   at::Tensor gw = at::empty({s.V, s.E}, gc.options());
-  EmbeddingBwdArgs a{gc.data_ptr(), skey.data_ptr<int64_t>(), spos.data_ptr<int64_t>(), seg.data_ptr<int64_t>(),
-                     partial.data_ptr(), gw.data_ptr(), s.T, s.V, s.E, pad, to_dtype(gc.scalar_type()), gs};
+  EmbeddingBwdArgs a{gc.data_ptr(),
+                     skey.data_ptr<int64_t>(),
+                     spos.data_ptr<int64_t>(),
+                     seg.data_ptr<int64_t>(),
+                     partial.data_ptr(),
+                     gw.data_ptr(),
+                     s.T,
+                     s.V,
+                     s.E,
+                     pad,
+                     to_dtype(gc.scalar_type()),
+                     gs};
   GP_CUDA_CHECK_STATUS(embedding_backward_sorted_cuda(a, current_stream()));
   return gw;
 }
@@ -170,8 +187,7 @@ at::Tensor embedding_cuda(const at::Tensor& indices, const at::Tensor& weight, c
   return forward_cuda_op(indices, weight, padding_idx, two_d_grid(algorithm, "embedding"), "embedding");
 }
 at::Tensor embedding_backward_cuda(const at::Tensor& grad_out, const at::Tensor& indices, c10::SymInt num_weights,
-                                   c10::optional<int64_t> padding_idx, bool deterministic,
-                                   c10::string_view algorithm) {
+                                   c10::optional<int64_t> padding_idx, bool deterministic, c10::string_view algorithm) {
   return backward_cuda_op(grad_out, indices, num_weights.expect_int(), padding_idx, deterministic,
                           two_d_grid(algorithm, "embedding_backward"), "embedding_backward");
 }

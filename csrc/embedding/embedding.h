@@ -19,8 +19,8 @@ namespace gpu_puzzles {
 // of one floating dtype, grad_weight (V, E) written whole; padding_idx in
 // [0, V) or -1 for none.
 void embedding_forward_cpu_kernel(const at::Tensor& indices, const at::Tensor& weight, const at::Tensor& out);
-void embedding_backward_cpu_kernel(const at::Tensor& grad_out, const at::Tensor& indices,
-                                   const at::Tensor& grad_weight, int64_t padding_idx);
+void embedding_backward_cpu_kernel(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& grad_weight,
+                                   int64_t padding_idx);
 
 // out[t, :] = weight[idx[t], :] for idx[t] in [0, V), else zeros.
 // idx: T int32 (idx64 = false) or int64 values, token t at row_offset(is, t) (index views
@@ -72,9 +72,8 @@ LaunchStatus embedding_backward_sorted_cuda(const EmbeddingBwdArgs& a, cudaStrea
 // (token, element) into an accumulate-type (V, E) buffer (zeroed here), then
 // converted to grad_weight (acc may alias grad_weight when the dtypes match).
 // Not deterministic: the host uses the sorted path when determinism is asked for.
-LaunchStatus embedding_backward_2d_atomic_cuda(const void* grad_out, const void* idx, bool idx64,
-                                               void* acc, void* grad_weight, int64_t T, int64_t V,
-                                               int64_t E, int64_t padding_idx, DType dtype,
-                                               cudaStream_t stream);
+LaunchStatus embedding_backward_2d_atomic_cuda(const void* grad_out, const void* idx, bool idx64, void* acc,
+                                               void* grad_weight, int64_t T, int64_t V, int64_t E, int64_t padding_idx,
+                                               DType dtype, cudaStream_t stream);
 
 }  // namespace gpu_puzzles

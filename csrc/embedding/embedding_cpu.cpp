@@ -25,8 +25,10 @@ void forward(const I* idx, const T* w, T* out, int64_t T_, int64_t V, int64_t E)
     for (int64_t t = begin; t < end; ++t) {
       const int64_t v = static_cast<int64_t>(idx[t]);
       T* dst = out + t * E;
-      if (v >= 0 && v < V) std::memcpy(dst, w + v * E, E * sizeof(T));
-      else std::fill(dst, dst + E, T(0));
+      if (v >= 0 && v < V)
+        std::memcpy(dst, w + v * E, E * sizeof(T));
+      else
+        std::fill(dst, dst + E, T(0));
     }
   });
 }
@@ -104,8 +106,8 @@ void embedding_forward_cpu_kernel(const at::Tensor& indices, const at::Tensor& w
   });
 }
 
-void embedding_backward_cpu_kernel(const at::Tensor& grad_out, const at::Tensor& indices,
-                                   const at::Tensor& grad_weight, int64_t padding_idx) {
+void embedding_backward_cpu_kernel(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& grad_weight,
+                                   int64_t padding_idx) {
   const int64_t V = grad_weight.size(0), E = grad_weight.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_out.scalar_type(), "embedding_backward_cpu", [&] {
     AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_backward_cpu", [&] {

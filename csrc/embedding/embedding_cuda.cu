@@ -53,7 +53,10 @@ __device__ __forceinline__ void store_n(T* __restrict__ p, const T (&r)[N]) {
   }
 }
 
-template <typename T> __device__ __forceinline__ T zero_of() { return from_acc<T>(acc_t<T>(0)); }
+template <typename T>
+__device__ __forceinline__ T zero_of() {
+  return from_acc<T>(acc_t<T>(0));
+}
 
 // A row of nvec N-element slots is cut into chunks of G * kU slots; work unit
 // (row, chunk) belongs to one group of G lanes, lane l taking slots
@@ -82,16 +85,14 @@ unsigned blocks_for(int64_t units, int lg) {
   return static_cast<unsigned>(b < (int64_t(1) << 30) ? b : (int64_t(1) << 30));
 }
 
-__device__ __forceinline__ bool valid_key(int64_t v, int64_t V, int64_t pad) {
-  return v >= 0 && v < V && v != pad;
-}
+__device__ __forceinline__ bool valid_key(int64_t v, int64_t V, int64_t pad) { return v >= 0 && v < V && v != pad; }
 
 // ---- forward ---------------------------------------------------------------
 
 template <typename T, typename I, int N>
 __global__ void __launch_bounds__(kThreads)
-    emb_fwd(const I* __restrict__ idx, RowStrides is, const T* __restrict__ w, int64_t ws,
-            T* __restrict__ out, int64_t ntok, int64_t V, int64_t nvec, int lg, int64_t chunks) {
+    emb_fwd(const I* __restrict__ idx, RowStrides is, const T* __restrict__ w, int64_t ws, T* __restrict__ out,
+            int64_t ntok, int64_t V, int64_t nvec, int lg, int64_t chunks) {
   const int G = 1 << lg;
   const int lane = threadIdx.x & (G - 1);
   const int64_t per_block = kThreads >> lg;
@@ -129,9 +130,8 @@ __global__ void __launch_bounds__(kThreads)
 // The seed's 2D kernel, kept faithful: one element per thread, threadIdx.x
 // over tokens (the fast-varying index inside a warp), threadIdx.y over columns.
 template <typename T, typename I>
-__global__ void __launch_bounds__(256)
-    emb_fwd_2d(const I* __restrict__ idx, RowStrides is, const T* __restrict__ w, int64_t ws,
-               T* __restrict__ out, int64_t ntok, int64_t V, int64_t E) {
+__global__ void __launch_bounds__(256) emb_fwd_2d(const I* __restrict__ idx, RowStrides is, const T* __restrict__ w,
+                                                  int64_t ws, T* __restrict__ out, int64_t ntok, int64_t V, int64_t E) {
   const int64_t tok = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (tok >= ntok) return;
   const int64_t v = static_cast<int64_t>(idx[row_offset(is, tok)]);
@@ -143,8 +143,8 @@ __global__ void __launch_bounds__(256)
 
 // ---- backward: sorted segments ----------------------------------------------
 
-__global__ void emb_bwd_mark(const int64_t* __restrict__ key, int64_t* __restrict__ seg, int64_t ntok,
-                             int64_t V, int64_t pad) {
+__global__ void emb_bwd_mark(const int64_t* __restrict__ key, int64_t* __restrict__ seg, int64_t ntok, int64_t V,
+                             int64_t pad) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < ntok;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t v = key[i];
@@ -163,8 +163,8 @@ __device__ __forceinline__ void zero_acc(acc_t<T> (&acc)[kU][N]) {
 }
 
 template <typename T, int N>
-__device__ __forceinline__ void store_acc_row(T* __restrict__ row, const acc_t<T> (&acc)[kU][N], int64_t s0,
-                                              int G, int64_t nvec) {
+__device__ __forceinline__ void store_acc_row(T* __restrict__ row, const acc_t<T> (&acc)[kU][N], int64_t s0, int G,
+                                              int64_t nvec) {
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
     const int64_t s = s0 + u * G;
@@ -183,8 +183,8 @@ __device__ __forceinline__ void store_acc_row(T* __restrict__ row, const acc_t<T
 template <typename T, int N>
 __device__ __forceinline__ void flush_run(int64_t v, int64_t a, int64_t b, int64_t i0, int64_t k,
                                           const int64_t* __restrict__ seg, acc_t<T>* __restrict__ part,
-                                          T* __restrict__ gw, const acc_t<T> (&acc)[kU][N], int64_t s0,
-                                          int G, int64_t nvec) {
+                                          T* __restrict__ gw, const acc_t<T> (&acc)[kU][N], int64_t s0, int G,
+                                          int64_t nvec) {
   const int64_t s = seg[2 * v], e = seg[2 * v + 1];
   if (s == a && e == b) {
     store_acc_row<T, N>(gw + v * nvec * N, acc, s0, G, nvec);
@@ -204,9 +204,9 @@ __device__ __forceinline__ void flush_run(int64_t v, int64_t a, int64_t b, int64
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
     emb_bwd_tiles(const T* __restrict__ g, RowStrides gs, const int64_t* __restrict__ key,
-                  const int64_t* __restrict__ pos,
-                  const int64_t* __restrict__ seg, acc_t<T>* __restrict__ part, T* __restrict__ gw,
-                  int64_t ntok, int64_t V, int64_t pad, int64_t nvec, int lg, int64_t chunks, int64_t tiles) {
+                  const int64_t* __restrict__ pos, const int64_t* __restrict__ seg, acc_t<T>* __restrict__ part,
+                  T* __restrict__ gw, int64_t ntok, int64_t V, int64_t pad, int64_t nvec, int lg, int64_t chunks,
+                  int64_t tiles) {
   using A = acc_t<T>;
   const int G = 1 << lg;
   const int lane = threadIdx.x & (G - 1);
@@ -254,8 +254,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
-    emb_bwd_rows(const int64_t* __restrict__ seg, const acc_t<T>* __restrict__ part, T* __restrict__ gw,
-                 int64_t V, int64_t nvec, int lg, int64_t chunks) {
+    emb_bwd_rows(const int64_t* __restrict__ seg, const acc_t<T>* __restrict__ part, T* __restrict__ gw, int64_t V,
+                 int64_t nvec, int lg, int64_t chunks) {
   using A = acc_t<T>;
   const int G = 1 << lg;
   const int lane = threadIdx.x & (G - 1);
@@ -291,8 +291,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, typename I>
 __global__ void __launch_bounds__(256)
-    emb_bwd_2d_atomic(const T* __restrict__ g, const I* __restrict__ idx, acc_t<T>* __restrict__ acc,
-                      int64_t ntok, int64_t V, int64_t E, int64_t pad) {
+    emb_bwd_2d_atomic(const T* __restrict__ g, const I* __restrict__ idx, acc_t<T>* __restrict__ acc, int64_t ntok,
+                      int64_t V, int64_t E, int64_t pad) {
   const int64_t tok = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (tok >= ntok) return;
   const int64_t v = static_cast<int64_t>(idx[tok]);
@@ -316,9 +316,12 @@ dim3 grid_2d(int64_t ntok, int64_t E) {
   return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy < 65535 ? gy : 65535));
 }
 
-template <typename F> void dispatch_index(bool idx64, F&& f) {
-  if (idx64) f(int64_t{});
-  else f(int32_t{});
+template <typename F>
+void dispatch_index(bool idx64, F&& f) {
+  if (idx64)
+    f(int64_t{});
+  else
+    f(int32_t{});
 }
 
 }  // namespace
@@ -336,11 +339,13 @@ LaunchStatus embedding_forward_cuda(const EmbeddingFwdArgs& a, cudaStream_t stre
         constexpr int N = decltype(n_c)::value;
         const Plan p = make_plan(a.E, N);
         emb_fwd<T, I, N><<<blocks_for(a.T * p.chunks, p.lg), kThreads, 0, stream>>>(
-            static_cast<const I*>(a.idx), a.is, static_cast<const T*>(a.weight), a.w_stride,
-            static_cast<T*>(a.out), a.T, a.V, p.nvec, p.lg, p.chunks);
+            static_cast<const I*>(a.idx), a.is, static_cast<const T*>(a.weight), a.w_stride, static_cast<T*>(a.out),
+            a.T, a.V, p.nvec, p.lg, p.chunks);
       };
-      if (vec) launch(std::integral_constant<int, NV>{});
-      else launch(std::integral_constant<int, 1>{});
+      if (vec)
+        launch(std::integral_constant<int, NV>{});
+      else
+        launch(std::integral_constant<int, 1>{});
     });
   });
   return static_cast<LaunchStatus>(cudaGetLastError());
@@ -352,9 +357,9 @@ LaunchStatus embedding_forward_2d_cuda(const EmbeddingFwdArgs& a, cudaStream_t s
     using T = decltype(tag);
     dispatch_index(a.idx64, [&](auto itag) {
       using I = decltype(itag);
-      emb_fwd_2d<T, I><<<grid_2d(a.T, a.E), dim3(16, 16), 0, stream>>>(
-          static_cast<const I*>(a.idx), a.is, static_cast<const T*>(a.weight), a.w_stride,
-          static_cast<T*>(a.out), a.T, a.V, a.E);
+      emb_fwd_2d<T, I><<<grid_2d(a.T, a.E), dim3(16, 16), 0, stream>>>(static_cast<const I*>(a.idx), a.is,
+                                                                       static_cast<const T*>(a.weight), a.w_stride,
+                                                                       static_cast<T*>(a.out), a.T, a.V, a.E);
     });
   });
   return static_cast<LaunchStatus>(cudaGetLastError());
@@ -390,15 +395,17 @@ LaunchStatus embedding_backward_sorted_cuda(const EmbeddingBwdArgs& a, cudaStrea
       emb_bwd_rows<T, N><<<blocks_for(a.V * p.chunks, p.lg), kThreads, 0, stream>>>(
           a.seg, static_cast<const A*>(a.partial), static_cast<T*>(a.grad_weight), a.V, p.nvec, p.lg, p.chunks);
     };
-    if (vec) launch(std::integral_constant<int, NV>{});
-    else launch(std::integral_constant<int, 1>{});
+    if (vec)
+      launch(std::integral_constant<int, NV>{});
+    else
+      launch(std::integral_constant<int, 1>{});
   });
   return static_cast<LaunchStatus>(cudaGetLastError());
 }
 
 LaunchStatus embedding_backward_2d_atomic_cuda(const void* grad_out, const void* idx, bool idx64, void* acc,
-                                               void* grad_weight, int64_t T, int64_t V, int64_t E,
-                                               int64_t padding_idx, DType dtype, cudaStream_t stream) {
+                                               void* grad_weight, int64_t T, int64_t V, int64_t E, int64_t padding_idx,
+                                               DType dtype, cudaStream_t stream) {
   if (V == 0 || E == 0) return 0;
   dispatch_dtype(dtype, [&](auto tag) {
     using T_ = decltype(tag);
@@ -409,8 +416,7 @@ LaunchStatus embedding_backward_2d_atomic_cuda(const void* grad_out, const void*
       dispatch_index(idx64, [&](auto itag) {
         using I = decltype(itag);
         emb_bwd_2d_atomic<T_, I><<<grid_2d(T, E), dim3(16, 16), 0, stream>>>(
-            static_cast<const T_*>(grad_out), static_cast<const I*>(idx), static_cast<A*>(acc), T, V, E,
-            padding_idx);
+            static_cast<const T_*>(grad_out), static_cast<const I*>(idx), static_cast<A*>(acc), T, V, E, padding_idx);
       });
     }
     if (static_cast<void*>(acc) != grad_weight) {

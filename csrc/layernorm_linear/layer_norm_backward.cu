@@ -31,9 +31,9 @@ namespace {
 // autocast reads the half GEMM's dxn and writes the half dW operand as they are).
 template <typename T, int VEC, int C, int R, bool XN, bool RMS, typename G>
 __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads)
-    ln_bwd_cached(const G* dy, const T* __restrict__ x, const T* __restrict__ gamma,
-                  const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* dx,
-                  acc_t<T>* __restrict__ part, const T* __restrict__ beta, G* __restrict__ xn, int64_t M, int64_t H) {
+    ln_bwd_cached(const G* dy, const T* __restrict__ x, const T* __restrict__ gamma, const acc_t<T>* __restrict__ mean,
+                  const acc_t<T>* __restrict__ rstd, T* dx, acc_t<T>* __restrict__ part, const T* __restrict__ beta,
+                  G* __restrict__ xn, int64_t M, int64_t H) {
   using A = acc_t<T>;
   constexpr bool kPrefetch = C == 1 && sizeof(T) <= 4;  // fp64: the second set spilled (48 bytes at 128 registers)
   __shared__ A sh[64 * R];
@@ -143,9 +143,9 @@ __global__ void __launch_bounds__(C == 1 ? kBwdMaxThreadsNarrow : kBwdMaxThreads
 // dx may be dy, as in ln_bwd_cached.
 template <typename T, bool RMS, typename G>
 __global__ void ln_bwd_loop(const G* dy, const T* __restrict__ x, const T* __restrict__ gamma,
-                            const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
-                            T* dx, acc_t<T>* __restrict__ part, const T* __restrict__ beta,
-                            G* __restrict__ xn, int64_t M, int64_t H) {
+                            const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* dx,
+                            acc_t<T>* __restrict__ part, const T* __restrict__ beta, G* __restrict__ xn, int64_t M,
+                            int64_t H) {
   using A = acc_t<T>;
   __shared__ A sh[64];
   A* pgr = part + (int64_t)blockIdx.x * H;
@@ -212,9 +212,9 @@ __global__ void ln_bwd_reduce(const acc_t<T>* __restrict__ part, T* __restrict__
 constexpr int kColTx = 64, kColTy = 4, kColUnroll = 8, kColChunks = 64;
 
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kColTx * kColTy)
-    layernorm_linear_colsum(const T* __restrict__ dy, acc_t<T>* __restrict__ part, int64_t gx, int64_t chunks, int64_t M,
-                    int64_t N) {
+__global__ void __launch_bounds__(kColTx* kColTy)
+    layernorm_linear_colsum(const T* __restrict__ dy, acc_t<T>* __restrict__ part, int64_t gx, int64_t chunks,
+                            int64_t M, int64_t N) {
   using A = acc_t<T>;
   __shared__ A sh[kColTy][kColTx * VEC + 1];
   const int tx = threadIdx.x % kColTx, ty = threadIdx.x / kColTx;
@@ -230,8 +230,7 @@ __global__ void __launch_bounds__(kColTx * kColTy)
     for (; l + (kColUnroll - 1) * step < M; l += kColUnroll * step) {
       T q[kColUnroll][VEC];
 #pragma unroll
-      for (int u = 0; u < kColUnroll; ++u)
-        load_pack<T, VEC, Ld::kStream>(q[u], dy + row(l + u * step) * N + cv * VEC);
+      for (int u = 0; u < kColUnroll; ++u) load_pack<T, VEC, Ld::kStream>(q[u], dy + row(l + u * step) * N + cv * VEC);
 #pragma unroll
       for (int u = 0; u < kColUnroll; ++u)
 #pragma unroll
@@ -260,7 +259,8 @@ __global__ void __launch_bounds__(kColTx * kColTy)
 
 // All backward kernels have one signature; f gets KernelTag<kernel>, so the grid's
 // occupancy query and the launch name the kernel in this one place.
-template <auto K> struct KernelTag {
+template <auto K>
+struct KernelTag {
   static constexpr auto kernel = K;
 };
 
@@ -292,7 +292,8 @@ Plan bwd_plan(int64_t M, int64_t H, bool aligned, bool xn, int64_t& blocks, cuda
   err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return p;
   // Cached per device and kernel: every backward call sizes its grid with it.
-  int per_sm = with_bwd_kernel<T, RMS, G>(p, xn, [&](auto k) { return blocks_per_sm<decltype(k)::kernel>(dev, p.threads, err); });
+  int per_sm = with_bwd_kernel<T, RMS, G>(
+      p, xn, [&](auto k) { return blocks_per_sm<decltype(k)::kernel>(dev, p.threads, err); });
   if (err != cudaSuccess) return p;
   per_sm = per_sm > 1 ? per_sm : 1;
   int64_t g = (int64_t)per_sm * sms;
@@ -308,8 +309,8 @@ Plan bwd_plan(int64_t M, int64_t H, bool aligned, bool xn, int64_t& blocks, cuda
 
 }  // namespace
 
-LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, DType grad_dtype, bool xn,
-                                        int64_t& blocks, Norm norm) {
+LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, DType grad_dtype, bool xn, int64_t& blocks,
+                                        Norm norm) {
   blocks = 0;
   if (!mixed_pair_ok(dtype, grad_dtype)) return cudaErrorNotSupported;
   // The workspace is sized for the vector plan; the scalar plan never needs more blocks
@@ -333,9 +334,9 @@ LaunchStatus layer_norm_backward_blocks(int64_t M, int64_t H, DType dtype, DType
 }
 
 LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void* gamma, const void* mean,
-                                      const void* rstd, void* dx, void* dgamma, void* dbeta, void* workspace,
-                                      int64_t M, int64_t H, DType dtype, DType grad_dtype, cudaStream_t stream,
-                                      const void* beta, void* xn, Norm norm) {
+                                      const void* rstd, void* dx, void* dgamma, void* dbeta, void* workspace, int64_t M,
+                                      int64_t H, DType dtype, DType grad_dtype, cudaStream_t stream, const void* beta,
+                                      void* xn, Norm norm) {
   if (M == 0 || H == 0) return cudaSuccess;  // the host zero-fills dgamma/dbeta for M == 0
   if (!mixed_pair_ok(dtype, grad_dtype) || (grad_dtype != dtype && dx == dy)) return cudaErrorNotSupported;
   cudaError_t err = cudaSuccess;
@@ -362,8 +363,8 @@ LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void*
       return 0;
     });
     // RMS: dgamma only (no dbeta partials).
-    ln_bwd_reduce<T><<<dim3(ceil_div_u(H, 32), R ? 1 : 2), dim3(32, 8), 0, stream>>>(
-        part, static_cast<T*>(dgamma), static_cast<T*>(dbeta), blocks, H);
+    ln_bwd_reduce<T><<<dim3(ceil_div_u(H, 32), R ? 1 : 2), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(dgamma),
+                                                                                     static_cast<T*>(dbeta), blocks, H);
     return 0;
   };
   dispatch_dtype(dtype, [&](auto tag) {
@@ -376,8 +377,8 @@ LaunchStatus layer_norm_backward_cuda(const void* dy, const void* x, const void*
 
 int64_t layernorm_linear_bias_grad_workspace(int64_t M, int64_t N) { return (M < kColChunks ? M : kColChunks) * N; }
 
-LaunchStatus layernorm_linear_bias_grad_cuda(const void* dy, void* db, void* workspace, int64_t M, int64_t N, DType dtype,
-                                     cudaStream_t stream) {
+LaunchStatus layernorm_linear_bias_grad_cuda(const void* dy, void* db, void* workspace, int64_t M, int64_t N,
+                                             DType dtype, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -399,8 +400,8 @@ LaunchStatus layernorm_linear_bias_grad_cuda(const void* dy, void* db, void* wor
     // The partials' fixed-order sum: the LayerNorm backward's reducer, one output row (db);
     // M == 0 sums nothing (db = 0). Eight rows of threads per column: one thread with 64
     // serial loads per column is latency-bound.
-    ln_bwd_reduce<T><<<dim3(ceil_div_u(N, 32), 1), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(db), nullptr,
-                                                                          chunks, N);
+    ln_bwd_reduce<T>
+        <<<dim3(ceil_div_u(N, 32), 1), dim3(32, 8), 0, stream>>>(part, static_cast<T*>(db), nullptr, chunks, N);
     return 0;
   });
   return cudaGetLastError();

@@ -12,9 +12,9 @@ namespace gpu_puzzles {
 namespace {
 
 template <typename T, int VEC, bool RMS, typename O>
-__global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restrict__ x, const T* __restrict__ gamma,
-                              const T* __restrict__ beta, O* __restrict__ y, acc_t<T>* __restrict__ mean,
-                              acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
+__global__ void __launch_bounds__(kFwdMaxThreads)
+    ln_fwd_cached(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta, O* __restrict__ y,
+                  acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
   __shared__ acc_t<T> sh[64];
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x)
     ln_row_cached<T, VEC, RMS, O>(row, x, gamma, beta, y, mean, rstd, H, eps, sh);
@@ -27,9 +27,9 @@ __global__ void __launch_bounds__(kFwdMaxThreads) ln_fwd_cached(const T* __restr
 // flight. Same arithmetic as ln_row_cached (pivot shift, exact two-pass).
 
 template <typename T, int VEC, bool RMS, typename O>
-__global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma,
-                              const T* __restrict__ beta, O* __restrict__ y, acc_t<T>* __restrict__ mean,
-                              acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
+__global__ void __launch_bounds__(32 * kWarpRows, 6)
+    ln_fwd_warp(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta, O* __restrict__ y,
+                acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
   using A = acc_t<T>;
   const int lane = threadIdx.x & 31;
   const int64_t nvec = H / VEC;
@@ -59,9 +59,9 @@ __global__ void __launch_bounds__(32 * kWarpRows, 6) ln_fwd_warp(const T* __rest
 
 // Any H: three passes over the row (the later ones mostly hit L1/L2).
 template <typename T, int VEC, bool RMS, typename O>
-__global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma,
-                            const T* __restrict__ beta, O* __restrict__ y, acc_t<T>* __restrict__ mean,
-                            acc_t<T>* __restrict__ rstd, int64_t M, int64_t H, double eps) {
+__global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+                            O* __restrict__ y, acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd, int64_t M,
+                            int64_t H, double eps) {
   using A = acc_t<T>;
   __shared__ A sh[64];
   const int64_t nvec = H / VEC;
@@ -102,8 +102,8 @@ __global__ void ln_fwd_loop(const T* __restrict__ x, const T* __restrict__ gamma
 }  // namespace
 
 LaunchStatus layer_norm_forward_cuda(const void* x, const void* gamma, const void* beta, void* y, void* mean,
-                                     void* rstd, int64_t M, int64_t H, double eps, DType dtype,
-                                     cudaStream_t stream, Norm norm, DType out) {
+                                     void* rstd, int64_t M, int64_t H, double eps, DType dtype, cudaStream_t stream,
+                                     Norm norm, DType out) {
   if (M == 0) return cudaSuccess;
   if (!mixed_pair_ok(dtype, out)) return cudaErrorNotSupported;
   auto run = [&](auto tag, auto out_tag, auto rms_c) {

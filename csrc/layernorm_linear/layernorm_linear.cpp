@@ -36,8 +36,8 @@
 // in registers (layernorm_linear_prep_cuda).
 // Backward (either plan): xn = gamma*xhat + beta is materialised again for
 // dW = dy^T xn (in W's layout: (xn^T dy)^T for a transposed W); d(xn) = dy W; our
-// LayerNorm backward gives dx, dgamma, dbeta. On CUDA that LayerNorm backward also writes xn (it reads x anyway), and db (dy's column
-// sums) is its own launch (layernorm_linear_bias_grad_cuda), after the dW GEMM.
+// LayerNorm backward gives dx, dgamma, dbeta. On CUDA that LayerNorm backward also writes xn (it reads x anyway), and
+// db (dy's column sums) is its own launch (layernorm_linear_bias_grad_cuda), after the dW GEMM.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -120,8 +120,8 @@ void check_grad(const Tensor& g, at::IntArrayRef want, const Tensor& ref, const 
 // over (the norm then runs in float32, the linear and the output in linear_weight's dtype).
 int64_t check_linear(const Tensor& x, const Tensor& W, const c10::optional<Tensor>& b, int64_t H, const char* op) {
   const std::string o(op);
-  TORCH_CHECK(W.scalar_type() == x.scalar_type() || (x.scalar_type() == at::kFloat && is_half(W.scalar_type())),
-              op, ": linear_weight has dtype ", W.scalar_type(), " but x has dtype ", x.scalar_type(),
+  TORCH_CHECK(W.scalar_type() == x.scalar_type() || (x.scalar_type() == at::kFloat && is_half(W.scalar_type())), op,
+              ": linear_weight has dtype ", W.scalar_type(), " but x has dtype ", x.scalar_type(),
               "; they must match, or x be float32 under a float16 or bfloat16 linear_weight (the norm then runs "
               "in float32 and the linear in linear_weight's dtype, as under torch.autocast)");
   check_same_device(W, x, (o + ": linear_weight").c_str(), "x");
@@ -165,13 +165,14 @@ Tensor3 layer_norm_impl(const Tensor& x_, const Tensor& weight_, const Tensor* b
   auto ptr = [](const Tensor& t) -> void* { return t.defined() ? t.data_ptr() : nullptr; };
   if (cuda) {
 #ifdef WITH_CUDA
-    GP_CUDA_CHECK_STATUS(layer_norm_forward_cuda(x.data_ptr(), g.data_ptr(), ptr(b), ptr(y), ptr(mean),
-                                                 rstd.data_ptr(), M, H, eps, to_dtype(x.scalar_type()),
-                                                 current_stream(), norm, to_dtype(yt)));
+    GP_CUDA_CHECK_STATUS(layer_norm_forward_cuda(x.data_ptr(), g.data_ptr(), ptr(b), ptr(y), ptr(mean), rstd.data_ptr(),
+                                                 M, H, eps, to_dtype(x.scalar_type()), current_stream(), norm,
+                                                 to_dtype(yt)));
 #endif
   } else {
-    GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), ptr(b), ptr(y), ptr(mean), rstd.data_ptr(), M, H,
-                                        eps, to_dtype(x.scalar_type()), false, norm);
+    GP_CPU_CALL(layer_norm_forward_cpu)
+    (x.data_ptr(), g.data_ptr(), ptr(b), ptr(y), ptr(mean), rstd.data_ptr(), M, H, eps, to_dtype(x.scalar_type()),
+     false, norm);
     if (want_y) y = y.to(yt);  // the CPU kernels write one dtype
   }
   return {y, mean, rstd};
@@ -182,8 +183,8 @@ Tensor3 layer_norm_impl(const Tensor& x_, const Tensor& weight_, const Tensor* b
 // peak memory than the separate pass it replaces.
 // norm kRms: mean_ is not read (may be undefined), beta is not read, and dbeta is undefined.
 Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Tensor& weight_, const Tensor& mean_,
-                                 const Tensor& rstd_, bool cuda, const Tensor* beta = nullptr,
-                                 Tensor* xn = nullptr, Norm norm = Norm::kLayer) {
+                                 const Tensor& rstd_, bool cuda, const Tensor* beta = nullptr, Tensor* xn = nullptr,
+                                 Norm norm = Norm::kLayer) {
   const bool rms = norm == Norm::kRms;
   const char* op = rms ? "rms_norm_backward" : "layer_norm_backward";
   const int64_t H = check_ln(x_, weight_, rms ? nullptr : &weight_, op);
@@ -216,13 +217,14 @@ Tensor3 layer_norm_backward_impl(const Tensor& grad_, const Tensor& x_, const Te
     GP_CUDA_CHECK_STATUS(layer_norm_backward_blocks(M, H, to_dtype(x.scalar_type()), gt, want_xn, G, norm));
     Tensor ws = at::empty({(rms ? 1 : 2) * G * H}, x.options().dtype(stat_type(x)));
     GP_CUDA_CHECK_STATUS(layer_norm_backward_cuda(
-        dy.data_ptr(), x.data_ptr(), g.data_ptr(), ptr(mean), rstd.data_ptr(), dx.data_ptr(), dg.data_ptr(),
-        ptr(db), ws.data_ptr(), M, H, to_dtype(x.scalar_type()), gt, current_stream(),
+        dy.data_ptr(), x.data_ptr(), g.data_ptr(), ptr(mean), rstd.data_ptr(), dx.data_ptr(), dg.data_ptr(), ptr(db),
+        ws.data_ptr(), M, H, to_dtype(x.scalar_type()), gt, current_stream(),
         want_xn && beta ? beta->data_ptr() : nullptr, want_xn ? xn->data_ptr() : nullptr, norm));
 #endif
   } else {
-    GP_CPU_CALL(layer_norm_backward_cpu)(dy.data_ptr(), x.data_ptr(), g.data_ptr(), ptr(mean), rstd.data_ptr(),
-                                         dx.data_ptr(), dg.data_ptr(), ptr(db), M, H, to_dtype(x.scalar_type()), norm);
+    GP_CPU_CALL(layer_norm_backward_cpu)
+    (dy.data_ptr(), x.data_ptr(), g.data_ptr(), ptr(mean), rstd.data_ptr(), dx.data_ptr(), dg.data_ptr(), ptr(db), M, H,
+     to_dtype(x.scalar_type()), norm);
   }
   return {dx, dg, db};
 }
@@ -241,8 +243,8 @@ Tensor3 normalize_forward(const Tensor& x, const Tensor& g, const Tensor* be, co
   return {b ? at::addmm(*b, xn2, W.t()) : at::mm(xn2, W.t()), mean, rstd};
 }
 
-Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, const c10::optional<Tensor>& b,
-                         int64_t M, int64_t N, int64_t H, double eps, bool cuda);
+Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, const c10::optional<Tensor>& b, int64_t M,
+                         int64_t N, int64_t H, double eps, bool cuda);
 
 // lb_ null: RMSNorm+Linear (the mean undefined in the result).
 Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb_, const Tensor& W_,
@@ -257,10 +259,11 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb
   bool evt_possible = false;
 #ifdef WITH_CUDA
   // wc (below) is a fresh allocation, aligned as the CUTLASS GEMM needs: only x's alignment matters here.
-  if (cuda) evt_possible = layernorm_linear_evt_possible(x.data_ptr(), x.data_ptr(), M, N, H, to_dtype(x.scalar_type()));
+  if (cuda)
+    evt_possible = layernorm_linear_evt_possible(x.data_ptr(), x.data_ptr(), M, N, H, to_dtype(x.scalar_type()));
 #endif
   const Plan fwd = layernorm_linear::fused_forward_plan(M, N, H, W_.is_contiguous(), evt_possible,
-                                                       W_.scalar_type() == x.scalar_type());
+                                                        W_.scalar_type() == x.scalar_type());
   if (!fwd.fold) {
     auto [y, mean, rstd] = normalize_forward(x, g, lb_, W_, b, M, H, eps, cuda);
     return {y.view(out_shape(x, N)), mean, rstd};
@@ -283,10 +286,10 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb
     const cudaStream_t s = current_stream();
     // Statistics and fold: one launch (two when a row does not fit in registers or is unaligned).
     GP_CUDA_CHECK_STATUS(layernorm_linear_prep_cuda(x.data_ptr(), W.data_ptr(), g.data_ptr(), be.data_ptr(),
-                                            b ? b->data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(),
-                                            wc.data_ptr(), r.data_ptr(), bp.data_ptr(), M, N, H, eps, dt, s));
-    const Plan plan = layernorm_linear_plan(
-        Stage::kGemm, H, 8, true, layernorm_linear_evt_possible(x.data_ptr(), wc.data_ptr(), M, N, H, dt));
+                                                    b ? b->data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(),
+                                                    wc.data_ptr(), r.data_ptr(), bp.data_ptr(), M, N, H, eps, dt, s));
+    const Plan plan = layernorm_linear_plan(Stage::kGemm, H, 8, true,
+                                            layernorm_linear_evt_possible(x.data_ptr(), wc.data_ptr(), M, N, H, dt));
     if (plan.evt) {
       // sm_90a: one CUTLASS GEMM with the statistics applied in its epilogue, then
       // only the large-mean rows are recomputed (see layernorm_linear_evt_sm90.cu).
@@ -294,10 +297,9 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb
       const size_t ws_bytes = layernorm_linear_evt_workspace_bytes(M, N, H, dt);
       Tensor ws;
       if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
-      const LaunchStatus st =
-          layernorm_linear_evt_gemm_cuda(x.data_ptr(), wc.data_ptr(), mean.data_ptr(), rstd.data_ptr(), r.data_ptr(),
-                                         bp.data_ptr(), z.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H,
-                                         dt, s, plan.pdl);
+      const LaunchStatus st = layernorm_linear_evt_gemm_cuda(
+          x.data_ptr(), wc.data_ptr(), mean.data_ptr(), rstd.data_ptr(), r.data_ptr(), bp.data_ptr(), z.data_ptr(),
+          ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H, dt, s, plan.pdl);
       if (st == cudaErrorNotSupported) {
         z.reset();  // CUTLASS refused this problem (nothing was launched): the general path below
       } else {
@@ -309,21 +311,21 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb
     }
     if (!z.defined()) {
       z = at::mm(x.view({M, H}), wc.t()).contiguous();  // cuBLAS
-      GP_CUDA_CHECK_STATUS(layernorm_linear_epilogue_cuda(z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(),
-                                                  W.data_ptr(), b ? b->data_ptr() : nullptr, mean.data_ptr(),
-                                                  rstd.data_ptr(), r.data_ptr(), bp.data_ptr(), M, N, H, dt, s));
+      GP_CUDA_CHECK_STATUS(layernorm_linear_epilogue_cuda(
+          z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(), b ? b->data_ptr() : nullptr,
+          mean.data_ptr(), rstd.data_ptr(), r.data_ptr(), bp.data_ptr(), M, N, H, dt, s));
     }
 #endif
   } else {
     const DType dt = to_dtype(x.scalar_type());
-    GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), nullptr, nullptr, nullptr, mean.data_ptr(), rstd.data_ptr(), M,
-                                        H, eps, dt, false, Norm::kLayer);
-    GP_CPU_CALL(layernorm_linear_fold_weight_cpu)(W.data_ptr(), g.data_ptr(), be.data_ptr(), opt_ptr(b),
-                                                  wc.data_ptr(), r.data_ptr(), bp.data_ptr(), N, H, dt);
+    GP_CPU_CALL(layer_norm_forward_cpu)
+    (x.data_ptr(), nullptr, nullptr, nullptr, mean.data_ptr(), rstd.data_ptr(), M, H, eps, dt, false, Norm::kLayer);
+    GP_CPU_CALL(layernorm_linear_fold_weight_cpu)
+    (W.data_ptr(), g.data_ptr(), be.data_ptr(), opt_ptr(b), wc.data_ptr(), r.data_ptr(), bp.data_ptr(), N, H, dt);
     z = at::mm(x.view({M, H}), wc.t()).contiguous();
-    GP_CPU_CALL(layernorm_linear_epilogue_cpu)(z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(),
-                                               opt_ptr(b), mean.data_ptr(), rstd.data_ptr(), r.data_ptr(),
-                                               bp.data_ptr(), M, N, H, dt);
+    GP_CPU_CALL(layernorm_linear_epilogue_cpu)
+    (z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(), opt_ptr(b), mean.data_ptr(),
+     rstd.data_ptr(), r.data_ptr(), bp.data_ptr(), M, N, H, dt);
   }
   return {z.view(out_shape(x, N)), mean, rstd};
 }
@@ -332,8 +334,8 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb
 // to x's dtype once, as the LayerNorm fold stores wc), the GEMM, and the LayerNorm
 // epilogue with mean = r = 0 and bp = b (its large-mean recompute never triggers).
 // Returns (y (M, N), undefined mean, rstd).
-Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, const c10::optional<Tensor>& b,
-                         int64_t M, int64_t N, int64_t H, double eps, bool cuda) {
+Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, const c10::optional<Tensor>& b, int64_t M,
+                         int64_t N, int64_t H, double eps, bool cuda) {
   Tensor rstd = std::get<2>(layer_norm_impl(x, g, nullptr, eps, cuda, /*want_y=*/false));
   const Tensor W = W_.contiguous();  // the epilogue's (never taken) recompute reads (N, H) rows
   const Tensor wc = (W * g).contiguous();
@@ -345,16 +347,16 @@ Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, con
   if (cuda) {
 #ifdef WITH_CUDA
     const cudaStream_t s = current_stream();
-    const Plan plan = layernorm_linear_plan(
-        Stage::kGemm, H, 8, true, layernorm_linear_evt_possible(x.data_ptr(), wc.data_ptr(), M, N, H, dt));
+    const Plan plan = layernorm_linear_plan(Stage::kGemm, H, 8, true,
+                                            layernorm_linear_evt_possible(x.data_ptr(), wc.data_ptr(), M, N, H, dt));
     if (plan.evt) {
       z = at::empty({M, N}, x.options());
       const size_t ws_bytes = layernorm_linear_evt_workspace_bytes(M, N, H, dt);
       Tensor ws;
       if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
       const LaunchStatus st2 = layernorm_linear_evt_gemm_cuda(
-          x.data_ptr(), wc.data_ptr(), zeros.data_ptr(), rstd.data_ptr(), zeros.data_ptr(), bp.data_ptr(),
-          z.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H, dt, s, false);
+          x.data_ptr(), wc.data_ptr(), zeros.data_ptr(), rstd.data_ptr(), zeros.data_ptr(), bp.data_ptr(), z.data_ptr(),
+          ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H, dt, s, false);
       if (st2 == cudaErrorNotSupported)
         z.reset();  // CUTLASS refused this problem (nothing was launched): cuBLAS below
       else
@@ -362,17 +364,16 @@ Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, con
     }
     if (!z.defined()) {
       z = at::mm(x.view({M, H}), wc.t()).contiguous();
-      GP_CUDA_CHECK_STATUS(layernorm_linear_epilogue_cuda(z.data_ptr(), x.data_ptr(), g.data_ptr(), g.data_ptr(),
-                                                          W.data_ptr(), b ? b->data_ptr() : nullptr,
-                                                          zeros.data_ptr(), rstd.data_ptr(), zeros.data_ptr(),
-                                                          bp.data_ptr(), M, N, H, dt, s));
+      GP_CUDA_CHECK_STATUS(layernorm_linear_epilogue_cuda(
+          z.data_ptr(), x.data_ptr(), g.data_ptr(), g.data_ptr(), W.data_ptr(), b ? b->data_ptr() : nullptr,
+          zeros.data_ptr(), rstd.data_ptr(), zeros.data_ptr(), bp.data_ptr(), M, N, H, dt, s));
     }
 #endif
   } else {
     z = at::mm(x.view({M, H}), wc.t()).contiguous();
-    GP_CPU_CALL(layernorm_linear_epilogue_cpu)(z.data_ptr(), x.data_ptr(), g.data_ptr(), g.data_ptr(), W.data_ptr(),
-                                               opt_ptr(b), zeros.data_ptr(), rstd.data_ptr(), zeros.data_ptr(),
-                                               bp.data_ptr(), M, N, H, dt);
+    GP_CPU_CALL(layernorm_linear_epilogue_cpu)
+    (z.data_ptr(), x.data_ptr(), g.data_ptr(), g.data_ptr(), W.data_ptr(), opt_ptr(b), zeros.data_ptr(),
+     rstd.data_ptr(), zeros.data_ptr(), bp.data_ptr(), M, N, H, dt);
   }
   return {z, Tensor(), rstd};
 }
@@ -433,10 +434,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_impl(const Ten
 #endif
   }
   Tensor xn = at::empty({M, H}, x.options());
-  GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), ptr(be), xn.data_ptr(), ptr(mean), rstd.data_ptr(),
-                                      M, H, 0.0, to_dtype(x.scalar_type()), true, norm);
+  GP_CPU_CALL(layer_norm_forward_cpu)
+  (x.data_ptr(), g.data_ptr(), ptr(be), xn.data_ptr(), ptr(mean), rstd.data_ptr(), M, H, 0.0, to_dtype(x.scalar_type()),
+   true, norm);
   Tensor db = want_db ? dy.sum(0) : Tensor();
-  Tensor dW = dw_gemm(xn);                                              // (N, H)
+  Tensor dW = dw_gemm(xn);                                         // (N, H)
   Tensor dxn = at::mm(dy, W).view(x.sizes()).to(x.scalar_type());  // (.., H)
   xn.reset();
   auto [dx, dg, dbeta] = layer_norm_backward_impl(dxn, x, g, mean, rstd, cuda, nullptr, nullptr, norm);
@@ -457,18 +459,21 @@ Tensor naive_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const 
   if (cuda) {
 #ifdef WITH_CUDA
     GP_CUDA_CHECK_STATUS(layernorm_linear_naive_cuda(x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(),
-                                             b ? b->data_ptr() : nullptr, y.data_ptr(), M, N, H, eps,
-                                             to_dtype(x.scalar_type()), current_stream()));
+                                                     b ? b->data_ptr() : nullptr, y.data_ptr(), M, N, H, eps,
+                                                     to_dtype(x.scalar_type()), current_stream()));
 #endif
   } else {
     // The loop per row of the CUDA kernel, with its dot products batched into one GEMM.
     const auto st = x.options().dtype(stat_type(x));
     Tensor mean = at::empty({M}, st), rstd = at::empty({M}, st), xn = at::empty({M, H}, x.options());
-    GP_CPU_CALL(layer_norm_forward_cpu)(x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(), mean.data_ptr(),
-                                        rstd.data_ptr(), M, H, eps, to_dtype(x.scalar_type()), false, Norm::kLayer);
+    GP_CPU_CALL(layer_norm_forward_cpu)
+    (x.data_ptr(), g.data_ptr(), be.data_ptr(), xn.data_ptr(), mean.data_ptr(), rstd.data_ptr(), M, H, eps,
+     to_dtype(x.scalar_type()), false, Norm::kLayer);
     Tensor y2 = y.view({M, N});
-    if (b) at::addmm_out(y2, *b, xn, W.t());
-    else at::mm_out(y2, xn, W.t());
+    if (b)
+      at::addmm_out(y2, *b, xn, W.t());
+    else
+      at::mm_out(y2, xn, W.t());
   }
   return y;
 }
@@ -477,7 +482,8 @@ Tensor naive_impl(const Tensor& x_, const Tensor& lw_, const Tensor& lb_, const 
 // kernel when any argument is on the GPU, x maybe not. The *_impl checks compare every
 // argument's device with x's and name the odd one; a plain DeviceGuard lets them run
 // first (a CUDAGuard would reject a CPU x with a message about x alone).
-template <bool CUDA> struct OnXDevice {
+template <bool CUDA>
+struct OnXDevice {
   explicit OnXDevice(const Tensor& x) {
     if (CUDA) guard.reset_device(x.device());
   }
@@ -490,7 +496,8 @@ Tensor naive_op(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tenso
   const OnXDevice<CUDA> on(x);
   return naive_impl(x, lw, lb, W, b, eps, CUDA);
 }
-template <bool CUDA> Tensor3 layer_norm_op(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
+template <bool CUDA>
+Tensor3 layer_norm_op(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
   const OnXDevice<CUDA> on(x);
   return layer_norm_impl(x, w, &b, eps, CUDA);
 }
@@ -506,21 +513,22 @@ Tensor3 fused_op(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tens
   return fused_forward_impl(x, lw, &lb, W, b, eps, CUDA);
 }
 template <bool CUDA>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_op(const Tensor& g, const Tensor& x,
-                                                                     const Tensor& lw, const Tensor& lb,
-                                                                     const Tensor& W, const Tensor& m,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_backward_op(const Tensor& g, const Tensor& x, const Tensor& lw,
+                                                                     const Tensor& lb, const Tensor& W, const Tensor& m,
                                                                      const Tensor& r) {
   const OnXDevice<CUDA> on(x);
   return fused_backward_impl(g, x, lw, &lb, W, m, r, CUDA);
 }
 
 // RMSNorm: (y, rstd); backward (dx, dweight).
-template <bool CUDA> Tensor2 rms_norm_op(const Tensor& x, const Tensor& w, double eps) {
+template <bool CUDA>
+Tensor2 rms_norm_op(const Tensor& x, const Tensor& w, double eps) {
   const OnXDevice<CUDA> on(x);
   auto [y, mean, rstd] = layer_norm_impl(x, w, nullptr, eps, CUDA);
   return {y, rstd};
 }
-template <bool CUDA> Tensor2 rms_norm_backward_op(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& r) {
+template <bool CUDA>
+Tensor2 rms_norm_backward_op(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& r) {
   const OnXDevice<CUDA> on(x);
   auto [dx, dw, unused] = layer_norm_backward_impl(g, x, w, Tensor(), r, CUDA, nullptr, nullptr, Norm::kRms);
   return {dx, dw};

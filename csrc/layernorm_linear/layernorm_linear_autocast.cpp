@@ -38,8 +38,9 @@ at::ScalarType norm_type(const Tensor& x) {
 template <c10::DeviceType D>
 Tensor3 fused_layernorm_linear_autocast(const Tensor& x, const Tensor& ln_weight, const Tensor& ln_bias,
                                         const Tensor& linear_weight, const OptTensor& linear_bias, double eps) {
-  static const auto op = typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                          const OptTensor&, double)>("gpu_puzzles::fused_layernorm_linear");
+  static const auto op =
+      typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&, double)>(
+          "gpu_puzzles::fused_layernorm_linear");
   autocast::Below<D> below;
   if (!autocast::eligible<D>(x)) return op.call(x, ln_weight, ln_bias, linear_weight, linear_bias, eps);
   const auto nt = norm_type<D>(x), to = autocast::lower<D>();
@@ -62,8 +63,9 @@ Tensor2 fused_rmsnorm_linear_autocast(const Tensor& x, const Tensor& norm_weight
 template <c10::DeviceType D>
 Tensor fused_layernorm_linear_naive_autocast(const Tensor& x, const Tensor& ln_weight, const Tensor& ln_bias,
                                              const Tensor& linear_weight, const OptTensor& linear_bias, double eps) {
-  static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
-                                         double)>("gpu_puzzles::fused_layernorm_linear_naive");
+  static const auto op =
+      typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&, double)>(
+          "gpu_puzzles::fused_layernorm_linear_naive");
   const auto to = autocast::lower<D>();
   autocast::Below<D> below;
   return op.call(autocast::cast<D>(to, x), autocast::cast<D>(to, ln_weight), autocast::cast<D>(to, ln_bias),

@@ -30,9 +30,8 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto op =
-        typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
-            "gpu_puzzles::layer_norm_backward");
+    static const auto op = typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
+        "gpu_puzzles::layer_norm_backward");
     if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
     const auto s = ctx->get_saved_variables();
     auto [dx, dw, db] = op.call(grads[0], s[0], s[1], s[2], s[3]);
@@ -41,12 +40,11 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
 };
 
 struct FusedFunction : public torch::autograd::Function<FusedFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& ln_weight,
-                               const Tensor& ln_bias, const Tensor& linear_weight,
-                               const c10::optional<Tensor>& linear_bias, double eps) {
-    static const auto op = typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                            const c10::optional<Tensor>&, double)>(
-        "gpu_puzzles::fused_layernorm_linear");
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& ln_weight, const Tensor& ln_bias,
+                               const Tensor& linear_weight, const c10::optional<Tensor>& linear_bias, double eps) {
+    static const auto op =
+        typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&,
+                         double)>("gpu_puzzles::fused_layernorm_linear");
     Tensor y, mean, rstd;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
@@ -59,15 +57,19 @@ struct FusedFunction : public torch::autograd::Function<FusedFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto op = typed_op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                            const Tensor&, const Tensor&, const Tensor&)>(
-        "gpu_puzzles::fused_layernorm_linear_backward");
+    static const auto op =
+        typed_op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                         const Tensor&)>("gpu_puzzles::fused_layernorm_linear_backward");
     if (!grads[0].defined()) return variable_list(6);
     const auto s = ctx->get_saved_variables();
     auto [dx, dlw, dlb, dW, db] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5]);
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    return {if_needed(ctx, 0, dx), if_needed(ctx, 1, dlw), if_needed(ctx, 2, dlb), if_needed(ctx, 3, dW),
-            has_bias ? if_needed(ctx, 4, db) : Tensor(), Tensor()};
+    return {if_needed(ctx, 0, dx),
+            if_needed(ctx, 1, dlw),
+            if_needed(ctx, 2, dlb),
+            if_needed(ctx, 3, dW),
+            has_bias ? if_needed(ctx, 4, db) : Tensor(),
+            Tensor()};
   }
 };
 
@@ -85,8 +87,8 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto op = typed_op<Tensor2(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
-        "gpu_puzzles::rms_norm_backward");
+    static const auto op =
+        typed_op<Tensor2(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>("gpu_puzzles::rms_norm_backward");
     if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor()};
     const auto s = ctx->get_saved_variables();
     auto [dx, dw] = op.call(grads[0], s[0], s[1], s[2]);
@@ -112,8 +114,9 @@ struct FusedRmsFunction : public torch::autograd::Function<FusedRmsFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto op = typed_op<Tensor4(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                            const Tensor&, bool)>("gpu_puzzles::fused_rmsnorm_linear_backward");
+    static const auto op =
+        typed_op<Tensor4(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool)>(
+            "gpu_puzzles::fused_rmsnorm_linear_backward");
     if (!grads[0].defined()) return variable_list(5);
     const auto s = ctx->get_saved_variables();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
@@ -164,8 +167,8 @@ Tensor3 layer_norm_backward_autograd(const Tensor& g, const Tensor& x, const Ten
 }
 
 Tensor2 rms_norm_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& w, const Tensor& rstd) {
-  static const auto op = typed_op<Tensor2(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
-      "gpu_puzzles::rms_norm_backward");
+  static const auto op =
+      typed_op<Tensor2(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>("gpu_puzzles::rms_norm_backward");
   if (differentiated(g, x, w)) {
     auto [dx, dw, unused] = norm_backward_math(g, x, w, Tensor(), rstd, true);
     return {dx, dw};
@@ -177,30 +180,33 @@ Tensor2 rms_norm_backward_autograd(const Tensor& g, const Tensor& x, const Tenso
 // the op. fused_layernorm_linear_naive (the curriculum's kernel) is forward only.
 Tensor5 fused_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W,
                                 const Tensor& mean, const Tensor& rstd) {
-  static const auto op = typed_op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                          const Tensor&, const Tensor&)>("gpu_puzzles::fused_layernorm_linear_backward");
+  static const auto op =
+      typed_op<Tensor5(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                       const Tensor&)>("gpu_puzzles::fused_layernorm_linear_backward");
   return no_double_backward("fused_layernorm_linear_backward",
                             below_autograd([&] { return op.call(g, x, lw, lb, W, mean, rstd); }), g, x, lw, lb, W);
 }
 
 Tensor4 fused_rms_backward_autograd(const Tensor& g, const Tensor& x, const Tensor& nw, const Tensor& W,
                                     const Tensor& rstd, bool has_bias) {
-  static const auto op = typed_op<Tensor4(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                          bool)>("gpu_puzzles::fused_rmsnorm_linear_backward");
+  static const auto op =
+      typed_op<Tensor4(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool)>(
+          "gpu_puzzles::fused_rmsnorm_linear_backward");
   return no_double_backward("fused_rmsnorm_linear_backward",
                             below_autograd([&] { return op.call(g, x, nw, W, rstd, has_bias); }), g, x, nw, W);
 }
 
 Tensor naive_autograd(const Tensor& x, const Tensor& lw, const Tensor& lb, const Tensor& W,
                       const c10::optional<Tensor>& b, double eps) {
-  static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                         const c10::optional<Tensor>&, double)>(
-      "gpu_puzzles::fused_layernorm_linear_naive");
+  static const auto op =
+      typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&,
+                      double)>("gpu_puzzles::fused_layernorm_linear_naive");
   const Tensor y = below_autograd([&] { return op.call(x, lw, lb, W, b, eps); });
   if (differentiated(x, lw, lb, W, b))
-    error_on_backward("gpu_puzzles::fused_layernorm_linear_naive: the curriculum's kernel is forward only; use "
-                      "fused_layernorm_linear for gradients",
-                      torch::autograd::collect_next_edges(x, lw, lb, W, b), {y});
+    error_on_backward(
+        "gpu_puzzles::fused_layernorm_linear_naive: the curriculum's kernel is forward only; use "
+        "fused_layernorm_linear for gradients",
+        torch::autograd::collect_next_edges(x, lw, lb, W, b), {y});
   return y;
 }
 

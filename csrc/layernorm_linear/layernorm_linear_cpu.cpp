@@ -25,8 +25,13 @@ template <typename S, bool RMS>
 void row_stats(const S* x, int64_t H, double eps, S* mean, S& rstd) {
   using V = Vectorized<S>;
   if constexpr (RMS) {
-    const double q = vsum<S>(H, [&](int64_t i) { const V v = V::loadu(x + i); return v * v; },
-                             [&](int64_t i) { return x[i] * x[i]; });
+    const double q = vsum<S>(
+        H,
+        [&](int64_t i) {
+          const V v = V::loadu(x + i);
+          return v * v;
+        },
+        [&](int64_t i) { return x[i] * x[i]; });
     rstd = static_cast<S>(1.0 / std::sqrt(q / H + eps));
     return;
   }
@@ -59,8 +64,9 @@ void row_apply(const S* x, const S* g, const S* b, S mean, S rstd, S* y, int64_t
   using V = Vectorized<S>;
   const V vm(mean), vr(rstd);
   if constexpr (RMS) {
-    vfor<S>(H, [&](int64_t i) { (V::loadu(x + i) * vr * V::loadu(g + i)).store(y + i); },
-            [&](int64_t i) { y[i] = x[i] * rstd * g[i]; });
+    vfor<S>(
+        H, [&](int64_t i) { (V::loadu(x + i) * vr * V::loadu(g + i)).store(y + i); },
+        [&](int64_t i) { y[i] = x[i] * rstd * g[i]; });
     return;
   }
   vfor<S>(
@@ -167,10 +173,12 @@ void ln_backward(const void* dy_, const void* x_, const void* gamma, const void*
   if (!RMS) std::copy(part.begin() + H, part.begin() + 2 * H, db);
   for (int64_t blk = 1; blk < blocks; ++blk) {
     const S* pg = part.data() + 2 * blk * H;
-    vfor<S>(H, [&](int64_t i) { (V::loadu(dg + i) + V::loadu(pg + i)).store(dg + i); }, [&](int64_t i) { dg[i] += pg[i]; });
+    vfor<S>(
+        H, [&](int64_t i) { (V::loadu(dg + i) + V::loadu(pg + i)).store(dg + i); }, [&](int64_t i) { dg[i] += pg[i]; });
     if constexpr (!RMS)
-      vfor<S>(H, [&](int64_t i) { (V::loadu(db + i) + V::loadu(pg + H + i)).store(db + i); },
-              [&](int64_t i) { db[i] += pg[H + i]; });
+      vfor<S>(
+          H, [&](int64_t i) { (V::loadu(db + i) + V::loadu(pg + H + i)).store(db + i); },
+          [&](int64_t i) { db[i] += pg[H + i]; });
   }
   dgo.put();
   if (!RMS) dbo.put();
@@ -208,8 +216,9 @@ void fold(const void* W_, const void* gamma, const void* beta, const void* b_, v
       const S mw = static_cast<S>(sg / H);
       const V vmw(mw);
       S* o = wout.get(wc + n * H);
-      vfor<S>(H, [&](int64_t i) { (V::loadu(w + i) * V::loadu(g + i) - vmw).store(o + i); },
-              [&](int64_t i) { o[i] = w[i] * g[i] - mw; });
+      vfor<S>(
+          H, [&](int64_t i) { (V::loadu(w + i) * V::loadu(g + i) - vmw).store(o + i); },
+          [&](int64_t i) { o[i] = w[i] * g[i] - mw; });
       wout.put();
       const S* v = stored.get(wc + n * H);  // the centred row as stored (rounded to T)
       r[n] = static_cast<S>(vsum<S>(H, [&](int64_t i) { return V::loadu(v + i); }, [&](int64_t i) { return v[i]; }));
@@ -247,10 +256,13 @@ void epilogue(void* z_, const void* x_, const void* gamma, const void* beta, con
       } else {
         const S* zi = zin.get(z + m * N);
         const V vrs(rs), vmr(-mu * rs);
-        vfor<S>(N, [&](int64_t i) {
-                  at::vec::fmadd(vrs, V::loadu(zi + i), at::vec::fmadd(vmr, V::loadu(r + i), V::loadu(bp + i))).store(o + i);
-                },
-                [&](int64_t i) { o[i] = rs * zi[i] - mu * rs * r[i] + bp[i]; });
+        vfor<S>(
+            N,
+            [&](int64_t i) {
+              at::vec::fmadd(vrs, V::loadu(zi + i), at::vec::fmadd(vmr, V::loadu(r + i), V::loadu(bp + i)))
+                  .store(o + i);
+            },
+            [&](int64_t i) { o[i] = rs * zi[i] - mu * rs * r[i] + bp[i]; });
       }
       zout.put();
     }
@@ -287,8 +299,7 @@ void layernorm_linear_fold_weight_cpu(const void* W, const void* gamma, const vo
 void layernorm_linear_epilogue_cpu(void* z, const void* x, const void* gamma, const void* beta, const void* W,
                                    const void* b, const void* mean, const void* rstd, const void* r, const void* bp,
                                    int64_t M, int64_t N, int64_t H, DType dtype) {
-  dispatch_dtype(dtype,
-                 [&](auto t) { epilogue<decltype(t)>(z, x, gamma, beta, W, b, mean, rstd, r, bp, M, N, H); });
+  dispatch_dtype(dtype, [&](auto t) { epilogue<decltype(t)>(z, x, gamma, beta, W, b, mean, rstd, r, bp, M, N, H); });
 }
 
 }  // namespace GP_CPU_NS

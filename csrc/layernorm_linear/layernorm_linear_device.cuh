@@ -49,8 +49,14 @@ __device__ __forceinline__ void for_cached(int64_t nvec, F&& f) {
   }
 }
 
-template <typename A> __device__ __forceinline__ A rsqrt_acc(A v) { return A(1) / sqrt(v); }
-template <> __device__ __forceinline__ float rsqrt_acc<float>(float v) { return rsqrtf(v); }
+template <typename A>
+__device__ __forceinline__ A rsqrt_acc(A v) {
+  return A(1) / sqrt(v);
+}
+template <>
+__device__ __forceinline__ float rsqrt_acc<float>(float v) {
+  return rsqrtf(v);
+}
 
 // Row statistics, corrected two-pass: the first pass gives mu1 (shifted by x[0]); the
 // second sums e = sum(x - mu1) and q = sum((x - mu1)^2). mu1 alone is off by
@@ -173,8 +179,8 @@ __device__ __forceinline__ void block_sum2(A& a, A& b, A* sh) {
 // The end of a block's row statistics: e and q summed over the block, mu and rs from
 // them (finish_stats, every thread gets them), and thread 0 stores them for row.
 template <typename A, bool RMS = false>
-__device__ __forceinline__ void finish_block_row(A mu1, A e, A q, int64_t H, double eps, int64_t row,
-                                                 A* mean, A* rstd, A* sh, A& mu, A& rs) {
+__device__ __forceinline__ void finish_block_row(A mu1, A e, A q, int64_t H, double eps, int64_t row, A* mean, A* rstd,
+                                                 A* sh, A& mu, A& rs) {
   block_sum2(q, e, sh);
   finish_stats<A, RMS>(mu1, e, q, H, eps, mu, rs);
   if (threadIdx.x == 0) {
@@ -328,12 +334,16 @@ inline bool all_aligned(std::initializer_list<const void*> ps) {
   return true;
 }
 
-template <typename T> constexpr int vec_of() { return static_cast<int>(16 / sizeof(T)); }
+template <typename T>
+constexpr int vec_of() {
+  return static_cast<int>(16 / sizeof(T));
+}
 
 // f(element type of y / xn / dy): T's own, or for a float32 row the half type of the
 // linear beside it (torch.autocast's mixed dtypes). Only float32 gets the half variants:
 // the host asks for no other pair (layer_norm_*_cuda refuse it).
-template <typename T, typename F> auto with_out_dtype(T tag, DType out, F&& f) {
+template <typename T, typename F>
+auto with_out_dtype(T tag, DType out, F&& f) {
   if constexpr (std::is_same_v<T, float>) {
     if (out == DType::BFloat16) return f(__nv_bfloat16{});
     if (out == DType::Float16) return f(__half{});

@@ -13,8 +13,8 @@
 // empty stubs, and evt_available() says false there.
 
 // NDEBUG, for this translation unit only: CUTLASS/CuTe keep device-side assert()s
-// without it, and ptxas then serialises the wgmma pipeline. Safe here: this file includes no torch headers and nothing else in
-// the project includes CUTLASS, so no inline function is compiled both ways.
+// without it, and ptxas then serialises the wgmma pipeline. Safe here: this file includes no torch headers and nothing
+// else in the project includes CUTLASS, so no inline function is compiled both ways.
 #ifndef NDEBUG
 #define NDEBUG
 #endif
@@ -30,7 +30,7 @@
 
 #ifdef GPU_PUZZLES_WITH_SM90A
 #include "common/align.h"
-#include "common/func_attr.h"  // device_sm_count
+#include "common/func_attr.h"                              // device_sm_count
 #include "layernorm_linear/layernorm_linear_evt_sm90.cuh"  // EvtGemm
 
 // A plain sm_90 image of this file would hold stubs that print an error and write
@@ -99,8 +99,8 @@ bool evt_available() {
   if (st == 0) {
     int major = 0, minor = 0;
     bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-              cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
-              major == 9 && minor == 0;
+              cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
+              minor == 0;
     if (!ok) (void)cudaGetLastError();
     ok = ok && Big<cutlass::bfloat16_t>::compiled_for_sm90a() && Small<cutlass::bfloat16_t>::compiled_for_sm90a() &&
          Big<cutlass::half_t>::compiled_for_sm90a() && Small<cutlass::half_t>::compiled_for_sm90a();
@@ -124,15 +124,14 @@ size_t layernorm_linear_evt_workspace_bytes(int64_t M, int64_t N, int64_t K, DTy
   });
 }
 
-LaunchStatus layernorm_linear_evt_gemm_cuda(const void* x, const void* wc, const void* mean, const void* rstd, const void* r,
-                                    const void* bp, void* y, void* workspace, int64_t M, int64_t N, int64_t K,
-                                    DType dt, cudaStream_t stream, bool pdl) {
+LaunchStatus layernorm_linear_evt_gemm_cuda(const void* x, const void* wc, const void* mean, const void* rstd,
+                                            const void* r, const void* bp, void* y, void* workspace, int64_t M,
+                                            int64_t N, int64_t K, DType dt, cudaStream_t stream, bool pdl) {
   int dev = 0, sms = 0;
-  if (!shapes_ok(M, N, K, dt) || !evt_available() || !current_device(dev, sms))
-    return cudaErrorNotSupported;
+  if (!shapes_ok(M, N, K, dt) || !evt_available() || !current_device(dev, sms)) return cudaErrorNotSupported;
   return dispatch(dt, K, [&](auto g) {
-    return decltype(g)::run(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), x, wc, mean, rstd, r, bp,
-                            y, workspace, dev, sms, stream, pdl);
+    return decltype(g)::run(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), x, wc, mean, rstd, r, bp, y,
+                            workspace, dev, sms, stream, pdl);
   });
 }
 

@@ -34,8 +34,8 @@ struct EvtGemm {
   using MeanR = fus::Sm90EVT<fus::Sm90Compute<cutlass::multiplies, float, float, kRound>, PerRow, PerCol>;
   using Centred = fus::Sm90EVT<fus::Sm90Compute<cutlass::minus, float, float, kRound>, fus::Sm90AccFetch, MeanR>;
   // rstd * (acc - mean*r) + bp, rounded to T once.
-  using Epi = fus::Sm90EVT<fus::Sm90Compute<cutlass::homogeneous_multiply_add, T, float, kRound>, PerRow, Centred,
-                           PerCol>;
+  using Epi =
+      fus::Sm90EVT<fus::Sm90Compute<cutlass::homogeneous_multiply_add, T, float, kRound>, PerRow, Centred, PerCol>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -47,13 +47,12 @@ struct EvtGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KSched>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static typename Gemm::Arguments args(int M, int N, int K, const void* x, const void* wc, const void* mean,
-                                       const void* rstd, const void* r, const void* bp, void* y, int device,
-                                       int sms) {
+                                       const void* rstd, const void* r, const void* bp, void* y, int device, int sms) {
     using SA = typename Kernel::StrideA;
     using SB = typename Kernel::StrideB;
     using SD = typename Kernel::StrideD;
@@ -77,8 +76,8 @@ struct EvtGemm {
   }
 
   static size_t workspace(int M, int N, int K, int device, int sms) {
-    return Gemm::get_workspace_size(args(M, N, K, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                         device, sms));
+    return Gemm::get_workspace_size(
+        args(M, N, K, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, device, sms));
   }
 
   static LaunchStatus run(int M, int N, int K, const void* x, const void* wc, const void* mean, const void* rstd,

@@ -88,9 +88,9 @@ __global__ void fold_weight(const T* __restrict__ W, const T* __restrict__ gamma
 template <typename T, int VEC, int NV>
 __global__ void __launch_bounds__(32 * kPrepWarps, 4)
     layernorm_linear_prep(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ gamma,
-                  const T* __restrict__ beta, const T* __restrict__ b, acc_t<T>* __restrict__ mean,
-                  acc_t<T>* __restrict__ rstd, T* __restrict__ wc, acc_t<T>* __restrict__ r,
-                  acc_t<T>* __restrict__ bp, int64_t M, int64_t N, int64_t H, double eps) {
+                          const T* __restrict__ beta, const T* __restrict__ b, acc_t<T>* __restrict__ mean,
+                          acc_t<T>* __restrict__ rstd, T* __restrict__ wc, acc_t<T>* __restrict__ r,
+                          acc_t<T>* __restrict__ bp, int64_t M, int64_t N, int64_t H, double eps) {
   using A = acc_t<T>;
   pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
@@ -144,9 +144,9 @@ __global__ void __launch_bounds__(32 * kPrepWarps, 4)
 // fold_weight's arithmetic with W read once; benchmarks/results/lnlinear_prep_variants_h100.txt).
 template <typename T, int VEC>
 __device__ __forceinline__ void fold_row_cached(int64_t n, const T* __restrict__ W, const T* __restrict__ gamma,
-                                                const T* __restrict__ beta, const T* __restrict__ b,
-                                                T* __restrict__ wc, acc_t<T>* __restrict__ r,
-                                                acc_t<T>* __restrict__ bp, int64_t H, acc_t<T>* sh) {
+                                                const T* __restrict__ beta, const T* __restrict__ b, T* __restrict__ wc,
+                                                acc_t<T>* __restrict__ r, acc_t<T>* __restrict__ bp, int64_t H,
+                                                acc_t<T>* sh) {
   using A = acc_t<T>;
   const int64_t nvec = H / VEC;
   const T* wr = W + n * H;
@@ -169,9 +169,9 @@ __device__ __forceinline__ void fold_row_cached(int64_t n, const T* __restrict__
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kFwdMaxThreads)
     layernorm_linear_prep_rows(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ gamma,
-                       const T* __restrict__ beta, const T* __restrict__ b, acc_t<T>* __restrict__ mean,
-                       acc_t<T>* __restrict__ rstd, T* __restrict__ wc, acc_t<T>* __restrict__ r,
-                       acc_t<T>* __restrict__ bp, int64_t M, int64_t N, int64_t H, double eps) {
+                               const T* __restrict__ beta, const T* __restrict__ b, acc_t<T>* __restrict__ mean,
+                               acc_t<T>* __restrict__ rstd, T* __restrict__ wc, acc_t<T>* __restrict__ r,
+                               acc_t<T>* __restrict__ bp, int64_t M, int64_t N, int64_t H, double eps) {
   __shared__ acc_t<T> sh[64];
   pdl_launch_dependents();
   for (int64_t row = blockIdx.x; row < M + N; row += gridDim.x) {  // block-uniform branch
@@ -198,11 +198,12 @@ constexpr int kEpiVecs = 2;
 constexpr int kEpiMaxThreads = 256;
 
 template <typename T, int VEC, bool FIXUP_ONLY>
-__global__ void __launch_bounds__(kEpiMaxThreads) layernorm_linear_epilogue(
-    T* __restrict__ z, const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
-    const T* __restrict__ W, const T* __restrict__ b, const acc_t<T>* __restrict__ mean,
-    const acc_t<T>* __restrict__ rstd, const acc_t<T>* __restrict__ r, const acc_t<T>* __restrict__ bp, int64_t M,
-    int64_t N, int64_t H) {
+__global__ void __launch_bounds__(kEpiMaxThreads)
+    layernorm_linear_epilogue(T* __restrict__ z, const T* __restrict__ x, const T* __restrict__ gamma,
+                              const T* __restrict__ beta, const T* __restrict__ W, const T* __restrict__ b,
+                              const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
+                              const acc_t<T>* __restrict__ r, const acc_t<T>* __restrict__ bp, int64_t M, int64_t N,
+                              int64_t H) {
   using A = acc_t<T>;
   if constexpr (FIXUP_ONLY) pdl_wait();  // launched behind the GEMM that writes z (= y)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -278,8 +279,8 @@ __global__ void __launch_bounds__(kEpiMaxThreads) layernorm_linear_epilogue(
 // The curriculum's form: a single thread per row, everything serial.
 template <typename T>
 __global__ void layernorm_linear_naive(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
-                               const T* __restrict__ W, const T* __restrict__ b, T* __restrict__ y, int64_t M,
-                               int64_t N, int64_t H, double eps) {
+                                       const T* __restrict__ W, const T* __restrict__ b, T* __restrict__ y, int64_t M,
+                                       int64_t N, int64_t H, double eps) {
   using A = acc_t<T>;
   const int64_t row = blockIdx.x;
   if (row >= M || threadIdx.x != 0) return;
@@ -302,8 +303,9 @@ __global__ void layernorm_linear_naive(const T* __restrict__ x, const T* __restr
 
 }  // namespace
 
-LaunchStatus layernorm_linear_fold_weight_cuda(const void* W, const void* gamma, const void* beta, const void* b, void* wc,
-                                       void* r, void* bp, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
+LaunchStatus layernorm_linear_fold_weight_cuda(const void* W, const void* gamma, const void* beta, const void* b,
+                                               void* wc, void* r, void* bp, int64_t N, int64_t H, DType dtype,
+                                               cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -323,9 +325,9 @@ LaunchStatus layernorm_linear_fold_weight_cuda(const void* W, const void* gamma,
   return cudaGetLastError();
 }
 
-LaunchStatus layernorm_linear_prep_cuda(const void* x, const void* W, const void* gamma, const void* beta, const void* b,
-                                void* mean, void* rstd, void* wc, void* r, void* bp, int64_t M, int64_t N, int64_t H,
-                                double eps, DType dtype, cudaStream_t stream) {
+LaunchStatus layernorm_linear_prep_cuda(const void* x, const void* W, const void* gamma, const void* beta,
+                                        const void* b, void* mean, void* rstd, void* wc, void* r, void* bp, int64_t M,
+                                        int64_t N, int64_t H, double eps, DType dtype, cudaStream_t stream) {
   if (M + N == 0) return cudaSuccess;
   const int status = dispatch_dtype(dtype, [&](auto tag) -> int {
     using T = decltype(tag);
@@ -335,9 +337,9 @@ LaunchStatus layernorm_linear_prep_cuda(const void* x, const void* W, const void
     if (p.rows == Rows::kLoop) return 1;  // the two launches below
     auto launch = [&](auto kernel, unsigned grid) {
       kernel<<<grid, p.threads, 0, stream>>>(
-          static_cast<const T*>(x), static_cast<const T*>(W), static_cast<const T*>(gamma),
-          static_cast<const T*>(beta), static_cast<const T*>(b), static_cast<A*>(mean), static_cast<A*>(rstd),
-          static_cast<T*>(wc), static_cast<A*>(r), static_cast<A*>(bp), M, N, H, eps);
+          static_cast<const T*>(x), static_cast<const T*>(W), static_cast<const T*>(gamma), static_cast<const T*>(beta),
+          static_cast<const T*>(b), static_cast<A*>(mean), static_cast<A*>(rstd), static_cast<T*>(wc),
+          static_cast<A*>(r), static_cast<A*>(bp), M, N, H, eps);
     };
     if (p.rows == Rows::kWarp)
       launch(layernorm_linear_prep<T, V, kPrepMaxVecs>, row_grid((M + N + kPrepWarps - 1) / kPrepWarps));
@@ -346,8 +348,8 @@ LaunchStatus layernorm_linear_prep_cuda(const void* x, const void* W, const void
     return 0;
   });
   if (status != 0) {
-    const LaunchStatus e = layer_norm_forward_cuda(x, gamma, beta, nullptr, mean, rstd, M, H, eps, dtype, stream,
-                                                   Norm::kLayer, dtype);
+    const LaunchStatus e =
+        layer_norm_forward_cuda(x, gamma, beta, nullptr, mean, rstd, M, H, eps, dtype, stream, Norm::kLayer, dtype);
     if (e != cudaSuccess) return e;
     return layernorm_linear_fold_weight_cuda(W, gamma, beta, b, wc, r, bp, N, H, dtype, stream);
   }
@@ -358,9 +360,9 @@ namespace {
 
 // Shared by the full epilogue and the large-mean fix-up (r, bp unused, may be null).
 template <bool FIXUP_ONLY>
-LaunchStatus epilogue_launch(void* z, const void* x, const void* gamma, const void* beta, const void* W,
-                             const void* b, const void* mean, const void* rstd, const void* r, const void* bp,
-                             int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream, bool pdl) {
+LaunchStatus epilogue_launch(void* z, const void* x, const void* gamma, const void* beta, const void* W, const void* b,
+                             const void* mean, const void* rstd, const void* r, const void* bp, int64_t M, int64_t N,
+                             int64_t H, DType dtype, cudaStream_t stream, bool pdl) {
   if (M == 0 || N == 0) return cudaSuccess;
   cudaError_t launch_err = cudaSuccess;
   const int sms = current_sm_count(launch_err);
@@ -418,21 +420,22 @@ LaunchStatus epilogue_launch(void* z, const void* x, const void* gamma, const vo
 }  // namespace
 
 LaunchStatus layernorm_linear_epilogue_cuda(void* z, const void* x, const void* gamma, const void* beta, const void* W,
-                                    const void* b, const void* mean, const void* rstd, const void* r, const void* bp,
-                                    int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream) {
+                                            const void* b, const void* mean, const void* rstd, const void* r,
+                                            const void* bp, int64_t M, int64_t N, int64_t H, DType dtype,
+                                            cudaStream_t stream) {
   return epilogue_launch<false>(z, x, gamma, beta, W, b, mean, rstd, r, bp, M, N, H, dtype, stream, false);
 }
 
 LaunchStatus layernorm_linear_large_mean_fixup_cuda(void* y, const void* x, const void* gamma, const void* beta,
-                                            const void* W, const void* b, const void* mean, const void* rstd,
-                                            int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream,
-                                            bool pdl) {
+                                                    const void* W, const void* b, const void* mean, const void* rstd,
+                                                    int64_t M, int64_t N, int64_t H, DType dtype, cudaStream_t stream,
+                                                    bool pdl) {
   return epilogue_launch<true>(y, x, gamma, beta, W, b, mean, rstd, nullptr, nullptr, M, N, H, dtype, stream, pdl);
 }
 
-LaunchStatus layernorm_linear_naive_cuda(const void* x, const void* gamma, const void* beta, const void* W, const void* b,
-                                 void* y, int64_t M, int64_t N, int64_t H, double eps, DType dtype,
-                                 cudaStream_t stream) {
+LaunchStatus layernorm_linear_naive_cuda(const void* x, const void* gamma, const void* beta, const void* W,
+                                         const void* b, void* y, int64_t M, int64_t N, int64_t H, double eps,
+                                         DType dtype, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
   if (M > 2147483647LL) return cudaErrorInvalidValue;
   dispatch_dtype(dtype, [&](auto tag) {
@@ -450,8 +453,9 @@ LaunchStatus layernorm_linear_naive_cuda(const void* x, const void* gamma, const
 // still links these and, told the GEMM is impossible, never takes that path.
 bool layernorm_linear_evt_possible(const void*, const void*, int64_t, int64_t, int64_t, DType) { return false; }
 size_t layernorm_linear_evt_workspace_bytes(int64_t, int64_t, int64_t, DType) { return 0; }
-LaunchStatus layernorm_linear_evt_gemm_cuda(const void*, const void*, const void*, const void*, const void*, const void*,
-                                    void*, void*, int64_t, int64_t, int64_t, DType, cudaStream_t, bool) {
+LaunchStatus layernorm_linear_evt_gemm_cuda(const void*, const void*, const void*, const void*, const void*,
+                                            const void*, void*, void*, int64_t, int64_t, int64_t, DType, cudaStream_t,
+                                            bool) {
   return cudaErrorNotSupported;
 }
 #endif

@@ -46,12 +46,12 @@ enum class Rows {
 
 struct Plan {
   Rows rows = Rows::kLoop;
-  bool vec = false;  // 16-byte vectors (H a multiple of the vector width, bases aligned)
-  int threads = 0;   // per block
-  bool evt = false;  // kGemm: the CUTLASS GEMM with the statistics in its epilogue (sm_90a);
-                     // else cuBLAS + the epilogue pass
-  bool pdl = false;  // kGemm with evt: the GEMM and the fix-up after it as programmatic
-                     // dependent launches
+  bool vec = false;   // 16-byte vectors (H a multiple of the vector width, bases aligned)
+  int threads = 0;    // per block
+  bool evt = false;   // kGemm: the CUTLASS GEMM with the statistics in its epilogue (sm_90a);
+                      // else cuBLAS + the epilogue pass
+  bool pdl = false;   // kGemm with evt: the GEMM and the fix-up after it as programmatic
+                      // dependent launches
   bool fold = false;  // fused forward (fused_forward_plan): fold gamma into W; else normalise
                       // x first and run one cuBLAS GEMM with the bias in its epilogue
 };
@@ -144,8 +144,12 @@ inline Plan fused_forward_plan(int64_t M, int64_t N, int64_t K, bool w_rows, boo
   Plan p = layernorm_linear_plan(Stage::kGemm, K, 8, true, evt_possible);
   if (!one_dtype) return p;  // fold = false
   switch (knob(Knob::LayerNormLinearPlan)) {
-    case 1: p.fold = true; break;   // "fold"
-    case 2: p.fold = false; break;  // "normalize"
+    case 1:
+      p.fold = true;
+      break;  // "fold"
+    case 2:
+      p.fold = false;
+      break;  // "normalize"
     default:
       p.fold = w_rows && p.evt && K < kEvtBigTileMinK && M >= 2 * N && M * N >= kFoldMinOutput;
   }

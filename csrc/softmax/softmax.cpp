@@ -93,8 +93,10 @@ at::Tensor run_cpu(const at::Tensor& a, const at::Tensor* b, const Dims& d, bool
                          SoftmaxTuning{},
                          RowStrides{1, d.N, 0},
                          RowStrides{1, d.N, 0}};
-  if (backward) GP_CPU_CALL(softmax_backward_cpu)(args);
-  else GP_CPU_CALL(softmax_forward_cpu)(args);
+  if (backward)
+    GP_CPU_CALL(softmax_backward_cpu)(args);
+  else
+    GP_CPU_CALL(softmax_forward_cpu)(args);
   return out;
 }
 
@@ -144,13 +146,23 @@ at::Tensor run_cuda(const at::Tensor& a, const at::Tensor* b, const Dims& d0, So
   if (move) d = Dims{ac.dim() - 1, d.N > 0 ? ac.numel() / d.N : 0, d.N, 1};
   at::Tensor out = at::empty(ac.sizes(), ac.options());  // contiguous, whatever the layout of ac
   if (ac.numel() > 0) {
-    SoftmaxArgs args{ac.data_ptr(), bc.defined() ? bc.data_ptr() : nullptr, out.data_ptr(), d.outer, d.N, d.inner,
-                     log, to_dtype(a.scalar_type()), softmax_tuning(), la, lb};
+    SoftmaxArgs args{ac.data_ptr(),
+                     bc.defined() ? bc.data_ptr() : nullptr,
+                     out.data_ptr(),
+                     d.outer,
+                     d.N,
+                     d.inner,
+                     log,
+                     to_dtype(a.scalar_type()),
+                     softmax_tuning(),
+                     la,
+                     lb};
     const int64_t wsb = softmax_workspace_bytes(args, algo, backward);
     at::Tensor ws = wsb > 0 ? at::empty({wsb}, a.options().dtype(at::kByte)) : at::Tensor();
     void* wp = ws.defined() ? ws.data_ptr() : nullptr;
     const cudaStream_t st = current_stream();
-    GP_CUDA_CHECK_STATUS(backward ? softmax_backward_cuda(args, algo, wp, st) : softmax_forward_cuda(args, algo, wp, st));
+    GP_CUDA_CHECK_STATUS(backward ? softmax_backward_cuda(args, algo, wp, st)
+                                  : softmax_forward_cuda(args, algo, wp, st));
   }
   return move ? out.movedim(-1, d0.dim).contiguous() : out;
 }

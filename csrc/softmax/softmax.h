@@ -25,20 +25,20 @@ enum class SoftmaxAlgo : int { Auto = 0, Tree = 1, Shuffle = 2, Online = 3 };
 // its knob (common/kernel_choice.h: softmax_rows, softmax_cluster, ...) when
 // overridden, else the default; softmax_tuning() decides both in one place.
 struct SoftmaxTuning {
-  int rows = 0;      // long rows: 1 old (cluster in registers), 2 new (forward: staged, persistent),
-                     // 3 smem (the slice in shared memory, cp.async; forward and backward, any
-                     // alignment), 4 bulk (the same, one bulk copy)
-  int cluster = 0;   // new rows kernel: preferred cluster size, 4 (smem/bulk only), 8 or 16; smem/bulk:
-                     // the cluster size of a 512 KB row (the slice is 512 KB / cluster)
-  int stages = 0;    // new kernels: copies in flight per block, 2 or 3; columns: 1 = one tile at a
-                     // time (smaller blocks, several per SM)
-  int cols = 0;      // non-last dim: 1 old, 2 new (staged column tiles, forward and backward)
+  int rows = 0;     // long rows: 1 old (cluster in registers), 2 new (forward: staged, persistent),
+                    // 3 smem (the slice in shared memory, cp.async; forward and backward, any
+                    // alignment), 4 bulk (the same, one bulk copy)
+  int cluster = 0;  // new rows kernel: preferred cluster size, 4 (smem/bulk only), 8 or 16; smem/bulk:
+                    // the cluster size of a 512 KB row (the slice is 512 KB / cluster)
+  int stages = 0;   // new kernels: copies in flight per block, 2 or 3; columns: 1 = one tile at a
+                    // time (smaller blocks, several per SM)
+  int cols = 0;     // non-last dim: 1 old, 2 new (staged column tiles, forward and backward)
   int col_rows_fwd = 0, col_rows_bwd = 0;  // new column kernel: rows per thread, 4, 8 or 16
   int smem_align = 0;  // smem/bulk rows: the most specialised kernel allowed, 1 aligned (rows 16-byte
                        // aligned, N % V == 0), 2 same (inputs at the output's offset in 16 bytes),
                        // 3 shifted (any); each is taken only where the layout allows it
-  int grid = 0;      // one-stage staged kernels and smem/bulk rows: clusters launched per resident
-                     // cluster, 1 (every cluster resident, looping) or 4 (blocks come and go)
+  int grid = 0;        // one-stage staged kernels and smem/bulk rows: clusters launched per resident
+                       // cluster, 1 (every cluster resident, looping) or 4 (blocks come and go)
 };
 
 // The tuning of this call: the knobs' overrides, else the built-in defaults.
@@ -50,7 +50,7 @@ struct SoftmaxArgs {
   const void* b;  // forward: null;  backward: dy
   void* out;      // forward: y;     backward: dx
   int64_t outer, N, inner;
-  bool log;       // log_softmax instead of softmax
+  bool log;  // log_softmax instead of softmax
   DType dtype;
   SoftmaxTuning tune;  // softmax_tuning(), filled by the caller
   // Row starts of a and b (common/row_strides.h; inner == 1 only: the CPU and the

@@ -20,7 +20,6 @@ using namespace softmax_detail;
 // warp's values to a pair (shift, sum of exp(x - shift)) in wred, then merge the
 // pairs over the block and the cluster.
 
-
 // This warp's pair for its values v: shift = the warp's maximum, s = the sum of
 // exp(x - shift); softmax keeps e = exp(x - shift) in v. A warp of only -inf
 // (or padding) shifts by 0: exp(-inf) = 0, sum 0 (empty), while a NaN among
@@ -58,7 +57,10 @@ __device__ __forceinline__ void publish_block_pair(const A (*wred)[2], A* part, 
       const A m2 = __shfl_xor_sync(0xffffffffu, bm, o), s2 = __shfl_xor_sync(0xffffffffu, bs, o);
       pair_merge(bm, bs, m2, s2);
     }
-    if (lane == 0) { part[0] = bm; part[1] = bs; }
+    if (lane == 0) {
+      part[0] = bm;
+      part[1] = bs;
+    }
   }
 }
 
@@ -69,7 +71,10 @@ __device__ __forceinline__ void publish_block_sum(const A (&wred)[NW][2], A (&pa
   if (w == 0) {
     A t = lane < NW ? wred[lane][1] : A(0);
     t = warp_sum(t);
-    if (lane == 0) { part[0] = A(0); part[1] = t; }
+    if (lane == 0) {
+      part[0] = A(0);
+      part[1] = t;
+    }
   }
 }
 
@@ -80,7 +85,10 @@ __device__ __forceinline__ void publish_block_sum(const A (&wred)[NW][2], A (&pa
 template <typename Cluster, int NW, typename A>
 __device__ __forceinline__ void exchange_pair(Cluster& cluster, A (&wred)[NW][2], A (&part)[2], int CS, int lane, int w,
                                               int nw, A shift, A s, A& M, A& S) {
-  if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
+  if (lane == 0) {
+    wred[w][0] = shift;
+    wred[w][1] = s;
+  }
   __syncthreads();
   publish_block_pair(wred, part, lane, w, nw);
   cluster.sync();
@@ -119,8 +127,8 @@ __device__ __forceinline__ void finish_row(A (&v)[K][V], A M, A S, A s, A shift)
 
 template <typename T, bool BWD>
 __global__ void __launch_bounds__(1024)
-cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
-                    RowStrides la, RowStrides lb, bool log, bool vec) {
+    cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
+                        RowStrides la, RowStrides lb, bool log, bool vec) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -175,7 +183,7 @@ cluster_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restr
 
 template <typename T, bool LOG>
 __global__ void __launch_bounds__(kClusterFwdThreads, 2)
-cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowStrides la, bool vec) {
+    cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowStrides la, bool vec) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -227,8 +235,8 @@ cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, i
 
 template <typename T, bool LOG, int K>
 __global__ void __launch_bounds__(kSrThreads, K <= 4 ? 2 : 1)
-staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowStrides la,
-                       int stages) {
+    staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowStrides la,
+                           int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -258,8 +266,10 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
   int parity = 0, st = 0;
   for (int64_t row = first; row < rows; row += step, parity ^= 1) {  // cluster-uniform
     // `stages` groups are pending (this row's is the oldest): wait for the oldest.
-    if (stages >= 3) cp_async_wait<2>();
-    else cp_async_wait<1>();
+    if (stages >= 3)
+      cp_async_wait<2>();
+    else
+      cp_async_wait<1>();
     A v[K][V];
 #pragma unroll
     for (int c = 0; c < K; ++c) {
@@ -275,7 +285,10 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
     }
     A shift;
     const A s = warp_pair<LOG, T>(v, shift);
-    if (lane == 0) { wred[w][0] = shift; wred[w][1] = s; }
+    if (lane == 0) {
+      wred[w][0] = shift;
+      wred[w][1] = s;
+    }
     __syncthreads();
     // This thread's slots of stage `st` are in registers and used: refill them
     // with the row `stages` steps on.
@@ -335,8 +348,8 @@ staged_rows_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t row
 
 template <typename T, bool LOG, bool BWD, bool BULK>
 __global__ void __launch_bounds__(kSmThreads)
-smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
-                 RowStrides la, RowStrides lb, int64_t SV, int64_t SB) {
+    smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
+                     RowStrides la, RowStrides lb, int64_t SV, int64_t SB) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -410,7 +423,7 @@ smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
     // Output vector j holds row elements i0 = j V - oo .. i0 + V - 1; an edge one
     // (partly outside the row) is read element by element, `fill` outside.
     auto edge = [&](int64_t i0) { return i0 < 0 || i0 + V > N; };
-    auto get = [&](const uint4* buf, const T* bufT, int64_t d, int sh, int64_t i0, A (&v)[V], A fill) {
+    auto get = [&](const uint4* buf, const T* bufT, int64_t d, int sh, int64_t i0, A(&v)[V], A fill) {
       if (!edge(i0)) {
         const Vec<T, V> r = smem_fetch<T, V>(buf, i0 + d, sh);
 #pragma unroll
@@ -423,7 +436,7 @@ smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
         }
       }
     };
-    auto put = [&](int64_t i0, const A (&v)[V]) {
+    auto put = [&](int64_t i0, const A(&v)[V]) {
       if (!edge(i0)) {
         Vec<T, V> y;
 #pragma unroll
@@ -520,8 +533,8 @@ smem_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
 
 template <typename T, bool LOG, bool BWD, bool BULK, bool ALIGNED>
 __global__ void __launch_bounds__(kSmThreads)
-smem_own_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
-                     RowStrides la, RowStrides lb, int64_t SV) {
+    smem_own_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
+                         RowStrides la, RowStrides lb, int64_t SV) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -569,13 +582,13 @@ smem_own_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __rest
       }
     };
     // An edge vector's elements, `fill` outside the row.
-    auto edge_get = [&](const uint4* buf, int64_t q, A (&v)[V], A fill) {
+    auto edge_get = [&](const uint4* buf, int64_t q, A(&v)[V], A fill) {
       const T* p = reinterpret_cast<const T*>(buf + q);
       const int64_t e0 = (j0 + q) * V - oo;
 #pragma unroll
       for (int k = 0; k < V; ++k) v[k] = e0 + k >= 0 && e0 + k < N ? to_acc<A>(p[k]) : fill;
     };
-    auto edge_put = [&](int64_t q, const A (&v)[V]) {
+    auto edge_put = [&](int64_t q, const A(&v)[V]) {
       const int64_t e0 = (j0 + q) * V - oo;
 #pragma unroll
       for (int k = 0; k < V; ++k)
@@ -726,7 +739,8 @@ smem_own_rows_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __rest
 #endif
 }
 
-template <typename T, int K> auto staged_rows_kernel_for(bool log) {
+template <typename T, int K>
+auto staged_rows_kernel_for(bool log) {
   return log ? staged_rows_fwd_kernel<T, true, K> : staged_rows_fwd_kernel<T, false, K>;
 }
 template <typename T, bool BWD, bool LOG, bool BULK>
@@ -735,7 +749,8 @@ const void* smem_rows_kernel_of(int align) {  // align: Plan::align
          : align == 1 ? reinterpret_cast<const void*>(smem_own_rows_kernel<T, LOG, BWD, BULK, false>)
                       : reinterpret_cast<const void*>(smem_rows_kernel<T, LOG, BWD, BULK>);
 }
-template <typename T, bool BWD> const void* smem_rows_kernel_for(bool log, bool bulk, int align) {
+template <typename T, bool BWD>
+const void* smem_rows_kernel_for(bool log, bool bulk, int align) {
   return log ? (bulk ? smem_rows_kernel_of<T, BWD, true, true>(align) : smem_rows_kernel_of<T, BWD, true, false>(align))
              : (bulk ? smem_rows_kernel_of<T, BWD, false, true>(align)
                      : smem_rows_kernel_of<T, BWD, false, false>(align));
@@ -756,7 +771,8 @@ cudaError_t launch_smem_rows_of(const SoftmaxArgs& a, const Plan& p, cudaStream_
                          p.sv);
   return launch_staged(smem_rows_kernel<T, LOG, BWD, BULK>, p, rows, st, A_, B_, O, rows, N, a.la, a.lb, p.sv, p.sb);
 }
-template <typename T, bool BWD> cudaError_t launch_smem_rows(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
+template <typename T, bool BWD>
+cudaError_t launch_smem_rows(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
   return a.log ? (p.bulk ? launch_smem_rows_of<T, BWD, true, true>(a, p, st)
                          : launch_smem_rows_of<T, BWD, true, false>(a, p, st))
                : (p.bulk ? launch_smem_rows_of<T, BWD, false, true>(a, p, st)

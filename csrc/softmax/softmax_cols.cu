@@ -34,8 +34,10 @@ __device__ __forceinline__ void column_scales(const A (&fin)[TW][2], int tx, A (
   for (int k = 0; k < V; ++k) {
     const A Sk = fin[tx * V + k][1];
     M[k] = fin[tx * V + k][0];
-    if constexpr (BWD) mul[k] = Sk;
-    else mul[k] = Sk == A(0) ? A(NAN) : (LOG ? log_a(Sk) : A(1) / Sk);
+    if constexpr (BWD)
+      mul[k] = Sk;
+    else
+      mul[k] = Sk == A(0) ? A(NAN) : (LOG ? log_a(Sk) : A(1) / Sk);
   }
 }
 
@@ -50,8 +52,8 @@ __device__ __forceinline__ void column_scales(const A (&fin)[TW][2], int tx, A (
 
 template <typename T, bool LOG>
 __global__ void __launch_bounds__(kIcThreads, 2)
-inner_cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t outer, int64_t N, int64_t inner,
-                         int64_t tiles, int64_t NB) {
+    inner_cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t outer, int64_t N, int64_t inner,
+                             int64_t tiles, int64_t NB) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -102,7 +104,10 @@ inner_cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t o
     lanes_pair_merge<kIcTx>(sh, s);
     if (lane < kIcTx) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) { red[w][tx * V + k][0] = sh[k]; red[w][tx * V + k][1] = s[k]; }
+      for (int k = 0; k < V; ++k) {
+        red[w][tx * V + k][0] = sh[k];
+        red[w][tx * V + k][1] = s[k];
+      }
     }
     __syncthreads();
     if (threadIdx.x < TW) {
@@ -156,14 +161,15 @@ inner_cluster_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t o
 // 4 lanes sharing tx (shuffles), the 8 warps (shared memory) and the cluster's
 // blocks (distributed shared memory, one cluster barrier, rank order).
 
-template <typename T> __device__ __forceinline__ acc_t<T> exp_shift(acc_t<T> x, acc_t<T> sh) {
+template <typename T>
+__device__ __forceinline__ acc_t<T> exp_shift(acc_t<T> x, acc_t<T> sh) {
   return ExpShift<T>(sh)(x);
 }
 
 template <typename T, bool BWD, bool LOG>
 __global__ void __launch_bounds__(kScThreads)
-staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t outer, int64_t N,
-                   int64_t inner, int64_t tiles, int R, int stages) {
+    staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t outer, int64_t N,
+                       int64_t inner, int64_t tiles, int R, int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
@@ -201,15 +207,21 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
   for (int st = 0; st < stages; ++st) issue(first + int64_t(st) * step, st);
   int parity = 0, st = 0;
   for (int64_t tile = first; tile < total; tile += step, parity ^= 1) {  // cluster-uniform
-    if (stages >= 3) cp_async_wait<2>();
-    else if (stages == 2) cp_async_wait<1>();
-    else cp_async_wait<0>();
+    if (stages >= 3)
+      cp_async_wait<2>();
+    else if (stages == 2)
+      cp_async_wait<1>();
+    else
+      cp_async_wait<0>();
     const int64_t o = tile / tiles, col = (tile % tiles) * TW + int64_t(tx) * V;
     const bool active = col < inner;
     const int my = active ? cnt : 0;
     A sh[V], s[V];
 #pragma unroll
-    for (int k = 0; k < V; ++k) { sh[k] = A(0); s[k] = A(0); }
+    for (int k = 0; k < V; ++k) {
+      sh[k] = A(0);
+      s[k] = A(0);
+    }
     if constexpr (!BWD) {
       A m[V];
 #pragma unroll
@@ -245,14 +257,19 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
     }
     if (lane < kScTx) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) { red[w][tx * V + k][0] = sh[k]; red[w][tx * V + k][1] = s[k]; }
+      for (int k = 0; k < V; ++k) {
+        red[w][tx * V + k][0] = sh[k];
+        red[w][tx * V + k][1] = s[k];
+      }
     }
     __syncthreads();
     if (tid < TW) {
       A bm = A(0), bs = A(0);
       for (int ww = 0; ww < kScThreads / 32; ++ww) {
-        if constexpr (BWD) bs += red[ww][tid][1];
-        else pair_merge(bm, bs, red[ww][tid][0], red[ww][tid][1]);
+        if constexpr (BWD)
+          bs += red[ww][tid][1];
+        else
+          pair_merge(bm, bs, red[ww][tid][0], red[ww][tid][1]);
       }
       part[parity][tid][0] = bm;
       part[parity][tid][1] = bs;
@@ -309,8 +326,8 @@ staged_cols_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
 // dynamic shared memory between the statistics pass and the write pass.
 template <typename T, bool BWD, bool CACHE>
 __global__ void __launch_bounds__(kInnerThreads)
-inner_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t outer, int64_t N,
-             int64_t inner, int64_t tiles, bool log) {
+    inner_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t outer, int64_t N,
+                 int64_t inner, int64_t tiles, bool log) {
   using A = acc_t<T>;
   __shared__ A st[2][kInnerThreads];
   extern __shared__ __align__(16) unsigned char cache_raw[];
@@ -341,8 +358,10 @@ inner_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ o
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-          if constexpr (BWD) s += log ? vb[u] : va[u] * vb[u];
-          else online_add(m, s, va[u]);
+          if constexpr (BWD)
+            s += log ? vb[u] : va[u] * vb[u];
+          else
+            online_add(m, s, va[u]);
         }
       }
       for (; n < N; n += TY) {
@@ -363,8 +382,10 @@ inner_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ o
     __syncthreads();
     if (ty == 0) {  // column tx's TY partials, in a fixed order
       for (int j = 1; j < TY; ++j) {
-        if constexpr (BWD) s += st[1][j * TC + tx];
-        else online_merge(m, s, st[0][j * TC + tx], st[1][j * TC + tx]);
+        if constexpr (BWD)
+          s += st[1][j * TC + tx];
+        else
+          online_merge(m, s, st[0][j * TC + tx], st[1][j * TC + tx]);
       }
       st[0][tx] = m;
       st[1][tx] = s;
@@ -394,7 +415,8 @@ inner_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ o
   }
 }
 
-template <typename T, bool BWD> auto staged_cols_kernel_for(bool log) {
+template <typename T, bool BWD>
+auto staged_cols_kernel_for(bool log) {
   return log ? staged_cols_kernel<T, BWD, true> : staged_cols_kernel<T, BWD, false>;
 }
 

@@ -32,8 +32,8 @@ void forward_row(const S* x, S* y, int64_t N, bool log) {
   const S m = row_max(x, N);
   const V vm(m);
   if (log) {
-    const double s = vsum<S>(N, [&](int64_t i) { return (V::loadu(x + i) - vm).exp(); },
-                             [&](int64_t i) { return std::exp(x[i] - m); });
+    const double s = vsum<S>(
+        N, [&](int64_t i) { return (V::loadu(x + i) - vm).exp(); }, [&](int64_t i) { return std::exp(x[i] - m); });
     // (x - m) - log(s): x - (m + log(s)) would round log(s) to the ulp of m.
     const S ls = static_cast<S>(std::log(s));
     const V vls(ls);
@@ -58,16 +58,19 @@ template <typename S>
 void backward_row(const S* dy, const S* y, S* dx, int64_t N, bool log) {
   using V = Vectorized<S>;
   if (log) {
-    const S s = static_cast<S>(vsum<S>(N, [&](int64_t i) { return V::loadu(dy + i); }, [&](int64_t i) { return dy[i]; }));
+    const S s =
+        static_cast<S>(vsum<S>(N, [&](int64_t i) { return V::loadu(dy + i); }, [&](int64_t i) { return dy[i]; }));
     const V vs(s);
-    vfor<S>(N, [&](int64_t i) { (V::loadu(dy + i) - V::loadu(y + i).exp() * vs).store(dx + i); },
-            [&](int64_t i) { dx[i] = dy[i] - std::exp(y[i]) * s; });
+    vfor<S>(
+        N, [&](int64_t i) { (V::loadu(dy + i) - V::loadu(y + i).exp() * vs).store(dx + i); },
+        [&](int64_t i) { dx[i] = dy[i] - std::exp(y[i]) * s; });
   } else {
-    const S s = static_cast<S>(vsum<S>(N, [&](int64_t i) { return V::loadu(dy + i) * V::loadu(y + i); },
-                                       [&](int64_t i) { return dy[i] * y[i]; }));
+    const S s = static_cast<S>(vsum<S>(
+        N, [&](int64_t i) { return V::loadu(dy + i) * V::loadu(y + i); }, [&](int64_t i) { return dy[i] * y[i]; }));
     const V vs(s);
-    vfor<S>(N, [&](int64_t i) { (V::loadu(y + i) * (V::loadu(dy + i) - vs)).store(dx + i); },
-            [&](int64_t i) { dx[i] = y[i] * (dy[i] - s); });
+    vfor<S>(
+        N, [&](int64_t i) { (V::loadu(y + i) * (V::loadu(dy + i) - vs)).store(dx + i); },
+        [&](int64_t i) { dx[i] = y[i] * (dy[i] - s); });
   }
 }
 
@@ -87,8 +90,10 @@ struct ColBlock {
   }
   void store(const V& v, S* p, int64_t k) const {
     const int64_t c = bw - k * W;
-    if (c >= W) v.store(p + k * W);
-    else v.store(p + k * W, c);
+    if (c >= W)
+      v.store(p + k * W);
+    else
+      v.store(p + k * W, c);
   }
   int64_t vecs() const { return (bw + W - 1) / W; }
 };
@@ -190,8 +195,10 @@ void run_native(const SoftmaxArgs& a, bool backward) {
   if (inner == 1) {
     at::parallel_for(0, a.outer, grain_rows(N), [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
-        if (backward) backward_row<S>(q + r * N, p + r * N, out + r * N, N, a.log);
-        else forward_row<S>(p + r * N, out + r * N, N, a.log);
+        if (backward)
+          backward_row<S>(q + r * N, p + r * N, out + r * N, N, a.log);
+        else
+          forward_row<S>(p + r * N, out + r * N, N, a.log);
       }
     });
     return;
@@ -203,8 +210,10 @@ void run_native(const SoftmaxArgs& a, bool backward) {
       const int64_t o = t / blocks, j0 = (t % blocks) * B;
       const ColBlock<S> cb{std::min(B, inner - j0), inner};
       const int64_t off = o * N * inner + j0;
-      if (backward) backward_cols<S>(q + off, p + off, out + off, N, cb, a.log);
-      else forward_cols<S>(p + off, out + off, N, cb, a.log);
+      if (backward)
+        backward_cols<S>(q + off, p + off, out + off, N, cb, a.log);
+      else
+        forward_cols<S>(p + off, out + off, N, cb, a.log);
     }
   });
 }

@@ -19,24 +19,24 @@ namespace softmax_detail {
 namespace cg = cooperative_groups;
 
 // ---- block sizes and limits ----------------------------------------------------
-constexpr int kWarpRowsThreads = 256;   // 8 rows per block in the warp path
+constexpr int kWarpRowsThreads = 256;  // 8 rows per block in the warp path
 constexpr int kSplitThreads = 256;
 constexpr int64_t kSplitChunk = 16384;  // elements of a row per block (a multiple of every V)
 constexpr int kInnerThreads = 512;
-constexpr int kLoopThreads = 256;       // power of two: the tree reduction halves it
+constexpr int kLoopThreads = 256;  // power of two: the tree reduction halves it
 constexpr int64_t kInnerCacheBytes = 100 * 1024;
 constexpr int64_t kMaxGrid = int64_t(1) << 24;  // grid-stride loops cover the rest
-constexpr int kClusterElems = 16;  // cluster_rows_kernel: elements per thread
-constexpr int kClusterMax = 8;     // portable cluster size limit
-constexpr int kRowWarpThreads = 128;    // row_warp_fwd_kernel: 4 rows per block
-constexpr int kClusterFwdThreads = 512;  // cluster_fwd_kernel
-constexpr int kClusterFwdElems = 32;     // cluster_fwd_kernel: elements per thread
+constexpr int kClusterElems = 16;               // cluster_rows_kernel: elements per thread
+constexpr int kClusterMax = 8;                  // portable cluster size limit
+constexpr int kRowWarpThreads = 128;            // row_warp_fwd_kernel: 4 rows per block
+constexpr int kClusterFwdThreads = 512;         // cluster_fwd_kernel
+constexpr int kClusterFwdElems = 32;            // cluster_fwd_kernel: elements per thread
 // inner_cluster_fwd_kernel: 8 x 32 threads, 16 rows each
 constexpr int kIcTx = 8, kIcTy = 32, kIcRows = 16;
 constexpr int kIcThreads = kIcTx * kIcTy;  // 256
 constexpr int kIcMaxCols = kIcTx * 8;      // columns of a tile, bf16 / fp16 (fp32: 32)
-constexpr int kSrThreads = 512;  // staged_rows_fwd_kernel
-constexpr int kSmThreads = 256;  // smem_rows_kernel
+constexpr int kSrThreads = 512;            // staged_rows_fwd_kernel
+constexpr int kSmThreads = 256;            // smem_rows_kernel
 constexpr int kScTx = 8, kScTy = 32;       // staged_cols_kernel
 constexpr int kScThreads = kScTx * kScTy;  // 256
 // Dynamic shared memory a staged block may take (227 KB per block on sm_90, less
@@ -44,7 +44,10 @@ constexpr int kScThreads = kScTx * kScTy;  // 256
 constexpr int64_t kStagedSmemMax = 220 * 1024;
 
 // ---- device helpers ------------------------------------------------------------
-template <typename A> __device__ __forceinline__ A neg_inf() { return static_cast<A>(-INFINITY); }
+template <typename A>
+__device__ __forceinline__ A neg_inf() {
+  return static_cast<A>(-INFINITY);
+}
 __device__ __forceinline__ float exp_a(float v) { return expf(v); }
 __device__ __forceinline__ double exp_a(double v) { return exp(v); }
 __device__ __forceinline__ float log_a(float v) { return logf(v); }
@@ -54,7 +57,8 @@ __device__ __forceinline__ double max_a(double a, double b) { return fmax(a, b);
 
 // Running (max m, sum s of exp(x - m)). -inf adds nothing; +inf or NaN make s
 // NaN, so the row becomes NaN as in torch.softmax (exp(inf - inf) there).
-template <typename A> __device__ __forceinline__ void online_add(A& m, A& s, A x) {
+template <typename A>
+__device__ __forceinline__ void online_add(A& m, A& s, A x) {
   if (x > m) {
     s = s * exp_a(m - x) + (A(1) + (x - x));  // x - x is NaN for x = +inf
     m = x;
@@ -65,7 +69,8 @@ template <typename A> __device__ __forceinline__ void online_add(A& m, A& s, A x
 
 // Merge (m2, s2) into (m, s). An empty part (s == 0) contributes nothing, even
 // when both maxima are -inf (exp(-inf + inf) would be NaN).
-template <typename A> __device__ __forceinline__ void online_merge(A& m, A& s, A m2, A s2) {
+template <typename A>
+__device__ __forceinline__ void online_merge(A& m, A& s, A m2, A s2) {
   const A mn = max_a(m, m2);
   const A a = s == A(0) ? A(0) : s * exp_a(m - mn);
   const A b = s2 == A(0) ? A(0) : s2 * exp_a(m2 - mn);
@@ -76,7 +81,8 @@ template <typename A> __device__ __forceinline__ void online_merge(A& m, A& s, A
 // Block-wide reductions through `red` (33 slots). Every thread of the block
 // calls them (barriers); blockDim.x is a multiple of 32. The trailing barrier
 // lets the caller reuse `red` at once.
-template <bool kMax, typename A> __device__ __forceinline__ A block_reduce(A v, A* red) {
+template <bool kMax, typename A>
+__device__ __forceinline__ A block_reduce(A v, A* red) {
   v = kMax ? warp_max(v) : warp_sum(v);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
   if (lane == 0) red[w] = v;
@@ -91,11 +97,18 @@ template <bool kMax, typename A> __device__ __forceinline__ A block_reduce(A v, 
   __syncthreads();
   return r;
 }
-template <typename A> __device__ __forceinline__ A block_sum(A v, A* red) { return block_reduce<false>(v, red); }
-template <typename A> __device__ __forceinline__ A block_max(A v, A* red) { return block_reduce<true>(v, red); }
+template <typename A>
+__device__ __forceinline__ A block_sum(A v, A* red) {
+  return block_reduce<false>(v, red);
+}
+template <typename A>
+__device__ __forceinline__ A block_max(A v, A* red) {
+  return block_reduce<true>(v, red);
+}
 
 // The seed's shared-memory tree: halve the active threads each step.
-template <bool IS_MAX, typename A> __device__ __forceinline__ A tree_reduce(A v, A* buf) {
+template <bool IS_MAX, typename A>
+__device__ __forceinline__ A tree_reduce(A v, A* buf) {
   const int t = threadIdx.x;
   buf[t] = v;
   __syncthreads();
@@ -109,7 +122,8 @@ template <bool IS_MAX, typename A> __device__ __forceinline__ A tree_reduce(A v,
 }
 
 // Block-wide merge of per-thread running (m, s).
-template <typename A> __device__ __forceinline__ void block_merge(A& m, A& s, A* red) {
+template <typename A>
+__device__ __forceinline__ void block_merge(A& m, A& s, A* red) {
   const A mb = block_max(m, red);
   s = block_sum(s == A(0) ? A(0) : s * exp_a(m - mb), red);
   m = mb;
@@ -154,7 +168,8 @@ __device__ __forceinline__ void store_chunk(T* __restrict__ p, const A (&v)[V], 
 
 // Reductions over a group: the block, or LANES aligned lanes of a warp (xor
 // offsets below LANES never leave the group). Every lane of the warp calls them.
-template <bool BLOCK, int LANES, typename A> __device__ __forceinline__ A group_max(A v, A* red) {
+template <bool BLOCK, int LANES, typename A>
+__device__ __forceinline__ A group_max(A v, A* red) {
   if constexpr (BLOCK) {
     return block_max(v, red);
   } else {
@@ -163,7 +178,8 @@ template <bool BLOCK, int LANES, typename A> __device__ __forceinline__ A group_
     return v;
   }
 }
-template <bool BLOCK, int LANES, typename A> __device__ __forceinline__ A group_sum(A v, A* red) {
+template <bool BLOCK, int LANES, typename A>
+__device__ __forceinline__ A group_sum(A v, A* red) {
   if constexpr (BLOCK) {
     return block_sum(v, red);
   } else {
@@ -192,7 +208,8 @@ __device__ __forceinline__ A regs_load_max(A (&v)[CH][V], const T* ar, int G, in
 
 // With the row's maximum m: v becomes x - m (log) or exp(x - m); returns the thread's
 // sum of exp(x - m).
-template <int CH, int V, typename A> __device__ __forceinline__ A regs_exp_sum(A (&v)[CH][V], A m, bool log) {
+template <int CH, int V, typename A>
+__device__ __forceinline__ A regs_exp_sum(A (&v)[CH][V], A m, bool log) {
   A s = A(0);
 #pragma unroll
   for (int c = 0; c < CH; ++c)
@@ -238,8 +255,8 @@ __device__ __forceinline__ A regs_load_dot(A (&v)[CH][V], A (&g)[CH][V], const T
 
 // With the row's sum s: stores dx = y (dy - s) (softmax) or dy - exp(y) s (log_softmax).
 template <typename T, int CH, int V, typename A>
-__device__ __forceinline__ void regs_store_bwd(T* outr, A (&v)[CH][V], const A (&g)[CH][V], A s, bool log, int G,
-                                               int t, int64_t N, bool vec) {
+__device__ __forceinline__ void regs_store_bwd(T* outr, A (&v)[CH][V], const A (&g)[CH][V], A s, bool log, int G, int t,
+                                               int64_t N, bool vec) {
 #pragma unroll
   for (int c = 0; c < CH; ++c) {
 #pragma unroll
@@ -263,13 +280,15 @@ __device__ __forceinline__ float ex2_approx(float v) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
   return r;
 }
-template <typename T, bool HALF = (sizeof(T) == 2)> struct ExpShift {
+template <typename T, bool HALF = (sizeof(T) == 2)>
+struct ExpShift {
   using A = acc_t<T>;
   A m;
   __device__ __forceinline__ explicit ExpShift(A m_) : m(m_) {}
   __device__ __forceinline__ A operator()(A x) const { return exp_a(x - m); }
 };
-template <typename T> struct ExpShift<T, true> {
+template <typename T>
+struct ExpShift<T, true> {
   float m;  // m = -inf (an all -inf row) gives NaN, as torch does
   __device__ __forceinline__ explicit ExpShift(float m_) : m(m_) {}
   __device__ __forceinline__ float operator()(float x) const { return ex2_approx((x - m) * kLog2e); }
@@ -278,7 +297,8 @@ template <typename T> struct ExpShift<T, true> {
 // Half types: make the packed words opaque between passes, so the compiler
 // converts them again instead of keeping every converted float live (which
 // doubles the registers and spills). Costs no instruction.
-template <typename T, int V> __device__ __forceinline__ void pin(Vec<T, V>& r) {
+template <typename T, int V>
+__device__ __forceinline__ void pin(Vec<T, V>& r) {
   if constexpr (sizeof(T) == 2) {
 #pragma unroll
     for (int i = 0; i < Vec<T, V>::kWords; ++i) asm volatile("" : "+r"(r.w[i]));
@@ -290,9 +310,14 @@ template <typename T, int V> __device__ __forceinline__ void pin(Vec<T, V>& r) {
 // so an empty part can never drag the shift away from the real maximum. NaN
 // sums are not empty and poison the result, as in torch. Commutative (a
 // butterfly gives every lane the same bits).
-template <typename A> __device__ __forceinline__ void pair_merge(A& m, A& s, A m2, A s2) {
+template <typename A>
+__device__ __forceinline__ void pair_merge(A& m, A& s, A m2, A s2) {
   if (s2 == A(0)) return;
-  if (s == A(0)) { m = m2; s = s2; return; }
+  if (s == A(0)) {
+    m = m2;
+    s = s2;
+    return;
+  }
   const A mn = max_a(m, m2);
   s = s * exp_a(m - mn) + s2 * exp_a(m2 - mn);
   m = mn;
@@ -306,8 +331,10 @@ __device__ __forceinline__ void cluster_pair(Cluster& cluster, A* part, int CS, 
   S = A(0);
   for (int r = 0; r < CS; ++r) {
     const A* p = cluster.map_shared_rank(part, r);
-    if constexpr (kSumOnly) S += p[1];
-    else pair_merge(M, S, p[0], p[1]);
+    if constexpr (kSumOnly)
+      S += p[1];
+    else
+      pair_merge(M, S, p[0], p[1]);
   }
 }
 
@@ -319,7 +346,8 @@ __device__ __forceinline__ const T* row_ptr(const T* __restrict__ p, const RowSt
 }
 
 // Elements of T from the 16-byte boundary at or below p (0..V-1).
-template <typename T> __device__ __forceinline__ int misalign(const T* p) {
+template <typename T>
+__device__ __forceinline__ int misalign(const T* p) {
   return int((reinterpret_cast<uintptr_t>(p) & 15) / sizeof(T));
 }
 
@@ -334,8 +362,10 @@ __device__ __forceinline__ void shift_into(Vec<T, V>& r, const Vec<T, V>& x, con
 template <int D, typename T, int V>
 __device__ __forceinline__ void shift_case(int d, Vec<T, V>& r, const Vec<T, V>& x, const Vec<T, V>& y) {
   if constexpr (D < V) {
-    if (d == D) shift_into<D>(r, x, y);
-    else shift_case<D + 1>(d, r, x, y);
+    if (d == D)
+      shift_into<D>(r, x, y);
+    else
+      shift_case<D + 1>(d, r, x, y);
   }
 }
 
@@ -358,32 +388,48 @@ __device__ __forceinline__ Vec<T, V> smem_fetch(const uint4* buf, int64_t pos, i
 
 // ---- planning ----------------------------------------------------------------
 
-enum class Kind { WarpRows, RowWarp, BlockRows, ClusterRows, ClusterFwd, StagedRows, SmemRows, Split, Inner,
-                  InnerCluster, StagedCols, Looped };
+enum class Kind {
+  WarpRows,
+  RowWarp,
+  BlockRows,
+  ClusterRows,
+  ClusterFwd,
+  StagedRows,
+  SmemRows,
+  Split,
+  Inner,
+  InnerCluster,
+  StagedCols,
+  Looped
+};
 
 struct Plan {
   Kind kind;
-  int ch = 1;        // chunks per thread (register paths)
-  int lanes = 32;    // lanes per row (WarpRows)
-  int threads = 0;   // block size (BlockRows, ClusterRows), TC (Inner)
-  int64_t S = 1;     // chunks per row (Split), blocks per cluster (ClusterRows, ClusterFwd, InnerCluster)
+  int ch = 1;       // chunks per thread (register paths)
+  int lanes = 32;   // lanes per row (WarpRows)
+  int threads = 0;  // block size (BlockRows, ClusterRows), TC (Inner)
+  int64_t S = 1;    // chunks per row (Split), blocks per cluster (ClusterRows, ClusterFwd, InnerCluster)
   bool cache = false;
-  int64_t smem = 0;  // dynamic shared memory bytes (Inner, StagedRows, StagedCols)
-  int stages = 2;    // StagedRows, StagedCols: copies in flight per thread, in rows / tiles;
-                     // 1: one at a time, several blocks per SM (grid: see `grid`)
-  int64_t sv = 0;    // SmemRows: 16-byte vectors of the output a block writes per row
-  int64_t sb = 0;    // SmemRows: 16-byte vectors of shared memory per input (sv, or sv + 1 where
-                     // an input may be misaligned against the output)
-  bool bulk = false; // SmemRows: the slice arrives by one bulk copy (TMA), not per-thread cp.async
-  int align = 2;     // SmemRows: 0 every row 16-byte aligned and N % V == 0, 1 every input row at the
-                     // output row's offset within 16 bytes (smem_own_rows_kernel), 2 any (smem_rows_kernel)
-  int grid = 1;      // StagedCols with 1 stage, SmemRows: clusters launched per resident cluster
+  int64_t smem = 0;   // dynamic shared memory bytes (Inner, StagedRows, StagedCols)
+  int stages = 2;     // StagedRows, StagedCols: copies in flight per thread, in rows / tiles;
+                      // 1: one at a time, several blocks per SM (grid: see `grid`)
+  int64_t sv = 0;     // SmemRows: 16-byte vectors of the output a block writes per row
+  int64_t sb = 0;     // SmemRows: 16-byte vectors of shared memory per input (sv, or sv + 1 where
+                      // an input may be misaligned against the output)
+  bool bulk = false;  // SmemRows: the slice arrives by one bulk copy (TMA), not per-thread cp.async
+  int align = 2;      // SmemRows: 0 every row 16-byte aligned and N % V == 0, 1 every input row at the
+                      // output row's offset within 16 bytes (smem_own_rows_kernel), 2 any (smem_rows_kernel)
+  int grid = 1;       // StagedCols with 1 stage, SmemRows: clusters launched per resident cluster
   // InnerCluster keeps threads / cache / smem of the Inner plan: its fallback
   // when the cluster launch is refused.
 };
 
 inline int esize(DType dt) { return dt == DType::Float64 ? 8 : (dt == DType::Float32 ? 4 : 2); }
-inline int64_t pow2ceil(int64_t v) { int64_t p = 1; while (p < v) p <<= 1; return p; }
+inline int64_t pow2ceil(int64_t v) {
+  int64_t p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline bool al16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
@@ -442,19 +488,20 @@ inline bool same_misalign(const SoftmaxArgs& a, bool bwd) {
 // (ClusterRows, ClusterFwd, StagedRows, SmemRows, InnerCluster, StagedCols)
 // return the cluster launch's own status, without cudaGetLastError, so that
 // launch_plan can fall back when the GPU refuses the cluster.
-cudaError_t launch_rows(const SoftmaxArgs& a, const Plan& p, void* workspace, cudaStream_t st, bool bwd);  // softmax_rows.cu
-cudaError_t launch_split(const SoftmaxArgs& a, void* workspace, cudaStream_t st, bool bwd);            // softmax_rows.cu
-cudaError_t launch_cluster_rows(const SoftmaxArgs& a, const Plan& p, cudaStream_t st, bool bwd);       // softmax_cluster.cu
-cudaError_t launch_cols(const SoftmaxArgs& a, const Plan& p, cudaStream_t st, bool bwd);               // softmax_cols.cu
-cudaError_t launch_teaching(const SoftmaxArgs& a, SoftmaxAlgo algo, cudaStream_t st, bool bwd);       // softmax_teaching.cu
+cudaError_t launch_rows(const SoftmaxArgs& a, const Plan& p, void* workspace, cudaStream_t st,
+                        bool bwd);                                                                // softmax_rows.cu
+cudaError_t launch_split(const SoftmaxArgs& a, void* workspace, cudaStream_t st, bool bwd);       // softmax_rows.cu
+cudaError_t launch_cluster_rows(const SoftmaxArgs& a, const Plan& p, cudaStream_t st, bool bwd);  // softmax_cluster.cu
+cudaError_t launch_cols(const SoftmaxArgs& a, const Plan& p, cudaStream_t st, bool bwd);          // softmax_cols.cu
+cudaError_t launch_teaching(const SoftmaxArgs& a, SoftmaxAlgo algo, cudaStream_t st, bool bwd);   // softmax_teaching.cu
 
 // Kernel handles for the heuristic's capacity queries (nullptr: not built for
 // that dtype; the float instantiations stand for every dtype where one is asked).
-const void* cluster_rows_kernel_handle(bool bwd);                            // float
-const void* cluster_fwd_kernel_handle();                                     // float, softmax
+const void* cluster_rows_kernel_handle(bool bwd);  // float
+const void* cluster_fwd_kernel_handle();           // float, softmax
 const void* staged_rows_kernel_handle(DType dt, bool log, int K);
 const void* smem_rows_kernel_handle(DType dt, bool log, bool bulk, bool bwd, int align);  // align: Plan::align
-const void* inner_cluster_kernel_handle();                                   // float, softmax
+const void* inner_cluster_kernel_handle();                                                // float, softmax
 const void* staged_cols_kernel_handle(DType dt, bool log, bool bwd);
 
 }  // namespace softmax_detail

@@ -74,14 +74,18 @@ namespace {
 // Hopper would run the kernel's empty sm_80 body).
 bool cluster_ok(bool bwd) {
   int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
   if (major < 9) return false;
   cudaFuncAttributes fa{};
   const cudaError_t e = cudaFuncGetAttributes(&fa, cluster_rows_kernel_handle(bwd));
-  if (e != cudaSuccess) { cudaGetLastError(); return false; }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
   return fa.ptxVersion >= 90;
 }
 
@@ -89,10 +93,13 @@ bool cluster_ok(bool bwd) {
 // one cluster of the largest size at the kernel's block size (asked once per
 // device and kernel; the answer does not change).
 bool cluster_fwd_ok(const void* kernel, int threads) {
-  static std::atomic<int> known[2][64];  // [kernel][device]: 0 unknown, 1 yes, 2 no
+  static std::atomic<int> known[2][64];                             // [kernel][device]: 0 unknown, 1 yes, 2 no
   const int which = kernel == cluster_fwd_kernel_handle() ? 0 : 1;  // the two kernels asked about
   int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) { cudaGetLastError(); return false; }
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    cudaGetLastError();
+    return false;
+  }
   const int k = known[which][dev].load(std::memory_order_relaxed);
   if (k) return k == 1;
   bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
@@ -122,13 +129,26 @@ int resident_clusters(const void* kernel, int threads, int cs, int64_t smem) {
   // keeps the largest dynamic shared memory asked of it so far (a smaller plan
   // never lowers it under a larger one); after the first call per plan this is a
   // lookup, no cudaFuncSetAttribute per launch.
-  struct Key { int dev; const void* fn; int threads, cs; int64_t smem; int n; };
-  struct Attr { int dev; const void* fn; int64_t smem; };
+  struct Key {
+    int dev;
+    const void* fn;
+    int threads, cs;
+    int64_t smem;
+    int n;
+  };
+  struct Attr {
+    int dev;
+    const void* fn;
+    int64_t smem;
+  };
   static std::mutex mu;
   static std::vector<Key> known;
   static std::vector<Attr> attrs;
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) { cudaGetLastError(); return 0; }
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
   const void* fn = kernel;
   std::lock_guard<std::mutex> lock(mu);
   for (const Key& k : known)
@@ -145,8 +165,10 @@ int resident_clusters(const void* kernel, int threads, int cs, int64_t smem) {
     ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) == cudaSuccess &&
          cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
     if (ok) {
-      if (at == nullptr) attrs.push_back(Attr{dev, fn, smem});
-      else at->smem = smem;
+      if (at == nullptr)
+        attrs.push_back(Attr{dev, fn, smem});
+      else
+        at->smem = smem;
     }
   }
   if (ok) {
@@ -173,8 +195,12 @@ bool plan_staged_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, Plan& p) {
   int K = 8;
   int64_t cs = std::max<int64_t>(2, pow2ceil(cdiv(N, int64_t(kSrThreads) * 8 * V)));
   if (tu.cluster > cs) {  // a larger cluster with half the registers per thread (2 blocks per SM)
-    const int64_t cs4 = std::min<int64_t>(tu.cluster, std::max<int64_t>(2, pow2ceil(cdiv(N, int64_t(kSrThreads) * 4 * V))));
-    if (cs4 > cs) { cs = cs4; K = 4; }
+    const int64_t cs4 =
+        std::min<int64_t>(tu.cluster, std::max<int64_t>(2, pow2ceil(cdiv(N, int64_t(kSrThreads) * 4 * V))));
+    if (cs4 > cs) {
+      cs = cs4;
+      K = 4;
+    }
   }
   if (cs > 16) return false;
   p.kind = Kind::StagedRows;
@@ -182,7 +208,7 @@ bool plan_staged_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, Plan& p) {
   p.ch = K;
   p.threads = int(std::max<int64_t>(128, pow2ceil(cdiv(N, cs * K * V))));
   if (p.threads > kSrThreads) return false;  // cs K V 512 >= N by the choice above; kept as a guard
-  p.stages = std::max(2, tu.stages);  // the register slices need a copy in flight behind them
+  p.stages = std::max(2, tu.stages);         // the register slices need a copy in flight behind them
   while (p.stages > 2 && int64_t(p.stages) * K * p.threads * 16 > kStagedSmemMax) --p.stages;
   p.smem = int64_t(p.stages) * K * p.threads * 16;
   if (p.smem > kStagedSmemMax) return false;
@@ -245,7 +271,10 @@ bool plan_staged_cols(const SoftmaxArgs& a, const SoftmaxTuning& tu, bool bwd, P
 Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
   Plan p{};
   const int es = esize(a.dtype), V = 16 / es;
-  if (algo != SoftmaxAlgo::Auto) { p.kind = Kind::Looped; return p; }
+  if (algo != SoftmaxAlgo::Auto) {
+    p.kind = Kind::Looped;
+    return p;
+  }
   const SoftmaxTuning& tu = a.tune;
   if (a.inner > 1) {
     // 512 < N, whole 16-byte vectors across inner, at least half a 128-byte tile
@@ -263,7 +292,12 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
     p.threads = int(full);
     for (int64_t tc : {full, std::max<int64_t>(1, full / 2), std::max<int64_t>(1, full / 4)}) {
       const int64_t bytes = a.N * tc * es * arrays;
-      if (bytes <= kInnerCacheBytes) { p.threads = int(tc); p.cache = true; p.smem = bytes; break; }
+      if (bytes <= kInnerCacheBytes) {
+        p.threads = int(tc);
+        p.cache = true;
+        p.smem = bytes;
+        break;
+      }
     }
     // Forward, 512 < N <= 4096, whole 16-byte vectors across inner, at least half
     // a 128-byte tile used: a cluster of 2-8 blocks per tile holds it in registers
@@ -387,8 +421,8 @@ int64_t softmax_workspace_bytes(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bac
   if (a.outer * a.N * a.inner == 0) return 0;
   const Plan p = make_plan(a, algo, backward);
   // The cluster paths fall back to the split path when a launch is refused.
-  if (p.kind != Kind::Split && p.kind != Kind::ClusterRows && p.kind != Kind::ClusterFwd && p.kind != Kind::StagedRows &&
-      p.kind != Kind::SmemRows)
+  if (p.kind != Kind::Split && p.kind != Kind::ClusterRows && p.kind != Kind::ClusterFwd &&
+      p.kind != Kind::StagedRows && p.kind != Kind::SmemRows)
     return 0;
   const int64_t acc = a.dtype == DType::Float64 ? 8 : 4;
   return a.outer * cdiv(a.N, kSplitChunk) * acc * (backward ? 1 : 2);
@@ -431,4 +465,3 @@ LaunchStatus softmax_backward_cuda(const SoftmaxArgs& a, SoftmaxAlgo algo, void*
 }
 
 }  // namespace gpu_puzzles
-

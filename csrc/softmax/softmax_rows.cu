@@ -18,8 +18,8 @@ using namespace softmax_detail;
 // independently (no block barrier is used in warp mode).
 template <typename T, int CH, bool BLOCK, bool BWD, int LANES = 32>
 __global__ void __launch_bounds__(BLOCK ? 1024 : kWarpRowsThreads)
-rows_regs_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
-                 RowStrides la, RowStrides lb, bool log, bool vec) {
+    rows_regs_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
+                     RowStrides la, RowStrides lb, bool log, bool vec) {
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
   static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: a power of two up to 32");
@@ -28,7 +28,8 @@ rows_regs_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict
   const int t = BLOCK ? int(threadIdx.x) : int(threadIdx.x & (LANES - 1));
   const int64_t rpw = BLOCK ? 1 : 32 / LANES;  // rows per warp and step
   const int64_t per = BLOCK ? 1 : (blockDim.x >> 5) * rpw;
-  const int64_t first = BLOCK ? int64_t(blockIdx.x) : (int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * rpw;
+  const int64_t first =
+      BLOCK ? int64_t(blockIdx.x) : (int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * rpw;
   const int64_t step = int64_t(gridDim.x) * per;
   for (int64_t r0 = first; r0 < rows; r0 += step) {
     const int64_t row = BLOCK ? r0 : r0 + (threadIdx.x & 31) / LANES;
@@ -65,8 +66,8 @@ __device__ __forceinline__ SplitChunk split_chunk(int64_t blk, int64_t S, int64_
 // a partial: (max, sum) for the forward, sum for the backward.
 template <typename T, bool BWD>
 __global__ void __launch_bounds__(kSplitThreads)
-split_stats_kernel(const T* __restrict__ a, const T* __restrict__ b, acc_t<T>* __restrict__ ws, int64_t rows,
-                   int64_t N, int64_t S, RowStrides la, RowStrides lb, bool log, bool vec) {
+    split_stats_kernel(const T* __restrict__ a, const T* __restrict__ b, acc_t<T>* __restrict__ ws, int64_t rows,
+                       int64_t N, int64_t S, RowStrides la, RowStrides lb, bool log, bool vec) {
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
   __shared__ A red[33];
@@ -90,7 +91,10 @@ split_stats_kernel(const T* __restrict__ a, const T* __restrict__ b, acc_t<T>* _
     }
     if constexpr (!BWD) {
       block_merge(m, s, red);
-      if (threadIdx.x == 0) { ws[2 * blk] = m; ws[2 * blk + 1] = s; }
+      if (threadIdx.x == 0) {
+        ws[2 * blk] = m;
+        ws[2 * blk + 1] = s;
+      }
     } else {
       s = block_sum(s, red);
       if (threadIdx.x == 0) ws[blk] = s;
@@ -102,9 +106,9 @@ split_stats_kernel(const T* __restrict__ a, const T* __restrict__ b, acc_t<T>* _
 // write this block's chunk.
 template <typename T, bool BWD>
 __global__ void __launch_bounds__(kSplitThreads)
-split_apply_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out,
-                   const acc_t<T>* __restrict__ ws, int64_t rows, int64_t N, int64_t S, RowStrides la, RowStrides lb,
-                   bool log, bool vec) {
+    split_apply_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out,
+                       const acc_t<T>* __restrict__ ws, int64_t rows, int64_t N, int64_t S, RowStrides la,
+                       RowStrides lb, bool log, bool vec) {
   using A = acc_t<T>;
   constexpr int V = 16 / sizeof(T);
   __shared__ A red[33];
@@ -112,7 +116,8 @@ split_apply_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
     const auto [row, lo, hi] = split_chunk(blk, S, N);
     A m = neg_inf<A>(), s = A(0);
     if constexpr (!BWD) {
-      for (int64_t j = threadIdx.x; j < S; j += kSplitThreads) online_merge(m, s, ws[2 * (row * S + j)], ws[2 * (row * S + j) + 1]);
+      for (int64_t j = threadIdx.x; j < S; j += kSplitThreads)
+        online_merge(m, s, ws[2 * (row * S + j)], ws[2 * (row * S + j) + 1]);
       block_merge(m, s, red);
     } else {
       for (int64_t j = threadIdx.x; j < S; j += kSplitThreads) s += ws[row * S + j];
@@ -150,7 +155,8 @@ split_apply_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restri
 
 // Element k (compile-time) of a chunk of 4 words, as float; bf16 and fp16 take
 // two per word (element 2i in the low half), float one.
-template <typename T> __device__ __forceinline__ float word_elem(const uint32_t (&w)[4], int k) {
+template <typename T>
+__device__ __forceinline__ float word_elem(const uint32_t (&w)[4], int k) {
   if constexpr (sizeof(T) == 4) {
     return __uint_as_float(w[k]);
   } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -160,12 +166,17 @@ template <typename T> __device__ __forceinline__ float word_elem(const uint32_t 
     return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
   }
 }
-template <typename T> __device__ __forceinline__ uint32_t bits_of(float v) {
-  if constexpr (sizeof(T) == 4) return __float_as_uint(v);
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  else return __half_as_ushort(__float2half_rn(v));
+template <typename T>
+__device__ __forceinline__ uint32_t bits_of(float v) {
+  if constexpr (sizeof(T) == 4)
+    return __float_as_uint(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  else
+    return __half_as_ushort(__float2half_rn(v));
 }
-template <typename T> __device__ __forceinline__ void set_word_elem(uint32_t (&w)[4], int k, float v) {
+template <typename T>
+__device__ __forceinline__ void set_word_elem(uint32_t (&w)[4], int k, float v) {
   if constexpr (sizeof(T) == 4) {
     w[k] = __float_as_uint(v);
   } else if (k & 1) {
@@ -177,7 +188,8 @@ template <typename T> __device__ __forceinline__ void set_word_elem(uint32_t (&w
 
 template <typename T, int CH, bool LOG>
 __global__ void __launch_bounds__(kRowWarpThreads, 3)
-row_warp_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowStrides la, bool vec) {
+    row_warp_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, int64_t N, RowStrides la,
+                        bool vec) {
   static_assert(sizeof(T) == 2 || sizeof(T) == 4, "2- and 4-byte types");
   constexpr int V = 16 / sizeof(T);
   const int lane = threadIdx.x & 31;
@@ -195,7 +207,10 @@ row_warp_fwd_kernel(const T* __restrict__ a, T* __restrict__ out, int64_t rows, 
       if (vec) {
         if (i0 < rem) {
           const uint4 q = __ldg(reinterpret_cast<const uint4*>(ar + i0));
-          r[c][0] = q.x; r[c][1] = q.y; r[c][2] = q.z; r[c][3] = q.w;
+          r[c][0] = q.x;
+          r[c][1] = q.y;
+          r[c][2] = q.z;
+          r[c][3] = q.w;
         } else {
 #pragma unroll
           for (int i = 0; i < 4; ++i) r[c][i] = ninf;
@@ -270,20 +285,35 @@ cudaError_t launch_rows_typed(const SoftmaxArgs& a, const Plan& p, void* workspa
     case Kind::WarpRows: {
       const int per = kWarpRowsThreads / 32 * (32 / p.lanes);
       const unsigned g = grid_for(cdiv(rows, per));
-      if (p.lanes == 1) rows_regs_kernel<T, 1, false, BWD, 1><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.lanes == 2) rows_regs_kernel<T, 1, false, BWD, 2><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.lanes == 4) rows_regs_kernel<T, 1, false, BWD, 4><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.lanes == 8) rows_regs_kernel<T, 1, false, BWD, 8><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.lanes == 16) rows_regs_kernel<T, 1, false, BWD, 16><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.ch == 1) rows_regs_kernel<T, 1, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.ch == 2) rows_regs_kernel<T, 2, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else rows_regs_kernel<T, 4, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      if (p.lanes == 1)
+        rows_regs_kernel<T, 1, false, BWD, 1>
+            <<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.lanes == 2)
+        rows_regs_kernel<T, 1, false, BWD, 2>
+            <<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.lanes == 4)
+        rows_regs_kernel<T, 1, false, BWD, 4>
+            <<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.lanes == 8)
+        rows_regs_kernel<T, 1, false, BWD, 8>
+            <<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.lanes == 16)
+        rows_regs_kernel<T, 1, false, BWD, 16>
+            <<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.ch == 1)
+        rows_regs_kernel<T, 1, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else if (p.ch == 2)
+        rows_regs_kernel<T, 2, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else
+        rows_regs_kernel<T, 4, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
       break;
     }
     case Kind::BlockRows: {
       const unsigned g = grid_for(rows);
-      if (p.ch == 1) rows_regs_kernel<T, 1, true, BWD><<<g, p.threads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else rows_regs_kernel<T, 2, true, BWD><<<g, p.threads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      if (p.ch == 1)
+        rows_regs_kernel<T, 1, true, BWD><<<g, p.threads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      else
+        rows_regs_kernel<T, 2, true, BWD><<<g, p.threads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
       break;
     }
     case Kind::RowWarp: {

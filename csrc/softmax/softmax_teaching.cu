@@ -10,9 +10,8 @@ using namespace softmax_detail;
 
 // ---- the curriculum's steps: one block per row, looping over the row --------
 template <typename T, int ALGO, bool BWD>
-__global__ void __launch_bounds__(kLoopThreads)
-looped_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t rows, int64_t N,
-              bool log) {
+__global__ void __launch_bounds__(kLoopThreads) looped_kernel(const T* __restrict__ a, const T* __restrict__ b,
+                                                              T* __restrict__ out, int64_t rows, int64_t N, bool log) {
   using A = acc_t<T>;
   __shared__ A buf[kLoopThreads];
   __shared__ A red[33];
@@ -40,8 +39,7 @@ looped_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ 
     } else {
       const T* br = b + row * N;
       A s = A(0);
-      for (int64_t i = t; i < N; i += kLoopThreads)
-        s += log ? to_acc<A>(br[i]) : to_acc<A>(ar[i]) * to_acc<A>(br[i]);
+      for (int64_t i = t; i < N; i += kLoopThreads) s += log ? to_acc<A>(br[i]) : to_acc<A>(ar[i]) * to_acc<A>(br[i]);
       s = ALGO == int(SoftmaxAlgo::Tree) ? tree_reduce<false>(s, buf) : block_sum(s, red);
       for (int64_t i = t; i < N; i += kLoopThreads) {
         const A y = to_acc<A>(ar[i]), g = to_acc<A>(br[i]);
@@ -64,10 +62,14 @@ cudaError_t launch_teaching(const SoftmaxArgs& a, SoftmaxAlgo algo, cudaStream_t
     const T* B_ = static_cast<const T*>(a.b);
     T* O = static_cast<T*>(a.out);
     auto launch = [&](auto kernel) { kernel<<<g, kLoopThreads, 0, st>>>(A_, B_, O, a.outer, a.N, a.log); };
-    constexpr int kTree = int(SoftmaxAlgo::Tree), kShuffle = int(SoftmaxAlgo::Shuffle), kOnline = int(SoftmaxAlgo::Online);
-    if (algo == SoftmaxAlgo::Tree) launch(bwd ? looped_kernel<T, kTree, true> : looped_kernel<T, kTree, false>);
-    else if (algo == SoftmaxAlgo::Shuffle) launch(bwd ? looped_kernel<T, kShuffle, true> : looped_kernel<T, kShuffle, false>);
-    else launch(bwd ? looped_kernel<T, kOnline, true> : looped_kernel<T, kOnline, false>);
+    constexpr int kTree = int(SoftmaxAlgo::Tree), kShuffle = int(SoftmaxAlgo::Shuffle),
+                  kOnline = int(SoftmaxAlgo::Online);
+    if (algo == SoftmaxAlgo::Tree)
+      launch(bwd ? looped_kernel<T, kTree, true> : looped_kernel<T, kTree, false>);
+    else if (algo == SoftmaxAlgo::Shuffle)
+      launch(bwd ? looped_kernel<T, kShuffle, true> : looped_kernel<T, kShuffle, false>);
+    else
+      launch(bwd ? looped_kernel<T, kOnline, true> : looped_kernel<T, kOnline, false>);
     return cudaGetLastError();
   });
 }
