@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/tests/ -> the repo
 SCRIPT = os.path.join(ROOT, "tools", "sanitize_queue.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
 import sanitize_queue  # noqa: E402
