@@ -154,7 +154,7 @@ def visible_gpus(n):
     else:
         try:
             out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
-            ids = [str(i) for i in range(sum(1 for l in out.splitlines() if l.startswith("GPU ")))]
+            ids = [str(i) for i in range(sum(1 for line in out.splitlines() if line.startswith("GPU ")))]
         except (OSError, subprocess.SubprocessError):
             ids = []
     if n is not None:
@@ -169,8 +169,8 @@ def collect(a, f):
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         return [], "collection timed out"
-    ids = [l.strip() for l in p.stdout.splitlines()
-           if "::" in l and not l.startswith(("ERROR", "FAILED", "=", " ", "_"))]
+    ids = [line.strip() for line in p.stdout.splitlines()
+           if "::" in line and not line.startswith(("ERROR", "FAILED", "=", " ", "_"))]
     # node ids are relative to pytest's rootdir: spell them with the path as given, which
     # the test processes (same working directory) can find
     ids = [f + t[t.index("::"):] for t in ids]
@@ -181,7 +181,9 @@ def collect(a, f):
 
 def estimates(ids, costs):
     """{id: seconds}: from costs (an earlier run) where known, else guessed from the name."""
-    fn = lambda t: t.split("[")[0]  # the test function, without its parameters
+    def fn(t):  # the test function, without its parameters
+        return t.split("[")[0]
+
     n = {}
     for t in ids:
         n[fn(t)] = n.get(fn(t), 0) + 1
@@ -240,7 +242,7 @@ class Runner:
         return math.inf if self.t_end is None else self.t_end - time.time()
 
     def filtered(self, f):
-        norm = lambda p: os.path.normpath(p)
+        norm = os.path.normpath
         return (self.a.tool != "memcheck" and bool(self.a.kernels)
                 and norm(f) not in {norm(u) for u in self.a.unfiltered_files})
 

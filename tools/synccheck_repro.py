@@ -1,4 +1,5 @@
-"""Smallest runs of the softmax launches that synccheck once flagged (benchmarks/results/sanitizer_h100.txt), for a bisection.
+"""Smallest runs of the softmax launches that synccheck once flagged (benchmarks/results/sanitizer_h100.txt),
+for a bisection.
 
     compute-sanitizer --tool synccheck --kernel-name kns=gpu_puzzles \
         python tools/synccheck_repro.py cols-st1      # flagged on the H200 (48cf4f6)

@@ -169,8 +169,9 @@ def test_cpu_device_run_per_tool_files(tmp_path):
     (tmp_path / "test_two.py").write_text("def test_b():\n    pass\ndef test_c():\n    pass\n")
     bindir = os.path.dirname(sys.executable)
     env = dict(_own_env(), PATH=bindir + os.pathsep + os.environ["PATH"], OUT=str(tmp_path / "out"),
-               STEPS="memcheck+racecheck", SANITIZE_FILES_memcheck="test_one.py", SANITIZE_FILES_racecheck="test_two.py",
-               SANITIZE_WORKERS="4", SANITIZE_WORKERS_racecheck="3", SANITIZE_TIMEOUT="60", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+               STEPS="memcheck+racecheck", SANITIZE_FILES_memcheck="test_one.py",
+               SANITIZE_FILES_racecheck="test_two.py", SANITIZE_WORKERS="4", SANITIZE_WORKERS_racecheck="3",
+               SANITIZE_TIMEOUT="60", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                SANITIZE_QUEUE_LAUNCHER="%s %s" % (sys.executable, tmp_path / "fake_sanitizer.py"))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if not shutil.which("python3", path=env["PATH"]):
