@@ -132,6 +132,7 @@ def sanitize_timing(case):
     launches (GPU_PUZZLES_RECORD_LAUNCHES)."""
     if _RECORD:
         import json
+
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             yield

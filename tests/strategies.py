@@ -19,9 +19,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from hypothesis import strategies as st
-
 from conftest import CPU_DTYPES, CUDA_DTYPES
+from hypothesis import strategies as st
 
 # Extents that break kernels: 1, small primes, warp/vector boundaries and their neighbours.
 SPECIAL_EXTENTS = (1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 257, 1023, 1024, 1025)
