@@ -1,7 +1,7 @@
 """Run two softmax cases a few times each, for a profiler (CUDA only).
 
     ncu --kernel-name regex:staged_rows --launch-skip 1 --launch-count 1 \
-        python benchmarks/softmax_profile.py rows softmax_rows=new softmax_stages=3
+        python benchmarks/softmax_profile.py rows softmax_rows=staged softmax_stages=3
 
 Cases: rows = fp32 (4096, 131072) dim=-1 forward; cols = bf16 (64, 4096, 256) dim=1
 forward and backward. Arguments name=value are knobs (gpu_puzzles.tuning.knobs()) set for

@@ -11,7 +11,7 @@ against a float64 reference on the case's shape and on odd shapes around its
 dispatch edges, so a broken variant shows up as FAIL next to its speed.
 
 The knobs and their defaults (csrc/softmax: softmax_tuning()): softmax_rows=smem,
-softmax_cluster=8, softmax_stages=1, softmax_cols=new, softmax_col_rows_fwd=16,
+softmax_cluster=8, softmax_stages=1, softmax_cols=staged, softmax_col_rows_fwd=16,
 softmax_col_rows_bwd=8, softmax_grid=1. softmax_rows=smem|bulk: the row slices in shared
 memory (softmax_cluster = 4|8|16 blocks for a 512 KB row); new: the persistent staged
 register kernel (at least 2 stages). softmax_stages=1: column tiles one at a time;
@@ -31,17 +31,17 @@ def _knobs(rows=None, cluster=None, stages=None, cols=None, fwd=None, bwd=None):
     return {f"softmax_{k}": str(v) for k, v in keys.items() if v is not None}
 
 
-# name -> knobs. Earlier rounds (results/softmax_sweep_h100.txt) dropped rows=old, the 2-stage
+# name -> knobs. Earlier rounds (results/softmax_sweep_h100.txt) dropped rows=cluster (then named old), the 2-stage
 # rows and cluster 16 (slower).
 VARIANTS = {
     "rows": {
-        "rows=new cs8 st3": _knobs("new", 8, 3),
+        "rows=staged cs8 st3": _knobs("staged", 8, 3),
         **{f"rows={kind} cluster={cs}": _knobs(kind, cs) for kind in ("smem", "bulk") for cs in (8, 16, 4)},
     },
     "cols": {
         "cols=default": {},
-        "cols=new fwd8 bwd8 st2": _knobs(cols="new", fwd=8, bwd=8, stages=2),
-        **{f"cols=new fwd{r} bwd{r} st1": _knobs(cols="new", fwd=r, bwd=r, stages=1) for r in (4, 8, 16)},
+        "cols=staged fwd8 bwd8 st2": _knobs(cols="staged", fwd=8, bwd=8, stages=2),
+        **{f"cols=staged fwd{r} bwd{r} st1": _knobs(cols="staged", fwd=r, bwd=r, stages=1) for r in (4, 8, 16)},
     },
 }
 

@@ -474,19 +474,20 @@ def _knobs(**kw):
     return {f"softmax_{k}": v for k, v in kw.items()}
 
 
-ROW_VARIANTS = [_knobs(rows="new", cluster=8, stages=2), _knobs(rows="new", cluster=16, stages=2),
-                _knobs(rows="new", cluster=8, stages=3), _knobs(rows="new", cluster=16, stages=3), _knobs(rows="old"),
+ROW_VARIANTS = [_knobs(rows="staged", cluster=8, stages=2), _knobs(rows="staged", cluster=16, stages=2),
+                _knobs(rows="staged", cluster=8, stages=3), _knobs(rows="staged", cluster=16, stages=3),
+                _knobs(rows="cluster"),
                 _knobs(rows="smem", cluster=8), _knobs(rows="smem", cluster=16), _knobs(rows="bulk", cluster=4),
                 _knobs(rows="bulk", cluster=8), _knobs(rows="smem", smem_align="same"),
                 _knobs(rows="smem", smem_align="shifted")]
-COL_VARIANTS = [_knobs(cols="new", col_rows_fwd=8, col_rows_bwd=8, stages=2),
-                _knobs(cols="new", col_rows_fwd=8, col_rows_bwd=8, stages=1),
-                _knobs(cols="new", col_rows_fwd=16, col_rows_bwd=16, stages=1),
-                _knobs(cols="new", col_rows_fwd=16, col_rows_bwd=16, stages=2),
-                _knobs(cols="new", col_rows_fwd=4, col_rows_bwd=4, stages=3),
-                _knobs(cols="new", col_rows_fwd=8, col_rows_bwd=8, stages=3), _knobs(cols="old")]
+COL_VARIANTS = [_knobs(cols="staged", col_rows_fwd=8, col_rows_bwd=8, stages=2),
+                _knobs(cols="staged", col_rows_fwd=8, col_rows_bwd=8, stages=1),
+                _knobs(cols="staged", col_rows_fwd=16, col_rows_bwd=16, stages=1),
+                _knobs(cols="staged", col_rows_fwd=16, col_rows_bwd=16, stages=2),
+                _knobs(cols="staged", col_rows_fwd=4, col_rows_bwd=4, stages=3),
+                _knobs(cols="staged", col_rows_fwd=8, col_rows_bwd=8, stages=3), _knobs(cols="inner")]
 # The built-in defaults spelled out: the same kernels as no override.
-DEFAULT_KNOBS = _knobs(rows="smem", cluster=8, stages=1, cols="new", col_rows_fwd=16, col_rows_bwd=8, grid=1)
+DEFAULT_KNOBS = _knobs(rows="smem", cluster=8, stages=1, cols="staged", col_rows_fwd=16, col_rows_bwd=8, grid=1)
 
 
 def _variant_id(v):
@@ -517,7 +518,7 @@ def test_variant_knobs_cpu():
             with gp.tuning.override(**bad):
                 pass
     with pytest.raises(RuntimeError, match="algorithm"):
-        torch.ops.gpu_puzzles.softmax(x, -1, "auto:rows=new")
+        torch.ops.gpu_puzzles.softmax(x, -1, "auto:rows=staged")
 
 
 def _variant_row_lengths(v):
@@ -639,8 +640,8 @@ def test_cuda_variant_override():
     base = run()
     with gp.tuning.override(**DEFAULT_KNOBS):
         assert all(torch.equal(a, b) for a, b in zip(base, run()))
-    for v in (_knobs(rows="old", cols="old"),
-              _knobs(rows="new", cluster=16, stages=3, cols="new", col_rows_fwd=8, col_rows_bwd=4),
+    for v in (_knobs(rows="cluster", cols="inner"),
+              _knobs(rows="staged", cluster=16, stages=3, cols="staged", col_rows_fwd=8, col_rows_bwd=4),
               _knobs(rows="bulk", cluster=4)):
         with gp.tuning.override(softmax_grid=1):
             with gp.tuning.override(**v):
@@ -956,7 +957,7 @@ def test_opcheck_strided(device):
 
 
 @requires_cuda
-@pytest.mark.parametrize("rows", ["smem", "bulk", "old"])
+@pytest.mark.parametrize("rows", ["smem", "bulk", "cluster"])
 @pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
 def test_cuda_large_vocab(rows, kind):
     # One large vocabulary per kind through the long-row kernels: the shifted logits

@@ -19,7 +19,7 @@ import gpu_puzzles
 from gpu_puzzles.tuning import override
 
 # Knob names and values: gpu_puzzles.tuning.knobs() (the table in csrc/common/kernel_choice.cpp).
-COLS = dict(softmax_cols="new", softmax_col_rows_fwd=8, softmax_col_rows_bwd=8)
+COLS = dict(softmax_cols="staged", softmax_col_rows_fwd=8, softmax_col_rows_bwd=8)
 CASES = {
     # column tiles, bf16 (16, 4096, 256) dim=1: one tile at a time (non-persistent) vs persistent
     "cols-st1": ((16, 4096, 256), 1, torch.bfloat16, dict(COLS, softmax_stages=1)),
@@ -30,7 +30,7 @@ CASES = {
     "rows-smem16": ((64, 131072), -1, torch.float32, dict(softmax_rows="smem", softmax_cluster=16)),
     "rows-smem16-g1": ((64, 131072), -1, torch.float32,
                        dict(softmax_rows="smem", softmax_cluster=16, softmax_grid=1)),
-    "rows-new": ((64, 131072), -1, torch.float32, dict(softmax_rows="new", softmax_cluster=8, softmax_stages=3)),
+    "rows-new": ((64, 131072), -1, torch.float32, dict(softmax_rows="staged", softmax_cluster=8, softmax_stages=3)),
     # the defaults on the benchmark's dim=1 shape
     "cols-default": ((64, 4096, 256), 1, torch.bfloat16, {}),
 }

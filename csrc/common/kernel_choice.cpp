@@ -20,10 +20,10 @@ struct KnobSpec {
 // One row per Knob, in the enum's order.
 const std::array<KnobSpec, static_cast<int>(Knob::Count)>& knob_table() {
   static const std::array<KnobSpec, static_cast<int>(Knob::Count)> t = {{
-      {"softmax_rows", {"old", "new", "smem", "bulk"}},
+      {"softmax_rows", {"cluster", "staged", "smem", "bulk"}},
       {"softmax_cluster", {"4", "8", "16"}},
       {"softmax_stages", {"1", "2", "3"}},
-      {"softmax_cols", {"old", "new"}},
+      {"softmax_cols", {"inner", "staged"}},
       {"softmax_col_rows_fwd", {"4", "8", "16"}},
       {"softmax_col_rows_bwd", {"4", "8", "16"}},
       {"softmax_grid", {"1", "4"}},

@@ -8,10 +8,10 @@ namespace gpu_puzzles {
 
 // The order matches kKnobs in kernel_choice.cpp (one row per knob: name and values).
 enum class Knob : int {
-  SoftmaxRows,          // long rows, forward: old | new | smem | bulk
+  SoftmaxRows,          // long rows: cluster | staged | smem | bulk (SoftmaxRowsKernel)
   SoftmaxCluster,       // 4 | 8 | 16
   SoftmaxStages,        // 1 | 2 | 3
-  SoftmaxCols,          // non-last dim: old | new
+  SoftmaxCols,          // non-last dim: inner | staged (SoftmaxColsKernel)
   SoftmaxColRowsFwd,    // 4 | 8 | 16
   SoftmaxColRowsBwd,    // 4 | 8 | 16
   SoftmaxGrid,          // 1 | 4

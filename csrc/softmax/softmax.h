@@ -21,19 +21,26 @@ namespace gpu_puzzles {
 //   Online  : single-pass running (max, sum), then one write pass.
 enum class SoftmaxAlgo : int { Auto = 0, Tree = 1, Shuffle = 2, Online = 3 };
 
+// The values of the softmax_rows and softmax_cols knobs: each is its 1-based index in the knob
+// table (common/kernel_choice.cpp), named as the knob's value there.
+enum SoftmaxRowsKernel : int { kRowsCluster = 1, kRowsStaged = 2, kRowsSmem = 3, kRowsBulk = 4 };
+enum SoftmaxColsKernel : int { kColsInner = 1, kColsStaged = 2 };
+
 // Kernel variants of the Auto forward / backward. Each field is the value of
 // its knob (common/kernel_choice.h: softmax_rows, softmax_cluster, ...) when
 // overridden, else the default; softmax_tuning() decides both in one place.
 struct SoftmaxTuning {
-  int rows = 0;     // long rows: 1 old (cluster in registers), 2 new (forward: staged, persistent),
-                    // 3 smem (the slice in shared memory, cp.async; forward and backward, any
-                    // alignment), 4 bulk (the same, one bulk copy)
-  int cluster = 0;  // new rows kernel: preferred cluster size, 4 (smem/bulk only), 8 or 16; smem/bulk:
+  int rows = 0;     // long rows, a SoftmaxRowsKernel: cluster (the row in a cluster's registers),
+                    // staged (forward: persistent clusters, copies in flight), smem (the slice in
+                    // shared memory, cp.async; forward and backward, any alignment), bulk (the
+                    // same, one bulk copy)
+  int cluster = 0;  // staged rows kernel: preferred cluster size, 4 (smem/bulk only), 8 or 16; smem/bulk:
                     // the cluster size of a 512 KB row (the slice is 512 KB / cluster)
-  int stages = 0;   // new kernels: copies in flight per block, 2 or 3; columns: 1 = one tile at a
+  int stages = 0;   // staged kernels: copies in flight per block, 2 or 3; columns: 1 = one tile at a
                     // time (smaller blocks, several per SM)
-  int cols = 0;     // non-last dim: 1 old, 2 new (staged column tiles, forward and backward)
-  int col_rows_fwd = 0, col_rows_bwd = 0;  // new column kernel: rows per thread, 4, 8 or 16
+  int cols = 0;     // non-last dim, a SoftmaxColsKernel: inner (tiles across the inner columns), staged
+                    // (staged column tiles, forward and backward)
+  int col_rows_fwd = 0, col_rows_bwd = 0;  // staged column kernel: rows per thread, 4, 8 or 16
   int smem_align = 0;  // smem/bulk rows: the most specialised kernel allowed, 1 aligned (rows 16-byte
                        // aligned, N % V == 0), 2 same (inputs at the output's offset in 16 bytes),
                        // 3 shifted (any); each is taken only where the layout allows it

@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kClusterFwdThreads, 2)
 #endif
 }
 
-// ---- long rows, forward, on Hopper: staged, persistent clusters (rows=new) -----
+// ---- long rows, forward, on Hopper: staged, persistent clusters (rows=staged) --
 // Why: in the register cluster kernel above, each
 // block lives for one row slice only (load, reduce, cluster barrier, store,
 // exit), so an SM's loads stop while its blocks reduce, wait at the barrier,

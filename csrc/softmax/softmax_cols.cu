@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kIcThreads, 2)
 #endif
 }
 
-// ---- a non-last dim, on Hopper: staged column tiles, persistent (cols=new) ---
+// ---- a non-last dim, on Hopper: staged column tiles, persistent (cols=staged)
 // Forward and backward. Tile = 8 16-byte vectors across inner (128 bytes of each
 // of the N rows) of one outer index; the cluster's CS blocks split N, block r
 // owning rows [r NB, r NB + NB), NB = 32 R; thread (tx, ty) copies rows ty,

@@ -34,10 +34,10 @@
 //                                      starts at the output row's offset within 16
 //                                      bytes, ALIGNED where that offset is 0 and
 //                                      N % V == 0; else smem_rows_kernel, which shifts;
-//                                      softmax_smem_align caps it; softmax_rows=new, forward,
+//                                      softmax_smem_align caps it; softmax_rows=staged, forward,
 //                                      N % V == 0 and aligned: persistent clusters with
 //                                      the next rows' slices in flight,
-//                                      staged_rows_fwd_kernel; softmax_rows=old: the
+//                                      staged_rows_fwd_kernel; softmax_rows=cluster: the
 //                                      register cluster kernels above);
 //   columns, N > 512, inner % V == 0, aligned (forward and backward): clusters
 //                                      per 128-byte column tile, staged through
@@ -239,7 +239,7 @@ bool plan_smem_rows(const SoftmaxArgs& a, const SoftmaxTuning& tu, bool bwd, Pla
   p.smem = arrays * p.sb * 16;
   p.threads = kSmThreads;
   p.stages = 1;
-  p.bulk = tu.rows == 4;
+  p.bulk = tu.rows == kRowsBulk;
   p.grid = tu.grid;
   if (p.smem > kStagedSmemMax) return false;
   const void* k = smem_rows_kernel_handle(a.dtype, a.log, p.bulk, bwd, p.align);
@@ -279,7 +279,7 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
   if (a.inner > 1) {
     // 512 < N, whole 16-byte vectors across inner, at least half a 128-byte tile
     // used: staged column tiles (forward and backward), x / y and dy read once.
-    if (tu.cols == 2 && es <= 4 && a.N > int64_t(kIcTy) * kIcRows && a.inner % V == 0 && a.inner * es >= 64 &&
+    if (tu.cols == kColsStaged && es <= 4 && a.N > int64_t(kIcTy) * kIcRows && a.inner % V == 0 && a.inner * es >= 64 &&
         al16(a.a) && al16(a.out) && (!bwd || al16(a.b))) {
       Plan q{};
       if (plan_staged_cols(a, tu, bwd, q)) return q;
@@ -327,13 +327,13 @@ Plan make_plan(const SoftmaxArgs& a, SoftmaxAlgo algo, bool bwd) {
   }
   // Long rows, forward and backward: the row slices in shared memory, several
   // blocks per SM (rows=smem, rows=bulk); any row length, alignment and stride.
-  if ((tu.rows == 3 || tu.rows == 4) && N > 2048 * V && es <= 4) {
+  if ((tu.rows == kRowsSmem || tu.rows == kRowsBulk) && N > 2048 * V && es <= 4) {
     Plan q{};
     if (plan_smem_rows(a, tu, bwd, q)) return q;
   }
-  // Forward, long rows: staged, persistent clusters (rows=new), x read once with
+  // Forward, long rows: staged, persistent clusters (rows=staged), x read once with
   // the next rows' copies in flight.
-  if (!bwd && tu.rows == 2 && N > 2048 * V && es <= 4 && vec_ok(a, false)) {
+  if (!bwd && tu.rows == kRowsStaged && N > 2048 * V && es <= 4 && vec_ok(a, false)) {
     Plan q{};
     if (plan_staged_rows(a, tu, q)) return q;
   }
@@ -445,10 +445,10 @@ int knob_or(Knob k, int fallback) {
 // synccheck flags the column kernel's first block barrier (results/sanitizer_h100.txt).
 SoftmaxTuning softmax_tuning() {
   SoftmaxTuning t;
-  t.rows = knob_or(Knob::SoftmaxRows, 3);  // smem
+  t.rows = knob_or(Knob::SoftmaxRows, kRowsSmem);
   t.cluster = knob_int(Knob::SoftmaxCluster, 8);
-  t.stages = knob_int(Knob::SoftmaxStages, 1);  // the staged rows kernel (rows=new) takes at least 2
-  t.cols = knob_or(Knob::SoftmaxCols, 2);       // new
+  t.stages = knob_int(Knob::SoftmaxStages, 1);  // the staged rows kernel takes at least 2
+  t.cols = knob_or(Knob::SoftmaxCols, kColsStaged);
   t.col_rows_fwd = knob_int(Knob::SoftmaxColRowsFwd, 16);
   t.col_rows_bwd = knob_int(Knob::SoftmaxColRowsBwd, 8);
   t.grid = knob_int(Knob::SoftmaxGrid, 1);
