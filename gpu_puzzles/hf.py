@@ -14,8 +14,9 @@ Families and what they get:
 - GPT-2 (``model_type`` "gpt2"): token and position embeddings (``embedding``); ln_1 + c_attn
   and ln_2 + c_fc (``fused_layernorm_linear``, Conv1D's ``weight.t()`` taken as a view);
   ln_f (``layer_norm``); attention; the LM loss.
-- Llama family ("llama", "mistral", "qwen2"): token embedding; input/post-attention/final
-  RMSNorm (``rms_norm``); attention (GQA); the LM loss.
+- Llama-style decoders (``_DECODERS``: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"):
+  token embedding; every RMSNorm (``rms_norm``): the layers' norms, final, and Qwen3's and
+  OLMo 2's q/k norms; attention (GQA); the LM loss.
 Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
 mask, attention dropout while training, soft-capping, Sq != Sk) is handed to SDPA.
@@ -49,7 +50,34 @@ from . import ops
 ATTENTION_NAME = "gpu_puzzles"
 SDPA_ATTENTION_NAME = "gpu_puzzles_sdpa"  # patch(attention=False): SDPA with our mask function
 _GPT2 = ("gpt2",)
-_LLAMA = ("llama", "mistral", "qwen2")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decoder:
+    """A Llama-style decoder family (``model.model.layers[i]``, ``model.model.norm``,
+    ``embed_tokens``, attention through transformers' interface) and where its RMSNorms sit."""
+
+    layer_norms: tuple  # each decoder layer's norms
+    attn_norms: tuple = ()  # norms inside ``self_attn`` (q/k norms)
+    unfused: str = ("transformers calls q/k/v (and gate/up) as separate Linear modules: fusing them means "
+                    "concatenating their weights on every step; the norms run on rms_norm and the projections on "
+                    "cuBLAS")
+
+
+_PRE = ("input_layernorm", "post_attention_layernorm")
+# model_type -> its patch: every family gpu_puzzles.hf knows, in one place.
+_DECODERS = {
+    "llama": _Decoder(_PRE),
+    "mistral": _Decoder(_PRE),
+    "qwen2": _Decoder(_PRE),
+    "qwen3": _Decoder(_PRE, ("q_norm", "k_norm")),  # per-head q/k RMSNorm before RoPE
+    # Norms after attention and the MLP (and on q/k over all heads): none precedes a linear.
+    "olmo2": _Decoder(("post_attention_layernorm", "post_feedforward_layernorm"), ("q_norm", "k_norm"),
+                      unfused="the norms follow attention and the MLP (post-norm): no norm feeds a linear"),
+    "phi3": _Decoder(_PRE, unfused="RMSNorm + qkv_proj / gate_up_proj (one Linear each) could fuse into "
+                                   "fused_rmsnorm_linear; not done yet: the norms run on rms_norm, the "
+                                   "projections on cuBLAS"),
+}
 
 
 @dataclasses.dataclass
@@ -369,14 +397,17 @@ def _patch_gpt2(model: nn.Module, report: PatchReport, embeddings: bool, norms: 
         _set_fused_loss(model, report, CausalLMOutputWithCrossAttentions)
 
 
-def _patch_llama(model: nn.Module, report: PatchReport, embeddings: bool, norms: bool, attention: bool, loss: bool,
-                 fused_loss: bool) -> None:
+def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embeddings: bool, norms: bool,
+                   attention: bool, loss: bool, fused_loss: bool) -> None:
     base = getattr(model, "model", model)
     if embeddings:
         _patch_embedding(base.embed_tokens, "model.embed_tokens", report)
     if norms:
-        norms_found = [(f"model.layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(base.layers)
-                       for n in ("input_layernorm", "post_attention_layernorm")]
+        norms_found = []
+        for i, layer in enumerate(base.layers):
+            norms_found += [(f"model.layers.{i}.{n}", getattr(layer, n)) for n in family.layer_norms]
+            norms_found += [(f"model.layers.{i}.self_attn.{n}", getattr(layer.self_attn, n))
+                            for n in family.attn_norms]
         norms_found.append(("model.norm", base.norm))
         act = getattr(getattr(base, "embed_tokens", None), "weight", None)  # the activations' dtype
         for where, norm in norms_found:
@@ -391,9 +422,7 @@ def _patch_llama(model: nn.Module, report: PatchReport, embeddings: bool, norms:
                                       "promoted dtype, rms_norm x's, so the stock RMSNorm runs")
             else:
                 report.swapped[where] = "rms_norm"
-        report.left["RMSNorm + q/k/v, RMSNorm + gate/up"] = (
-            "transformers calls q/k/v (and gate/up) as separate Linear modules: fusing them means concatenating "
-            "their weights on every step; the norms run on rms_norm and the projections on cuBLAS")
+        report.left["RMSNorm + q/k/v, RMSNorm + gate/up"] = family.unfused
     if attention:
         _set_attention(model, report, "attention_dropout", ", GQA")
     else:
@@ -431,11 +460,11 @@ def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, atte
         return report
     if model_type in _GPT2:
         _patch_gpt2(model, report, embeddings, norms, attention, loss, fused_loss)
-    elif model_type in _LLAMA:
-        _patch_llama(model, report, embeddings, norms, attention, loss, fused_loss)
+    elif model_type in _DECODERS:
+        _patch_decoder(model, report, _DECODERS[model_type], embeddings, norms, attention, loss, fused_loss)
     else:
         report.left["model"] = (f"architecture '{model_type}' is not one gpu_puzzles.hf knows "
-                                f"(known: {', '.join(_GPT2 + _LLAMA)})")
+                                f"(known: {', '.join(_GPT2 + tuple(_DECODERS))})")
         return report
     object.__setattr__(model, "_gp_patched", report)
     return report

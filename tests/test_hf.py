@@ -438,28 +438,81 @@ def test_report_rmsnorm_of_another_dtype_than_the_activations():
     assert _op_counts(lambda: model.model.norm(x))["rms_norm"] == 0
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
-def test_llama_family_variants(family):
-    """Mistral and Qwen2 (q/k/v with biases) take the Llama path: same modules, same checks."""
-    cfg_cls, model_cls = {"mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
-    torch.manual_seed(0)
-    config = cfg_cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, vocab_size=211, max_position_embeddings=64, attention_dropout=0.0,
-                     bos_token_id=0, eos_token_id=0)
+# Llama-style families from their configs (tiny, random init): the class names and the RMSNorms
+# a 2-layer model runs per forward (layers' norms, q/k norms, the final norm).
+DECODER_FAMILIES = {"mistral": ("Mistral", 5), "qwen2": ("Qwen2", 5), "qwen3": ("Qwen3", 9), "olmo2": ("Olmo2", 9),
+                    "phi3": ("Phi3", 5)}
+
+
+def _decoder(family, seed=0):
+    prefix = DECODER_FAMILIES[family][0]
+    torch.manual_seed(seed)
+    config = getattr(transformers, prefix + "Config")(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=211, max_position_embeddings=64, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+        pad_token_id=None)
     config._attn_implementation = "sdpa"
-    stock = model_cls(config).float()
-    stock.loss_type = "ForCausalLM"
+    model = getattr(transformers, prefix + "ForCausalLM")(config).float()
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+@pytest.mark.parametrize("family", list(DECODER_FAMILIES))
+def test_decoder_families(family):
+    """Mistral, Qwen2 (q/k/v with biases), Qwen3 (per-head q/k norms), OLMo 2 (post-norms, q/k norms
+    over all heads) and Phi-3 (fused qkv and gate/up projections): logits, loss and every
+    gradient as stock's in float32; every RMSNorm, attention and the loss on our ops; the report
+    names each norm it swapped."""
+    stock = _decoder(family)
     ours = copy.deepcopy(stock)
     report = hf.patch(ours)
     assert report.model_type == family and "attention" in report.swapped and "model.norm" in report.swapped
     ids = model_bench.batch("llama", "cpu", small=True)
     a, b = _step(stock, ids), _step(ours, ids)
     torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
     for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
     counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
-    assert counts["attention"] == 2 and counts["rms_norm"] == 5 and counts["cross_entropy"] == 1
+    norms = DECODER_FAMILIES[family][1]
+    assert counts["attention"] == 2 and counts["rms_norm"] == norms and counts["cross_entropy"] == 1, counts
+    assert sum(v == "rms_norm" for v in report.swapped.values()) == norms
+    _assert_report_runs(report, counts, layers=2)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "phi3"])
+def test_decoder_families_autocast_bf16(family):
+    """The newer families under autocast bf16 with float32 parameters (Trainer(bf16=True)'s regime),
+    on the CPU: loss, logits and gradients as close to the float32 model as stock's."""
+    ref = _decoder(family)
+    stock, ours = copy.deepcopy(ref), copy.deepcopy(ref)
+    hf.patch(ours)
+    ids = model_bench.batch("llama", "cpu", small=True)
+    a = _step(ref, ids)
+    b, c = _amp_step(stock, ids, "cpu", torch.bfloat16), _amp_step(ours, ids, "cpu", torch.bfloat16)
+    assert c.loss.dtype == b.loss.dtype == torch.float32
+    err = lambda x, y: (x.float() - y.float()).abs().max().item()  # noqa: E731
+    assert abs(c.loss.item() - a.loss.item()) <= 2 * abs(b.loss.item() - a.loss.item()) + 2e-3
+    assert err(c.logits, a.logits) <= 2 * err(b.logits, a.logits) + 1e-2
+    for (n, g0), g1, g2 in zip(_grads(ref).items(), _grads(stock).values(), _grads(ours).values()):
+        assert g2 is not None and g2.dtype == torch.float32, n
+        assert err(g2, g0) <= 2 * err(g1, g0) + 2e-2 * (g0.abs().max().item() + 1e-6), n
+    # A norm whose input comes from a bf16 linear (q/k norms, OLMo 2's post-norms) meets its float32
+    # weight in two dtypes: it runs stock (_RMSNorm), whose output dtype rule differs per family.
+    # The norms on the float32 residual stream run ours: Qwen3's and Phi-3's 4 + final, OLMo 2's final.
+    counts = _op_counts(lambda: _amp_step(ours, ids, "cpu", torch.bfloat16))
+    ours_under_autocast = {"qwen3": 5, "olmo2": 1, "phi3": 5}[family]
+    assert counts["attention_backward"] == 2 and counts["rms_norm_backward"] == ours_under_autocast, counts
+
+
+def test_decoder_families_compile_fullgraph():
+    """Qwen3's per-head q/k norms under torch.compile(fullgraph=True): no graph break, eager's loss."""
+    model = _decoder("qwen3")
+    hf.patch(model)
+    ids = model_bench.batch("llama", "cpu", small=True)
+    eager = model(input_ids=ids, labels=ids).loss
+    compiled = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window, ours_runs", [(8, False), (64, True)])
