@@ -16,7 +16,8 @@ Families and what they get:
   ln_f (``layer_norm``); attention; the LM loss.
 - Llama-style decoders (``_DECODERS``: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"):
   token embedding; every RMSNorm (``rms_norm``): the layers' norms, final, and Qwen3's and
-  OLMo 2's q/k norms; attention (GQA); the LM loss.
+  OLMo 2's q/k norms; Phi-3's norms fused into the qkv_proj and gate_up_proj after them
+  (``fused_rmsnorm_linear``); attention (GQA); the LM loss.
 Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
 mask, attention dropout while training, soft-capping, Sq != Sk) is handed to SDPA.
@@ -59,7 +60,9 @@ class _Decoder:
 
     layer_norms: tuple  # each decoder layer's norms
     attn_norms: tuple = ()  # norms inside ``self_attn`` (q/k norms)
-    unfused: str = ("transformers calls q/k/v (and gate/up) as separate Linear modules: fusing them means "
+    # (norm, module, linear): a layer norm whose only reader is one Linear, fused into it
+    fuse: tuple = ()
+    unfused: Optional[str] = ("transformers calls q/k/v (and gate/up) as separate Linear modules: fusing them means "
                     "concatenating their weights on every step; the norms run on rms_norm and the projections on "
                     "cuBLAS")
 
@@ -74,9 +77,9 @@ _DECODERS = {
     # Norms after attention and the MLP (and on q/k over all heads): none precedes a linear.
     "olmo2": _Decoder(("post_attention_layernorm", "post_feedforward_layernorm"), ("q_norm", "k_norm"),
                       unfused="the norms follow attention and the MLP (post-norm): no norm feeds a linear"),
-    "phi3": _Decoder(_PRE, unfused="RMSNorm + qkv_proj / gate_up_proj (one Linear each) could fuse into "
-                                   "fused_rmsnorm_linear; not done yet: the norms run on rms_norm, the "
-                                   "projections on cuBLAS"),
+    # q/k/v and gate/up are one Linear each: the norm before each fuses into it.
+    "phi3": _Decoder(_PRE, fuse=(("input_layernorm", "self_attn", "qkv_proj"),
+                                 ("post_attention_layernorm", "mlp", "gate_up_proj")), unfused=None),
 }
 
 
@@ -147,6 +150,14 @@ class _NormConv1D:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ln = self._gp_norm
         return ops.fused_layernorm_linear(x, ln.weight, ln.bias, self.weight.t(), self.bias, eps=ln.eps)
+
+
+class _RMSNormLinear:
+    """An nn.Linear with the RMSNorm before it fused in (Phi-3's qkv_proj and gate_up_proj)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self._gp_norm
+        return ops.fused_rmsnorm_linear(x, n.weight, self.weight, self.bias, _rms_eps(n))
 
 
 def _rms_eps(norm: nn.Module) -> Optional[float]:
@@ -397,19 +408,40 @@ def _patch_gpt2(model: nn.Module, report: PatchReport, embeddings: bool, norms: 
         _set_fused_loss(model, report, CausalLMOutputWithCrossAttentions)
 
 
+def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, act: Optional[torch.Tensor],
+                report: PatchReport) -> set:
+    """The family's norm + Linear pairs of one layer fused where they can be (an RMSNorm with a 1-D
+    weight, an nn.Linear, one dtype for the activations and both weights); the names of the norms fused."""
+    fused = set()
+    for norm_name, owner, lin_name in family.fuse:
+        norm, lin = getattr(layer, norm_name), getattr(getattr(layer, owner), lin_name)
+        where = f"{prefix}.{norm_name}+{owner}.{lin_name}"
+        w = getattr(norm, "weight", None)
+        dtypes = {t.dtype for t in (w, lin.weight, act) if isinstance(t, torch.Tensor)}
+        if not isinstance(w, torch.Tensor) or w.dim() != 1 or type(lin) is not nn.Linear or len(dtypes) != 1:
+            report.left[where] = "not an RMSNorm and an nn.Linear of the activations' dtype: the norm runs alone"
+            continue
+        _defer_into(norm, lin, _RMSNormLinear)
+        report.swapped[where] = "fused_rmsnorm_linear"
+        fused.add(norm_name)
+    return fused
+
+
 def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embeddings: bool, norms: bool,
                    attention: bool, loss: bool, fused_loss: bool) -> None:
     base = getattr(model, "model", model)
     if embeddings:
         _patch_embedding(base.embed_tokens, "model.embed_tokens", report)
     if norms:
+        act = getattr(getattr(base, "embed_tokens", None), "weight", None)  # the activations' dtype
         norms_found = []
         for i, layer in enumerate(base.layers):
-            norms_found += [(f"model.layers.{i}.{n}", getattr(layer, n)) for n in family.layer_norms]
+            fused = _fuse_norms(layer, f"model.layers.{i}", family, act, report)
+            norms_found += [(f"model.layers.{i}.{n}", getattr(layer, n)) for n in family.layer_norms
+                            if n not in fused]
             norms_found += [(f"model.layers.{i}.self_attn.{n}", getattr(layer.self_attn, n))
                             for n in family.attn_norms]
         norms_found.append(("model.norm", base.norm))
-        act = getattr(getattr(base, "embed_tokens", None), "weight", None)  # the activations' dtype
         for where, norm in norms_found:
             w = getattr(norm, "weight", None)
             if not isinstance(w, torch.Tensor) or w.dim() != 1:
@@ -422,7 +454,8 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
                                       "promoted dtype, rms_norm x's, so the stock RMSNorm runs")
             else:
                 report.swapped[where] = "rms_norm"
-        report.left["RMSNorm + q/k/v, RMSNorm + gate/up"] = family.unfused
+        if family.unfused:
+            report.left["RMSNorm + q/k/v, RMSNorm + gate/up"] = family.unfused
     if attention:
         _set_attention(model, report, "attention_dropout", ", GQA")
     else:

@@ -438,10 +438,11 @@ def test_report_rmsnorm_of_another_dtype_than_the_activations():
     assert _op_counts(lambda: model.model.norm(x))["rms_norm"] == 0
 
 
-# Llama-style families from their configs (tiny, random init): the class names and the RMSNorms
-# a 2-layer model runs per forward (layers' norms, q/k norms, the final norm).
-DECODER_FAMILIES = {"mistral": ("Mistral", 5), "qwen2": ("Qwen2", 5), "qwen3": ("Qwen3", 9), "olmo2": ("Olmo2", 9),
-                    "phi3": ("Phi3", 5)}
+# Llama-style families from their configs (tiny, random init): the class names, the rms_norm calls
+# of a 2-layer model's forward (layers' norms, q/k norms, the final norm) and its fused
+# RMSNorm+Linear calls (Phi-3's norms before qkv_proj and gate_up_proj).
+DECODER_FAMILIES = {"mistral": ("Mistral", 5, 0), "qwen2": ("Qwen2", 5, 0), "qwen3": ("Qwen3", 9, 0),
+                    "olmo2": ("Olmo2", 9, 0), "phi3": ("Phi3", 1, 4)}
 
 
 def _decoder(family, seed=0):
@@ -474,10 +475,28 @@ def test_decoder_families(family):
     for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
     counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
-    norms = DECODER_FAMILIES[family][1]
+    _, norms, fused = DECODER_FAMILIES[family]
     assert counts["attention"] == 2 and counts["rms_norm"] == norms and counts["cross_entropy"] == 1, counts
+    assert counts["fused_rmsnorm_linear"] == fused, counts
     assert sum(v == "rms_norm" for v in report.swapped.values()) == norms
     _assert_report_runs(report, counts, layers=2)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "phi3"])
+def test_decoder_families_bf16_parameters(family):
+    """bf16 parameters (our bench's regime), on the CPU: logits and gradients as close to the float32
+    model as stock's bf16 ones."""
+    ref = _decoder(family)
+    stock = copy.deepcopy(ref).to(torch.bfloat16)
+    ours = copy.deepcopy(stock)
+    hf.patch(ours)
+    ids = model_bench.batch("llama", "cpu", small=True)
+    a, b, c = _step(ref, ids), _step(stock, ids), _step(ours, ids)
+    err = lambda x, y: (x.float() - y.float()).abs().max().item()  # noqa: E731
+    assert err(c.logits, a.logits) <= 2 * err(b.logits, a.logits) + 1e-2
+    for (n, g0), g1, g2 in zip(_grads(ref).items(), _grads(stock).values(), _grads(ours).values()):
+        assert g2 is not None and g2.dtype == torch.bfloat16, n
+        assert err(g2, g0) <= 2 * err(g1, g0) + 2e-2 * (g0.abs().max().item() + 1e-6), n
 
 
 @pytest.mark.parametrize("family", ["qwen3", "olmo2", "phi3"])
@@ -499,15 +518,19 @@ def test_decoder_families_autocast_bf16(family):
         assert err(g2, g0) <= 2 * err(g1, g0) + 2e-2 * (g0.abs().max().item() + 1e-6), n
     # A norm whose input comes from a bf16 linear (q/k norms, OLMo 2's post-norms) meets its float32
     # weight in two dtypes: it runs stock (_RMSNorm), whose output dtype rule differs per family.
-    # The norms on the float32 residual stream run ours: Qwen3's and Phi-3's 4 + final, OLMo 2's final.
+    # The norms on the float32 residual stream run ours: Qwen3's 4 + final, OLMo 2's final; Phi-3's
+    # final, its other 4 fused with the projection after them (the linear in bf16, as stock's).
     counts = _op_counts(lambda: _amp_step(ours, ids, "cpu", torch.bfloat16))
-    ours_under_autocast = {"qwen3": 5, "olmo2": 1, "phi3": 5}[family]
+    ours_under_autocast = {"qwen3": 5, "olmo2": 1, "phi3": 1}[family]
     assert counts["attention_backward"] == 2 and counts["rms_norm_backward"] == ours_under_autocast, counts
+    assert counts["fused_rmsnorm_linear_backward"] == DECODER_FAMILIES[family][2], counts
 
 
-def test_decoder_families_compile_fullgraph():
-    """Qwen3's per-head q/k norms under torch.compile(fullgraph=True): no graph break, eager's loss."""
-    model = _decoder("qwen3")
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_decoder_families_compile_fullgraph(family):
+    """Qwen3's per-head q/k norms and Phi-3's fused norm + projections under
+    torch.compile(fullgraph=True): no graph break, eager's loss."""
+    model = _decoder(family)
     hf.patch(model)
     ids = model_bench.batch("llama", "cpu", small=True)
     eager = model(input_ids=ids, labels=ids).loss
