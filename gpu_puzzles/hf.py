@@ -397,15 +397,9 @@ def _patch_gpt2(model: nn.Module, report: PatchReport, embeddings: bool, norms: 
             report.swapped["transformer.ln_f"] = "layer_norm"
         else:
             report.left["transformer.ln_f"] = "not an affine nn.LayerNorm"
-    if attention:
-        _set_attention(model, report, "attn_pdrop", "")
-    else:
-        _set_sdpa_mask(model, report)
-    if loss:
-        _set_loss(model, report)
-    if loss and fused_loss:
-        from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
-        _set_fused_loss(model, report, CausalLMOutputWithCrossAttentions)
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+    _patch_attention_and_loss(model, report, attention, loss, fused_loss, "attn_pdrop", "",
+                              CausalLMOutputWithCrossAttentions)
 
 
 def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, act: Optional[torch.Tensor],
@@ -456,15 +450,23 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
                 report.swapped[where] = "rms_norm"
         if family.unfused:
             report.left["RMSNorm + q/k/v, RMSNorm + gate/up"] = family.unfused
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    _patch_attention_and_loss(model, report, attention, loss, fused_loss, "attention_dropout", ", GQA",
+                              CausalLMOutputWithPast)
+
+
+def _patch_attention_and_loss(model: nn.Module, report: PatchReport, attention: bool, loss: bool, fused_loss: bool,
+                              dropout_attr: str, note: str, output_cls: type) -> None:
+    """What every family shares: attention through the registry (or SDPA's kernels with our mask),
+    the loss, and with ``fused_loss`` the LM head fused with it (``output_cls``: the model's output)."""
     if attention:
-        _set_attention(model, report, "attention_dropout", ", GQA")
+        _set_attention(model, report, dropout_attr, note)
     else:
         _set_sdpa_mask(model, report)
     if loss:
         _set_loss(model, report)
     if loss and fused_loss:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-        _set_fused_loss(model, report, CausalLMOutputWithPast)
+        _set_fused_loss(model, report, output_cls)
 
 
 def _set_loss(model: nn.Module, report: PatchReport) -> None:
