@@ -15,7 +15,7 @@ from conftest import HAS_CUDA  # noqa: E402
 import gpu_puzzles.hf as hf  # noqa: E402
 from gpu_puzzles.bench import model as model_bench  # noqa: E402
 
-FAMILIES = ["gpt2", "llama"]
+FAMILIES = ["gpt2", "llama", "qwen3"]  # gpu_puzzles.bench.model.MODELS, shrunk
 
 
 def _pair(name, device="cpu", dtype=torch.float32, **which):
@@ -92,7 +92,8 @@ def test_our_ops_run(name):
         assert counts["fused_layernorm_linear"] == 2 * layers and counts["layer_norm"] == 1
         assert counts["embedding"] == 2
     else:
-        assert counts["rms_norm"] == 2 * layers + 1 and counts["embedding"] == 1
+        qk_norms = 2 * layers if name == "qwen3" else 0
+        assert counts["rms_norm"] == 2 * layers + 1 + qk_norms and counts["embedding"] == 1
 
 
 def test_attention_false_leaves_sdpa():

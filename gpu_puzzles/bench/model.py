@@ -31,7 +31,17 @@ MODELS = {
                   config=dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                               num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
                               max_position_embeddings=4096)),
+    # Qwen3-1.7B's shape (hidden 2048, 16 heads / 8 kv heads of 128, intermediate 6144, vocab
+    # 151936, tied embeddings, per-head q/k norms), shortened from 28 layers to the Llama's 16.
+    "qwen3": dict(kind="qwen3", batch=4, seq=2048,
+                  config=dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                              num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                              max_position_embeddings=4096, tie_word_embeddings=True)),
 }
+# kind -> the transformers class name's prefix (<Prefix>Config, <Prefix>ForCausalLM).
+_CLASSES = {"llama": "Llama", "qwen3": "Qwen3"}
+_SMALL_DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=211, max_position_embeddings=64)
 VARIANTS = {
     "stock": None,
     "ours, SDPA attention": dict(attention=False),
@@ -56,17 +66,17 @@ def build(name: str, device, dtype=torch.bfloat16, seed: int = 0, small: bool = 
     cfg = dict(spec["config"])
     if small:
         cfg.update({"gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=64),
-                    "llama": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  intermediate_size=128, vocab_size=211, max_position_embeddings=64)}[name])
+                    "llama": _SMALL_DECODER, "qwen3": dict(_SMALL_DECODER, head_dim=16)}[name])
     torch.manual_seed(seed)
     if spec["kind"] == "gpt2":
         config = transformers.GPT2Config(**cfg, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
                                          bos_token_id=0, eos_token_id=0)
         model = transformers.GPT2LMHeadModel(config)
     else:
-        config = transformers.LlamaConfig(**cfg, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
-                                          pad_token_id=None)
-        model = transformers.LlamaForCausalLM(config)
+        prefix = _CLASSES[spec["kind"]]
+        config = getattr(transformers, prefix + "Config")(**cfg, attention_dropout=0.0, bos_token_id=0,
+                                                          eos_token_id=0, pad_token_id=None)
+        model = getattr(transformers, prefix + "ForCausalLM")(config)
     # transformers' default loss, named, so the stock path does not warn (a graph break
     # under torch.compile) about an unset loss_type.
     model.loss_type = "ForCausalLM"
