@@ -17,7 +17,9 @@ Families and what they get:
 - Llama-style decoders (``_DECODERS``: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"):
   token embedding; every RMSNorm (``rms_norm``): the layers' norms, final, and Qwen3's and
   OLMo 2's q/k norms; Phi-3's norms fused into the qkv_proj and gate_up_proj after them
-  (``fused_rmsnorm_linear``); attention (GQA); the LM loss.
+  (``fused_rmsnorm_linear``), and the other families' norms into q/k/v and gate/up under
+  autocast with float32 weights (one GEMM over the weights' cast copies, concatenated in the
+  cast); attention (GQA); the LM loss.
 Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
 mask, attention dropout while training, soft-capping, Sq != Sk) is handed to SDPA.
@@ -60,26 +62,25 @@ class _Decoder:
 
     layer_norms: tuple  # each decoder layer's norms
     attn_norms: tuple = ()  # norms inside ``self_attn`` (q/k norms)
-    # (norm, module, linear): a layer norm whose only reader is one Linear, fused into it
+    # (norm, module, linears): a layer norm whose only readers are these Linears of one module,
+    # all called on the norm's output: fused into them (_NormFeeds)
     fuse: tuple = ()
-    unfused: Optional[str] = ("transformers calls q/k/v (and gate/up) as separate Linear modules: fusing them means "
-                    "concatenating their weights on every step; the norms run on rms_norm and the projections on "
-                    "cuBLAS")
 
 
 _PRE = ("input_layernorm", "post_attention_layernorm")
+_PRE_FUSE = (("input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj")),
+             ("post_attention_layernorm", "mlp", ("gate_proj", "up_proj")))
 # model_type -> its patch: every family gpu_puzzles.hf knows, in one place.
 _DECODERS = {
-    "llama": _Decoder(_PRE),
-    "mistral": _Decoder(_PRE),
-    "qwen2": _Decoder(_PRE),
-    "qwen3": _Decoder(_PRE, ("q_norm", "k_norm")),  # per-head q/k RMSNorm before RoPE
+    "llama": _Decoder(_PRE, fuse=_PRE_FUSE),
+    "mistral": _Decoder(_PRE, fuse=_PRE_FUSE),
+    "qwen2": _Decoder(_PRE, fuse=_PRE_FUSE),
+    "qwen3": _Decoder(_PRE, ("q_norm", "k_norm"), fuse=_PRE_FUSE),  # per-head q/k RMSNorm before RoPE
     # Norms after attention and the MLP (and on q/k over all heads): none precedes a linear.
-    "olmo2": _Decoder(("post_attention_layernorm", "post_feedforward_layernorm"), ("q_norm", "k_norm"),
-                      unfused="the norms follow attention and the MLP (post-norm): no norm feeds a linear"),
-    # q/k/v and gate/up are one Linear each: the norm before each fuses into it.
-    "phi3": _Decoder(_PRE, fuse=(("input_layernorm", "self_attn", "qkv_proj"),
-                                 ("post_attention_layernorm", "mlp", "gate_up_proj")), unfused=None),
+    "olmo2": _Decoder(("post_attention_layernorm", "post_feedforward_layernorm"), ("q_norm", "k_norm")),
+    # q/k/v and gate/up are one Linear each.
+    "phi3": _Decoder(_PRE, fuse=(("input_layernorm", "self_attn", ("qkv_proj",)),
+                                 ("post_attention_layernorm", "mlp", ("gate_up_proj",)))),
 }
 
 
@@ -126,22 +127,109 @@ class _LayerNorm:
         return ops.layer_norm(x, self.weight, self.bias, eps=self.eps)
 
 
+def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module's output: ``rms_norm`` where x and the weight share a dtype.
+    transformers' RMSNorm returns weight * x_normed in the promoted dtype of the two, rms_norm
+    x's: they agree when the dtypes do (under autocast too: no rule for either). A float32
+    weight kept beside bf16 activations runs the stock module."""
+    if x.dtype != norm.weight.dtype:
+        return norm._gp_base.forward(norm, x)
+    return ops.rms_norm(x, norm.weight, eps=_rms_eps(norm))
+
+
 class _RMSNorm:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers' RMSNorm returns weight * x_normed in the promoted dtype of the two;
-        # rms_norm returns x's. They agree when the dtypes do (under autocast too: no rule
-        # for either); a float32 weight kept beside bf16 activations runs stock.
-        if x.dtype != self.weight.dtype:
-            return super().forward(x)
-        return ops.rms_norm(x, self.weight, eps=_rms_eps(self))
+        return _rms(self, x)
 
 
 class _Deferred:
-    """A norm whose work moved into the layer that consumes its output (``_gp_consumer``):
+    """A norm whose work moved into the module that consumes its output (``_NormFeeds``):
     the block still calls it, and it hands its input on unchanged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+class _NormFeeds:
+    """A module (``self_attn``, ``mlp``) whose Linears ``_gp_linears`` all read the deferred
+    RMSNorm ``_gp_norm`` of its input: it runs the norm itself, and where it can, the norm and
+    the Linears as one ``fused_rmsnorm_linear`` over their weights concatenated (one GEMM, the
+    normalised activation written once in the GEMM's dtype, one dX in the backward), whose
+    column blocks it feeds to the Linears (``_Fed``) while its own forward runs."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if args else kwargs["hidden_states"]
+        norm, lins = self._gp_norm, self._gp_linears
+        dt = _fused_dtype(x, norm, lins)
+        if dt is None:
+            xn = _rms(norm, x)
+            args, kwargs = ((xn,) + args[1:], kwargs) if args else (args, {**kwargs, "hidden_states": xn})
+            return super().forward(*args, **kwargs)
+        w = lins[0].weight if len(lins) == 1 else _cast_cat(dt, [lin.weight for lin in lins])
+        b = None
+        if lins[0].bias is not None:
+            b = lins[0].bias if len(lins) == 1 else _cast_cat(dt, [lin.bias for lin in lins])
+        y = ops.fused_rmsnorm_linear(x, norm.weight, w, b, _rms_eps(norm))
+        # One split (its backward one cat), not a slice per Linear (a full-size zero gradient each).
+        parts = y.split([lin.out_features for lin in lins], -1) if len(lins) > 1 else (y,)
+        for lin, part in zip(lins, parts):
+            lin._gp_feed = (x, part)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            for lin in lins:
+                lin._gp_feed = None
+
+
+class _CastCat(torch.autograd.Function):
+    """torch.cat of tensors into another dtype in one pass (cat's copy casts), as autocast's
+    casts of each would; the gradient split and cast back to each input's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, dtype: torch.dtype, *ts: torch.Tensor) -> torch.Tensor:
+        ctx.parts = [(t.shape[0], t.dtype) for t in ts]
+        out = ts[0].new_empty((sum(t.shape[0] for t in ts),) + ts[0].shape[1:], dtype=dtype)
+        return torch.cat(ts, out=out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grads = grad.split([n for n, _ in ctx.parts])
+        return (None,) + tuple(g.to(dt) for g, (_, dt) in zip(grads, ctx.parts))
+
+
+def _cast_cat(dtype: torch.dtype, ts: list) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return torch.cat([t.to(dtype) for t in ts])  # inductor fuses the casts into the cat
+    return _CastCat.apply(dtype, *ts)
+
+
+def _fused_dtype(x: torch.Tensor, norm: nn.Module, lins: tuple) -> Optional[torch.dtype]:
+    """The dtype of the fused GEMM's operands, or None where the norm and the Linears run apart.
+    One Linear: fused wherever the op takes the dtypes (under autocast, as the op's autocast rule
+    has it). Several: only under autocast with weights of another dtype, whose cast copies the
+    concatenation replaces; in the weights' own dtype, concatenating would copy them every step."""
+    dev = x.device.type
+    if x.dtype != norm.weight.dtype:
+        return None
+    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) and x.dtype != torch.float64:
+        dt = torch.get_autocast_dtype(dev)
+        if len(lins) == 1 or all(lin.weight.dtype != dt for lin in lins):
+            return dt
+        return None
+    return x.dtype if len(lins) == 1 and lins[0].weight.dtype == x.dtype else None
+
+
+class _Fed:
+    """An nn.Linear of a ``_NormFeeds`` module: while that module fuses, its output is fed in."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feed = self._gp_feed
+        if feed is None:
+            return super().forward(x)
+        if feed[0] is not x:
+            raise RuntimeError("gpu_puzzles.hf: a Linear fused with the RMSNorm before it was called on another "
+                               "input than the norm's (the model's forward differs from the one patched)")
+        return feed[1]
 
 
 class _NormConv1D:
@@ -150,14 +238,6 @@ class _NormConv1D:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ln = self._gp_norm
         return ops.fused_layernorm_linear(x, ln.weight, ln.bias, self.weight.t(), self.bias, eps=ln.eps)
-
-
-class _RMSNormLinear:
-    """An nn.Linear with the RMSNorm before it fused in (Phi-3's qkv_proj and gate_up_proj)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = self._gp_norm
-        return ops.fused_rmsnorm_linear(x, n.weight, self.weight, self.bias, _rms_eps(n))
 
 
 def _rms_eps(norm: nn.Module) -> Optional[float]:
@@ -402,21 +482,29 @@ def _patch_gpt2(model: nn.Module, report: PatchReport, embeddings: bool, norms: 
                               CausalLMOutputWithCrossAttentions)
 
 
-def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, act: Optional[torch.Tensor],
-                report: PatchReport) -> set:
-    """The family's norm + Linear pairs of one layer fused where they can be (an RMSNorm with a 1-D
-    weight, an nn.Linear, one dtype for the activations and both weights); the names of the norms fused."""
+def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, report: PatchReport) -> set:
+    """The family's norm + Linears groups of one layer, fused where they can be (an RMSNorm with
+    a 1-D weight, plain nn.Linears, biases on all or none); the names of the norms fused."""
     fused = set()
-    for norm_name, owner, lin_name in family.fuse:
-        norm, lin = getattr(layer, norm_name), getattr(getattr(layer, owner), lin_name)
-        where = f"{prefix}.{norm_name}+{owner}.{lin_name}"
+    for norm_name, owner_name, lin_names in family.fuse:
+        norm, owner = getattr(layer, norm_name), getattr(layer, owner_name)
+        lins = tuple(getattr(owner, n, None) for n in lin_names)
         w = getattr(norm, "weight", None)
-        dtypes = {t.dtype for t in (w, lin.weight, act) if isinstance(t, torch.Tensor)}
-        if not isinstance(w, torch.Tensor) or w.dim() != 1 or type(lin) is not nn.Linear or len(dtypes) != 1:
-            report.left[where] = "not an RMSNorm and an nn.Linear of the activations' dtype: the norm runs alone"
-            continue
-        _defer_into(norm, lin, _RMSNormLinear)
-        report.swapped[where] = "fused_rmsnorm_linear"
+        if (not isinstance(w, torch.Tensor) or w.dim() != 1 or any(type(lin) is not nn.Linear for lin in lins)
+                or len({lin.bias is None for lin in lins}) != 1):
+            continue  # the norm runs alone (rms_norm), the Linears stock
+        object.__setattr__(owner, "_gp_norm", norm)  # not registered: its Parameters would appear twice
+        object.__setattr__(owner, "_gp_linears", lins)
+        for lin in lins:
+            lin._gp_feed = None
+            _swap(lin, _Fed)
+        _swap(norm, _Deferred)
+        _swap(owner, _NormFeeds)
+        where = f"{prefix}.{norm_name}+{owner_name}.{'/'.join(lin_names)}"
+        report.swapped[where] = ("fused_rmsnorm_linear" if len(lins) == 1 else
+                                 "rms_norm (under autocast with weights of another dtype: fused_rmsnorm_linear "
+                                 "over the weights' cast copies concatenated; in their own dtype concatenating "
+                                 "would copy them every step)")
         fused.add(norm_name)
     return fused
 
@@ -430,7 +518,7 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
         act = getattr(getattr(base, "embed_tokens", None), "weight", None)  # the activations' dtype
         norms_found = []
         for i, layer in enumerate(base.layers):
-            fused = _fuse_norms(layer, f"model.layers.{i}", family, act, report)
+            fused = _fuse_norms(layer, f"model.layers.{i}", family, report)
             norms_found += [(f"model.layers.{i}.{n}", getattr(layer, n)) for n in family.layer_norms
                             if n not in fused]
             norms_found += [(f"model.layers.{i}.self_attn.{n}", getattr(layer.self_attn, n))
@@ -443,13 +531,11 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
                 continue
             _swap(norm, _RMSNorm)
             if isinstance(act, torch.Tensor) and act.dtype != w.dtype:
-                # _RMSNorm.forward runs stock for such a pair; it takes rms_norm once they agree.
+                # _rms runs stock for such a pair; it takes rms_norm once they agree.
                 report.left[where] = (f"weight {w.dtype} beside {act.dtype} activations: transformers returns the "
                                       "promoted dtype, rms_norm x's, so the stock RMSNorm runs")
             else:
                 report.swapped[where] = "rms_norm"
-        if family.unfused:
-            report.left["RMSNorm + q/k/v, RMSNorm + gate/up"] = family.unfused
     from transformers.modeling_outputs import CausalLMOutputWithPast
     _patch_attention_and_loss(model, report, attention, loss, fused_loss, "attention_dropout", ", GQA",
                               CausalLMOutputWithPast)
