@@ -300,8 +300,8 @@ def _amp_errors_within_stock(name, device, dtype, ckpt=None, fused_loss=False):
         assert counts["cross_entropy"] >= 1 and counts["cross_entropy_backward"] == 1, counts
     if name == "gpt2":
         assert counts["fused_layernorm_linear_backward"] == 4 and counts["layer_norm_backward"] == 1, counts
-    else:  # each layer's two norms fused with q/k/v and gate/up (float32 weights cast), the final norm alone
-        assert counts["fused_rmsnorm_linear_backward"] == 4 and counts["rms_norm_backward"] == 1, counts
+    else:  # each layer's norm before q/k/v fused with them (float32 weights cast); the others alone
+        assert counts["fused_rmsnorm_linear_backward"] == 2 and counts["rms_norm_backward"] == 3, counts
 
 
 @pytest.mark.parametrize("ckpt", [None, "reentrant", "nonreentrant"], ids=["no_ckpt", "reentrant", "nonreentrant"])
@@ -520,13 +520,14 @@ def test_decoder_families_autocast_bf16(family):
         assert err(g2, g0) <= 2 * err(g1, g0) + 2e-2 * (g0.abs().max().item() + 1e-6), n
     # A norm whose input comes from a bf16 linear (q/k norms, OLMo 2's post-norms) meets its float32
     # weight in two dtypes: it runs stock (_RMSNorm), whose output dtype rule differs per family.
-    # The norms on the float32 residual stream run ours: the final one alone; OLMo 2's post-norms
-    # read bf16 linears; the others fused with the projections after them (the GEMM in bf16, as
-    # stock's): Phi-3's fused qkv_proj and gate_up_proj, and Mistral's and Qwen2's q/k/v and
-    # gate/up, their float32 weights cast and concatenated. (Llama, Qwen3: FAMILIES' tests.)
+    # The norms on the float32 residual stream run ours; OLMo 2's post-norms read bf16 linears and
+    # its q/k norms a bf16 q/k (stock runs them). Fused with the projections after them (the GEMM
+    # in bf16, as stock's): Phi-3's norms before qkv_proj and gate_up_proj; Mistral's and Qwen2's
+    # before q/k/v, their float32 weights cast and concatenated. (Llama, Qwen3: FAMILIES' tests.)
     counts = _op_counts(lambda: _amp_step(ours, ids, "cpu", torch.bfloat16))
-    assert counts["attention_backward"] == 2 and counts["rms_norm_backward"] == 1, counts
-    assert counts["fused_rmsnorm_linear_backward"] == (0 if family == "olmo2" else 4), counts
+    fused, alone = {"mistral": (2, 3), "qwen2": (2, 3), "olmo2": (0, 1), "phi3": (4, 1)}[family]
+    assert counts["attention_backward"] == 2 and counts["rms_norm_backward"] == alone, counts
+    assert counts["fused_rmsnorm_linear_backward"] == fused, counts
 
 
 @pytest.mark.parametrize("family", ["olmo2", "phi3"])
@@ -645,28 +646,31 @@ def test_ddp_and_fsdp2_on_cpu(tmp_path):
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
 def test_norm_fed_module_runs_the_norm(autocast):
-    """A Llama MLP patched with the norm before it deferred into it: mlp(x) is stock's
-    mlp(post_attention_layernorm(x)), run apart (float32) or fused over gate/up's weights cast
-    and concatenated (autocast); a fed Linear called on another input than the norm's is an error."""
+    """A Llama attention patched with the norm before it deferred into it: self_attn(x) is stock's
+    self_attn(input_layernorm(x)), run apart (float32) or fused over q/k/v's weights cast and
+    concatenated (autocast); a fed Linear called on another input than the norm's is an error."""
     stock = model_bench.build("llama", "cpu", dtype=torch.float32, small=True)
     ours = copy.deepcopy(stock)
     hf.patch(ours)
     s, o = stock.model.layers[0], ours.model.layers[0]
-    x = torch.randn(2, 5, s.mlp.gate_proj.in_features, requires_grad=True)
+    x = torch.randn(2, 5, s.self_attn.q_proj.in_features, requires_grad=True)
+    pe = stock.model.rotary_emb(x, torch.arange(5)[None])
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        a, b = s.mlp(s.post_attention_layernorm(x)), o.mlp(o.post_attention_layernorm(x))
-        counts = _op_counts(lambda: o.mlp(o.post_attention_layernorm(x)))
-    assert counts["fused_rmsnorm_linear" if autocast else "rms_norm"] >= 1, counts
+        a = s.self_attn(s.input_layernorm(x), position_embeddings=pe, attention_mask=None)[0]
+        run = lambda: o.self_attn(o.input_layernorm(x), position_embeddings=pe, attention_mask=None)[0]  # noqa: E731
+        b = run()
+        counts = _op_counts(run)
+    assert counts["fused_rmsnorm_linear" if autocast else "rms_norm"] == 1, counts
     torch.testing.assert_close(b, a, rtol=0 if not autocast else 2e-2, atol=1e-6 if not autocast else 2e-2)
     (ga,) = torch.autograd.grad(a.float().square().sum(), x)
     (gb,) = torch.autograd.grad(b.float().square().sum(), x)
     torch.testing.assert_close(gb, ga, rtol=5e-2, atol=5e-2 * ga.abs().max().item())
-    o.mlp.up_proj._gp_feed = (x, b)
+    o.self_attn.k_proj._gp_feed = (x, b)
     try:
         with pytest.raises(RuntimeError, match="called on another input"):
-            o.mlp.up_proj(x.detach().clone())
+            o.self_attn.k_proj(x.detach().clone())
     finally:
-        o.mlp.up_proj._gp_feed = None
+        o.self_attn.k_proj._gp_feed = None
 
 
 def test_cast_cat_gradients():
