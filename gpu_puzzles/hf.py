@@ -14,7 +14,8 @@ Families and what they get:
 - GPT-2 (``model_type`` "gpt2"): token and position embeddings (``embedding``); ln_1 + c_attn
   and ln_2 + c_fc (``fused_layernorm_linear``, Conv1D's ``weight.t()`` taken as a view);
   ln_f (``layer_norm``); attention; the LM loss.
-- Llama-style decoders (``_DECODERS``: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"):
+- Llama-style decoders (``_DECODERS``: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3",
+  "gemma"; Gemma's ``1 + weight`` norms on float32 activations, its scaled embedding stock):
   token embedding; every RMSNorm (``rms_norm``): the layers' norms, final, and Qwen3's and
   OLMo 2's q/k norms; Phi-3's norms fused into the qkv_proj and gate_up_proj after them
   (``fused_rmsnorm_linear``), and the other families' norm before q/k/v into them under
@@ -65,6 +66,7 @@ class _Decoder:
     # (norm, module, linears): a layer norm whose only readers are these Linears of one module,
     # all called on the norm's output: fused into them (_NormFeeds)
     fuse: tuple = ()
+    weight_offset: float = 0.0  # Gemma's RMSNorm scales by 1 + weight
 
 
 _PRE = ("input_layernorm", "post_attention_layernorm")
@@ -84,6 +86,8 @@ _DECODERS = {
     # q/k/v and gate/up are one Linear each.
     "phi3": _Decoder(_PRE, fuse=(("input_layernorm", "self_attn", ("qkv_proj",)),
                                  ("post_attention_layernorm", "mlp", ("gate_up_proj",)))),
+    # (1 + weight) RMSNorm; its embedding scaled by sqrt(hidden) (its own module: stays stock).
+    "gemma": _Decoder(_PRE, fuse=_PRE_FUSE, weight_offset=1.0),
 }
 
 
@@ -134,10 +138,23 @@ def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An RMSNorm module's output: ``rms_norm`` where x and the weight share a dtype.
     transformers' RMSNorm returns weight * x_normed in the promoted dtype of the two, rms_norm
     x's: they agree when the dtypes do (under autocast too: no rule for either). A float32
-    weight kept beside bf16 activations runs the stock module."""
-    if x.dtype != norm.weight.dtype:
+    weight kept beside bf16 activations runs the stock module, and so does Gemma's ``1 + weight``
+    scale on half activations (stock forms it in float32; in x's dtype it would round)."""
+    if not _scale_ok(norm, x):
         return norm._gp_base.forward(norm, x)
-    return ops.rms_norm(x, norm.weight, eps=_rms_eps(norm))
+    return ops.rms_norm(x, _norm_weight(norm), eps=_rms_eps(norm))
+
+
+def _scale_ok(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether our kernels can apply ``norm``'s scale on x exactly as stock does."""
+    offset = getattr(norm, "_gp_offset", 0.0)
+    return x.dtype == norm.weight.dtype and (not offset or x.dtype in (torch.float32, torch.float64))
+
+
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    """The scale of ``norm``: its weight, or Gemma's ``1 + weight`` (``_gp_offset``)."""
+    offset = getattr(norm, "_gp_offset", 0.0)
+    return norm.weight + offset if offset else norm.weight
 
 
 class _RMSNorm:
@@ -172,7 +189,7 @@ class _NormFeeds:
         b = None
         if lins[0].bias is not None:
             b = lins[0].bias if len(lins) == 1 else _cast_cat(dt, [lin.bias for lin in lins])
-        y = ops.fused_rmsnorm_linear(x, norm.weight, w, b, _rms_eps(norm))
+        y = ops.fused_rmsnorm_linear(x, _norm_weight(norm), w, b, _rms_eps(norm))
         # One split (its backward one cat), not a slice per Linear (a full-size zero gradient each).
         parts = y.split([lin.out_features for lin in lins], -1) if len(lins) > 1 else (y,)
         for lin, part in zip(lins, parts):
@@ -212,7 +229,7 @@ def _fused_dtype(x: torch.Tensor, norm: nn.Module, lins: tuple) -> Optional[torc
     has it). Several: only under autocast with weights of another dtype, whose cast copies the
     concatenation replaces; in the weights' own dtype, concatenating would copy them every step."""
     dev = x.device.type
-    if x.dtype != norm.weight.dtype:
+    if not _scale_ok(norm, x):
         return None
     if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) and x.dtype != torch.float64:
         dt = torch.get_autocast_dtype(dev)
@@ -444,6 +461,8 @@ def _set_fused_loss(model: nn.Module, report: PatchReport, output_cls: type) -> 
 def _embedding_ok(emb: nn.Module) -> Optional[str]:
     if not isinstance(emb, nn.Embedding):
         return f"not an nn.Embedding ({type(emb).__name__})"
+    if type(emb).forward is not nn.Embedding.forward:
+        return f"{type(emb).__name__} computes more than nn.Embedding's lookup (e.g. a scale): stock"
     if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
         return "max_norm / scale_grad_by_freq / sparse are not supported by gpu_puzzles.embedding"
     return None
@@ -485,7 +504,16 @@ def _patch_gpt2(model: nn.Module, report: PatchReport, embeddings: bool, norms: 
                               CausalLMOutputWithCrossAttentions)
 
 
-def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, report: PatchReport) -> set:
+def _half_offset(family: _Decoder, act: Optional[torch.Tensor]) -> Optional[str]:
+    """Why a family's norms run stock on these activations, if they do (``_scale_ok``)."""
+    if family.weight_offset and isinstance(act, torch.Tensor) and act.dtype in (torch.float16, torch.bfloat16):
+        return (f"1 + weight scale beside {act.dtype} activations: stock forms it in float32, so the stock "
+                "RMSNorm runs")
+    return None
+
+
+def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, act: Optional[torch.Tensor],
+                report: PatchReport) -> set:
     """The family's norm + Linears groups of one layer, fused where they can be (an RMSNorm with
     a 1-D weight, plain nn.Linears, biases on all or none); the names of the norms fused."""
     fused = set()
@@ -496,6 +524,7 @@ def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, report: PatchRe
         if (not isinstance(w, torch.Tensor) or w.dim() != 1 or any(type(lin) is not nn.Linear for lin in lins)
                 or len({lin.bias is None for lin in lins}) != 1):
             continue  # the norm runs alone (rms_norm), the Linears stock
+        norm._gp_offset = family.weight_offset
         object.__setattr__(owner, "_gp_norm", norm)  # not registered: its Parameters would appear twice
         object.__setattr__(owner, "_gp_linears", lins)
         for lin in lins:
@@ -504,11 +533,14 @@ def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, report: PatchRe
         _swap(norm, _Deferred)
         _swap(owner, _NormFeeds)
         where = f"{prefix}.{norm_name}+{owner_name}.{'/'.join(lin_names)}"
+        fused.add(norm_name)
+        if _half_offset(family, act):
+            report.left[where] = _half_offset(family, act)
+            continue
         report.swapped[where] = ("fused_rmsnorm_linear" if len(lins) == 1 else
                                  "rms_norm (under autocast with weights of another dtype: fused_rmsnorm_linear "
                                  "over the weights' cast copies concatenated; in their own dtype concatenating "
                                  "would copy them every step)")
-        fused.add(norm_name)
     return fused
 
 
@@ -521,7 +553,7 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
         act = getattr(getattr(base, "embed_tokens", None), "weight", None)  # the activations' dtype
         norms_found = []
         for i, layer in enumerate(base.layers):
-            fused = _fuse_norms(layer, f"model.layers.{i}", family, report)
+            fused = _fuse_norms(layer, f"model.layers.{i}", family, act, report)
             norms_found += [(f"model.layers.{i}.{n}", getattr(layer, n)) for n in family.layer_norms
                             if n not in fused]
             norms_found += [(f"model.layers.{i}.self_attn.{n}", getattr(layer.self_attn, n))
@@ -532,8 +564,11 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
             if not isinstance(w, torch.Tensor) or w.dim() != 1:
                 report.left[where] = "no 1-D weight: not an RMSNorm gpu_puzzles knows"
                 continue
+            norm._gp_offset = family.weight_offset
             _swap(norm, _RMSNorm)
-            if isinstance(act, torch.Tensor) and act.dtype != w.dtype:
+            if _half_offset(family, act):
+                report.left[where] = _half_offset(family, act)
+            elif isinstance(act, torch.Tensor) and act.dtype != w.dtype:
                 # _rms runs stock for such a pair; it takes rms_norm once they agree.
                 report.left[where] = (f"weight {w.dtype} beside {act.dtype} activations: transformers returns the "
                                       "promoted dtype, rms_norm x's, so the stock RMSNorm runs")

@@ -446,7 +446,7 @@ def test_report_rmsnorm_of_another_dtype_than_the_activations():
 # RMSNorm+Linear calls (Phi-3's norms before qkv_proj and gate_up_proj).
 # Qwen3 is in FAMILIES (gpu_puzzles.bench.model's config), so every test above covers it.
 DECODER_FAMILIES = {"mistral": ("Mistral", 5, 0), "qwen2": ("Qwen2", 5, 0), "olmo2": ("Olmo2", 9, 0),
-                    "phi3": ("Phi3", 1, 4)}
+                    "phi3": ("Phi3", 1, 4), "gemma": ("Gemma", 5, 0)}
 
 
 def _decoder(family, seed=0):
@@ -484,7 +484,7 @@ def test_decoder_families(family):
     _assert_report_runs(report, counts, layers=2)
 
 
-@pytest.mark.parametrize("family", ["olmo2", "phi3"])
+@pytest.mark.parametrize("family", ["olmo2", "phi3", "gemma"])
 def test_decoder_families_bf16_parameters(family):
     """bf16 parameters (our bench's regime), on the CPU: logits and gradients as close to the float32
     model as stock's bf16 ones."""
@@ -525,12 +525,12 @@ def test_decoder_families_autocast_bf16(family):
     # in bf16, as stock's): Phi-3's norms before qkv_proj and gate_up_proj; Mistral's and Qwen2's
     # before q/k/v, their float32 weights cast and concatenated. (Llama, Qwen3: FAMILIES' tests.)
     counts = _op_counts(lambda: _amp_step(ours, ids, "cpu", torch.bfloat16))
-    fused, alone = {"mistral": (2, 3), "qwen2": (2, 3), "olmo2": (0, 1), "phi3": (4, 1)}[family]
+    fused, alone = {"mistral": (2, 3), "qwen2": (2, 3), "olmo2": (0, 1), "phi3": (4, 1), "gemma": (2, 3)}[family]
     assert counts["attention_backward"] == 2 and counts["rms_norm_backward"] == alone, counts
     assert counts["fused_rmsnorm_linear_backward"] == fused, counts
 
 
-@pytest.mark.parametrize("family", ["olmo2", "phi3"])
+@pytest.mark.parametrize("family", ["olmo2", "phi3", "gemma"])
 def test_decoder_families_compile_fullgraph(family):
     """OLMo 2's q/k norms and Phi-3's fused norm + projections under torch.compile(fullgraph=True):
     no graph break, eager's loss."""
@@ -642,6 +642,21 @@ def test_ddp_and_fsdp2_on_cpu(tmp_path):
         assert r["loss_dtype"] == "float32" and len(r["losses"]) == 4
         if r["variant"] == "ours":
             assert r["max_loss_diff_vs_stock"] < 2e-2, r
+
+
+def test_gemma_report():
+    """Gemma's scaled embedding stays stock (its forward multiplies by sqrt(hidden)); its (1 + weight)
+    norms run ours on float32 activations and stock on bf16 ones (stock forms 1 + w in float32)."""
+    report = hf.patch(_decoder("gemma"))
+    assert "model.embed_tokens" not in report.swapped and "GemmaTextScaledWordEmbedding" in report.left[
+        "model.embed_tokens"]
+    assert report.swapped["model.norm"] == "rms_norm"
+    half = _decoder("gemma").to(torch.bfloat16)
+    report = hf.patch(half)
+    assert "model.norm" not in report.swapped and "1 + weight" in report.left["model.norm"]
+    assert "1 + weight" in report.left["model.layers.0.input_layernorm+self_attn.q_proj/k_proj/v_proj"]
+    ids = model_bench.batch("llama", "cpu", small=True)
+    assert _op_counts(lambda: half(input_ids=ids))["rms_norm"] == 0
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
