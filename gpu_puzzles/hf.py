@@ -15,7 +15,8 @@ Families and what they get:
   and ln_2 + c_fc (``fused_layernorm_linear``, Conv1D's ``weight.t()`` taken as a view);
   ln_f (``layer_norm``); attention; the LM loss.
 - Llama-style decoders (``_DECODERS``: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3",
-  "gemma"; Gemma's ``1 + weight`` norms on float32 activations, its scaled embedding stock):
+  "gemma", "gemma2", "gemma3_text"; Gemma's ``1 + weight`` norms on float32 activations, its
+  scaled embedding stock, soft-capped attention stock and never fused with the loss):
   token embedding; every RMSNorm (``rms_norm``): the layers' norms, final, and Qwen3's and
   OLMo 2's q/k norms; Phi-3's norms fused into the qkv_proj and gate_up_proj after them
   (``fused_rmsnorm_linear``), and the other families' norm before q/k/v into them under
@@ -75,6 +76,7 @@ _PRE = ("input_layernorm", "post_attention_layernorm")
 # 155.3 ms eager with q/k/v fused, 159.6 with gate/up fused too (the concatenation's copy, and
 # the split's backward cat fused with SiLU's backward by inductor, cost more than they save).
 _PRE_FUSE = (("input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj")),)
+_GEMMA2_NORMS = _PRE + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 # model_type -> its patch: every family gpu_puzzles.hf knows, in one place.
 _DECODERS = {
     "llama": _Decoder(_PRE, fuse=_PRE_FUSE),
@@ -88,6 +90,10 @@ _DECODERS = {
                                  ("post_attention_layernorm", "mlp", ("gate_up_proj",)))),
     # (1 + weight) RMSNorm; its embedding scaled by sqrt(hidden) (its own module: stays stock).
     "gemma": _Decoder(_PRE, fuse=_PRE_FUSE, weight_offset=1.0),
+    # Gemma 2 and 3: a norm after attention and around the MLP too; Gemma 3's q/k norms. Their
+    # sliding-window layers' attention goes to SDPA (the mask), soft-capping stays stock (below).
+    "gemma2": _Decoder(_GEMMA2_NORMS, fuse=_PRE_FUSE, weight_offset=1.0),
+    "gemma3_text": _Decoder(_GEMMA2_NORMS, ("q_norm", "k_norm"), fuse=_PRE_FUSE, weight_offset=1.0),
 }
 
 
@@ -583,14 +589,24 @@ def _patch_attention_and_loss(model: nn.Module, report: PatchReport, attention: 
                               dropout_attr: str, note: str, output_cls: type) -> None:
     """What every family shares: attention through the registry (or SDPA's kernels with our mask),
     the loss, and with ``fused_loss`` the LM head fused with it (``output_cls``: the model's output)."""
-    if attention:
+    config = getattr(model, "config", None)
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        # Neither our kernels nor SDPA soft-cap: the model keeps its own (eager) attention.
+        report.left["attention"] = (f"attn_logit_softcapping={config.attn_logit_softcapping}: soft-capped attention "
+                                    "is not supported yet (the model's own attention runs)")
+    elif attention:
         _set_attention(model, report, dropout_attr, note)
     else:
         _set_sdpa_mask(model, report)
     if loss:
         _set_loss(model, report)
     if loss and fused_loss:
-        _set_fused_loss(model, report, output_cls)
+        if getattr(config, "final_logit_softcapping", None) is not None:
+            # The stock forward caps the logits before the loss; the fused op would skip it.
+            report.left["lm_head+loss"] = (f"final_logit_softcapping={config.final_logit_softcapping}: the fused LM "
+                                           "head + loss does not soft-cap yet (the loss runs on the capped logits)")
+        else:
+            _set_fused_loss(model, report, output_cls)
 
 
 def _set_loss(model: nn.Module, report: PatchReport) -> None:

@@ -441,35 +441,52 @@ def test_report_rmsnorm_of_another_dtype_than_the_activations():
     assert _op_counts(lambda: model.model.norm(x))["rms_norm"] == 0
 
 
-# Llama-style families from their configs (tiny, random init): the class names, the rms_norm calls
-# of a 2-layer model's forward (layers' norms, q/k norms, the final norm) and its fused
-# RMSNorm+Linear calls (Phi-3's norms before qkv_proj and gate_up_proj).
-# Qwen3 is in FAMILIES (gpu_puzzles.bench.model's config), so every test above covers it.
-DECODER_FAMILIES = {"mistral": ("Mistral", 5, 0), "qwen2": ("Qwen2", 5, 0), "olmo2": ("Olmo2", 9, 0),
-                    "phi3": ("Phi3", 1, 4), "gemma": ("Gemma", 5, 0)}
+# Llama-style families from their configs (tiny, random init). Per family: the config and model
+# classes, config overrides; of a 2-layer model's float32 forward, the rms_norm calls (layers'
+# norms, q/k norms, the final norm), the fused RMSNorm+Linear calls (Phi-3's norms before qkv_proj
+# and gate_up_proj) and our attention's calls; under autocast bf16, the fused and the standalone
+# norms' backward calls. Qwen3 is in FAMILIES (gpu_puzzles.bench.model's config), so every test
+# above covers it.
+_Fam = collections.namedtuple("_Fam", "config model overrides norms fused attention amp_fused amp_alone")
+DECODER_FAMILIES = {
+    "mistral": _Fam("MistralConfig", "MistralForCausalLM", {}, 5, 0, 2, 2, 3),
+    "qwen2": _Fam("Qwen2Config", "Qwen2ForCausalLM", {}, 5, 0, 2, 2, 3),
+    "olmo2": _Fam("Olmo2Config", "Olmo2ForCausalLM", {}, 9, 0, 2, 0, 1),
+    "phi3": _Fam("Phi3Config", "Phi3ForCausalLM", {}, 1, 4, 2, 4, 1),
+    "gemma": _Fam("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}, 5, 0, 2, 2, 3),
+    # Soft-capped attention (the default) stays the model's own; four norms a layer.
+    "gemma2": _Fam("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16}, 9, 0, 0, 2, 3),
+    # A sliding-window layer (its mask: SDPA) and a global one (ours); q/k norms.
+    "gemma3_text": _Fam("Gemma3TextConfig", "Gemma3ForCausalLM",
+                        {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+                        13, 0, 1, 2, 3),
+}
 
 
-def _decoder(family, seed=0):
-    prefix = DECODER_FAMILIES[family][0]
+def _decoder(family, seed=0, **overrides):
+    fam = DECODER_FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, prefix + "Config")(**model_bench._SMALL_DECODER, attention_dropout=0.0,
-                                                      bos_token_id=0, eos_token_id=0, pad_token_id=None)
-    config._attn_implementation = "sdpa"
-    model = getattr(transformers, prefix + "ForCausalLM")(config).float()
+    config = getattr(transformers, fam.config)(**{**model_bench._SMALL_DECODER, **fam.overrides, **overrides},
+                                               attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                                               pad_token_id=None)
+    config._attn_implementation = "eager" if family == "gemma2" else "sdpa"
+    model = getattr(transformers, fam.model)(config).float()
     model.loss_type = "ForCausalLM"
     return model
 
 
 @pytest.mark.parametrize("family", list(DECODER_FAMILIES))
 def test_decoder_families(family):
-    """Mistral, Qwen2 (q/k/v with biases), OLMo 2 (post-norms, q/k norms over all heads) and Phi-3
-    (fused qkv and gate/up projections): logits, loss and every
-    gradient as stock's in float32; every RMSNorm, attention and the loss on our ops; the report
-    names each norm it swapped."""
+    """Mistral, Qwen2 (q/k/v with biases), OLMo 2 (post-norms, q/k norms over all heads), Phi-3
+    (fused qkv and gate/up projections) and Gemma 1-3 ((1 + weight) norms, soft-capping, sliding
+    windows): logits, loss and every gradient as stock's in float32; every RMSNorm, attention
+    where our kernel can take it, and the loss on our ops; the report names each norm it swapped."""
     stock = _decoder(family)
     ours = copy.deepcopy(stock)
     report = hf.patch(ours)
-    assert report.model_type == family and "attention" in report.swapped and "model.norm" in report.swapped
+    fam = DECODER_FAMILIES[family]
+    assert report.model_type == family and "model.norm" in report.swapped
+    assert ("attention" in report.swapped) == (fam.attention > 0), report
     ids = model_bench.batch("llama", "cpu", small=True)
     a, b = _step(stock, ids), _step(ours, ids)
     torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
@@ -477,14 +494,14 @@ def test_decoder_families(family):
     for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
     counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
-    _, norms, fused = DECODER_FAMILIES[family]
-    assert counts["attention"] == 2 and counts["rms_norm"] == norms and counts["cross_entropy"] == 1, counts
-    assert counts["fused_rmsnorm_linear"] == fused, counts
-    assert sum(v.split(" ", 1)[0] == "rms_norm" for v in report.swapped.values()) == norms
-    _assert_report_runs(report, counts, layers=2)
+    assert counts["attention"] == fam.attention and counts["cross_entropy"] == 1, counts
+    assert counts["rms_norm"] == fam.norms and counts["fused_rmsnorm_linear"] == fam.fused, counts
+    assert sum(v.split(" ", 1)[0] == "rms_norm" for v in report.swapped.values()) == fam.norms
+    if fam.attention == 2:
+        _assert_report_runs(report, counts, layers=2)
 
 
-@pytest.mark.parametrize("family", ["olmo2", "phi3", "gemma"])
+@pytest.mark.parametrize("family", ["olmo2", "phi3", "gemma", "gemma2", "gemma3_text"])
 def test_decoder_families_bf16_parameters(family):
     """bf16 parameters (our bench's regime), on the CPU: logits and gradients as close to the float32
     model as stock's bf16 ones."""
@@ -525,12 +542,12 @@ def test_decoder_families_autocast_bf16(family):
     # in bf16, as stock's): Phi-3's norms before qkv_proj and gate_up_proj; Mistral's and Qwen2's
     # before q/k/v, their float32 weights cast and concatenated. (Llama, Qwen3: FAMILIES' tests.)
     counts = _op_counts(lambda: _amp_step(ours, ids, "cpu", torch.bfloat16))
-    fused, alone = {"mistral": (2, 3), "qwen2": (2, 3), "olmo2": (0, 1), "phi3": (4, 1), "gemma": (2, 3)}[family]
-    assert counts["attention_backward"] == 2 and counts["rms_norm_backward"] == alone, counts
-    assert counts["fused_rmsnorm_linear_backward"] == fused, counts
+    fam = DECODER_FAMILIES[family]
+    assert counts["attention_backward"] == fam.attention and counts["rms_norm_backward"] == fam.amp_alone, counts
+    assert counts["fused_rmsnorm_linear_backward"] == fam.amp_fused, counts
 
 
-@pytest.mark.parametrize("family", ["olmo2", "phi3", "gemma"])
+@pytest.mark.parametrize("family", ["olmo2", "phi3", "gemma", "gemma3_text"])
 def test_decoder_families_compile_fullgraph(family):
     """OLMo 2's q/k norms and Phi-3's fused norm + projections under torch.compile(fullgraph=True):
     no graph break, eager's loss."""
@@ -657,6 +674,21 @@ def test_gemma_report():
     assert "1 + weight" in report.left["model.layers.0.input_layernorm+self_attn.q_proj/k_proj/v_proj"]
     ids = model_bench.batch("llama", "cpu", small=True)
     assert _op_counts(lambda: half(input_ids=ids))["rms_norm"] == 0
+
+
+def test_gemma2_soft_capping_stays_stock():
+    """Gemma 2 soft-caps attention logits and final logits: its attention stays the model's own,
+    and fused_loss=True leaves the LM head and loss unfused (the fused op would skip the cap), so
+    the loss is stock's."""
+    stock = _decoder("gemma2")
+    ours = copy.deepcopy(stock)
+    report = hf.patch(ours, fused_loss=True)
+    assert "attn_logit_softcapping" in report.left["attention"]
+    assert "final_logit_softcapping" in report.left["lm_head+loss"] and "lm_head+loss" not in report.swapped
+    ids = model_bench.batch("llama", "cpu", small=True)
+    a, b = _step(stock, ids), _step(ours, ids)
+    assert b.logits is not None
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
