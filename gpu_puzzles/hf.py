@@ -24,7 +24,8 @@ Families and what they get:
   cast); attention (GQA); the LM loss.
 Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
-mask, attention dropout while training, soft-capping, Sq != Sk) is handed to SDPA.
+mask, attention dropout while training, Sq != Sk) is handed to SDPA; a model that soft-caps
+attention logits keeps its own attention.
 With ``attention=False`` a model on SDPA stays on SDPA's kernels, under the registry name
 ``"gpu_puzzles_sdpa"`` with the same masks: a causal mask without padding goes to SDPA as
 ``is_causal``, also under torch.compile (stock then builds a (B, 1, S, S) mask).
@@ -289,8 +290,11 @@ def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor
                        attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                        is_causal: Optional[bool] = None, **kwargs: Any) -> tuple:
     """transformers' attention interface: q (B, H, Sq, D), k/v (B, Hkv, Sk, D) -> ((B, Sq, H, D), None)."""
+    if kwargs.get("softcap") is not None:
+        # SDPA, the fallback, would ignore it; patch() leaves a soft-capping model's attention stock.
+        raise NotImplementedError("gpu_puzzles.hf attention: soft-capping (softcap=...) is not supported")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    ours = (attention_mask is None and dropout == 0.0 and kwargs.get("softcap") is None
+    ours = (attention_mask is None and dropout == 0.0
             and kwargs.get("position_bias") is None and query.shape[2] == key.shape[2]
             and query.shape[-1] == value.shape[-1])
     if not ours:
@@ -368,7 +372,7 @@ def _set_attention(model: nn.Module, report: "PatchReport", dropout_attr: str, n
     _use_attention(model, ATTENTION_NAME)
     # What _attention_forward hands to SDPA, call by call.
     report.swapped["attention"] = (f"attention (registry '{ATTENTION_NAME}'{note}); SDPA runs calls with a padding "
-                                   "mask, soft-capping or Sq != Sk (generation with a KV cache)")
+                                   "mask or Sq != Sk (generation with a KV cache)")
     p = getattr(model.config, dropout_attr, 0.0)
     if p:
         report.left["attention while training"] = (f"{dropout_attr}={p}: dropout in attention is not supported "

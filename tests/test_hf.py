@@ -729,3 +729,10 @@ def test_cast_cat_gradients():
     grads = torch.autograd.grad(out, ts, g)
     for gi, ref in zip(grads, g.split([3, 1, 2])):
         assert gi.dtype == torch.float32 and torch.equal(gi, ref.float())
+
+
+def test_attention_refuses_soft_capping():
+    # SDPA (the fallback) would ignore softcap: a call with it is an error, never a silent wrong answer.
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="soft-capping"):
+        hf._attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
