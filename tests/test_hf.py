@@ -736,3 +736,15 @@ def test_attention_refuses_soft_capping():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="soft-capping"):
         hf._attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+
+
+def test_bench_gemma2_config():
+    # gpu_puzzles.bench.model's Gemma 2 config, shrunk: eager attention (soft-capped) in both, the
+    # patched model's loss and gradients as stock's in float32.
+    stock, ours, report = _pair("gemma2")
+    assert stock.config._attn_implementation == "eager" and "attention" in report.left
+    ids = model_bench.batch("gemma2", "cpu", small=True)
+    a, b = _step(stock, ids), _step(ours, ids)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
+    for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")

@@ -37,9 +37,18 @@ MODELS = {
                   config=dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
                               num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
                               max_position_embeddings=4096, tie_word_embeddings=True)),
+    # Gemma-2-2B's shape (hidden 2304, 8 heads / 4 kv heads of 256, intermediate 9216, vocab 256000,
+    # (1 + weight) norms, sliding windows of 4096 on alternate layers, attention and final-logit
+    # soft-capping), shortened from 26 layers to 13. Stock runs transformers' eager attention (SDPA
+    # cannot soft-cap), and so does the patched model.
+    "gemma2": dict(kind="gemma2", batch=4, seq=2048, attn="eager",
+                   config=dict(hidden_size=2304, num_hidden_layers=13, num_attention_heads=8,
+                               num_key_value_heads=4, head_dim=256, intermediate_size=9216, vocab_size=256000,
+                               max_position_embeddings=8192, sliding_window=4096, query_pre_attn_scalar=256,
+                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
 }
 # kind -> the transformers class name's prefix (<Prefix>Config, <Prefix>ForCausalLM).
-_CLASSES = {"llama": "Llama", "qwen3": "Qwen3"}
+_CLASSES = {"llama": "Llama", "qwen3": "Qwen3", "gemma2": "Gemma2"}
 _SMALL_DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=128, vocab_size=211, max_position_embeddings=64)
 VARIANTS = {
@@ -66,7 +75,8 @@ def build(name: str, device, dtype=torch.bfloat16, seed: int = 0, small: bool = 
     cfg = dict(spec["config"])
     if small:
         cfg.update({"gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=64),
-                    "llama": _SMALL_DECODER, "qwen3": dict(_SMALL_DECODER, head_dim=16)}[name])
+                    "llama": _SMALL_DECODER, "qwen3": dict(_SMALL_DECODER, head_dim=16),
+                    "gemma2": dict(_SMALL_DECODER, head_dim=16, sliding_window=16)}[name])
     torch.manual_seed(seed)
     if spec["kind"] == "gpt2":
         config = transformers.GPT2Config(**cfg, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -80,7 +90,7 @@ def build(name: str, device, dtype=torch.bfloat16, seed: int = 0, small: bool = 
     # transformers' default loss, named, so the stock path does not warn (a graph break
     # under torch.compile) about an unset loss_type.
     model.loss_type = "ForCausalLM"
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = spec.get("attn", "sdpa")
     return model.to(device=device, dtype=dtype)
 
 
