@@ -170,11 +170,26 @@ class _RMSNorm:
 
 
 class _Deferred:
-    """A norm whose work moved into the module that consumes its output (``_NormFeeds``):
-    the block still calls it, and it hands its input on unchanged."""
+    """A norm whose work moved into the module that consumes its output (``_NormFeeds``,
+    ``_NormConv1D``): the block still calls it, and it hands its input on unchanged, while the
+    modules the fusion spans are where patch() found them (``_intact``). Once one is replaced
+    (PEFT's LoRA wraps q_proj, v_proj or c_attn after patch(): its adapter would read the input
+    un-normalised), the norm runs here again and its readers run plain."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        if _intact(self):
+            return x
+        return self._gp_alone(self, x)
+
+
+def _intact(module: nn.Module) -> bool:
+    """Whether every (parent, name, module) of the fusion ``module`` takes part in is in place."""
+    return all(getattr(parent, name, None) is m for parent, name, m in module._gp_span)
+
+
+def _set_span(span: tuple, *modules: nn.Module) -> None:
+    for m in modules:
+        object.__setattr__(m, "_gp_span", span)  # not registered: the modules would appear twice
 
 
 class _NormFeeds:
@@ -185,6 +200,8 @@ class _NormFeeds:
     column blocks it feeds to the Linears (``_Fed``) while its own forward runs."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not _intact(self):  # the deferred norm ran (_Deferred): its output came in
+            return super().forward(*args, **kwargs)
         x = args[0] if args else kwargs["hidden_states"]
         norm, lins = self._gp_norm, self._gp_linears
         dt = _fused_dtype(x, norm, lins)
@@ -263,6 +280,8 @@ class _NormConv1D:
     """GPT-2's Conv1D (weight (in, out)) with the LayerNorm before it fused in."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _intact(self):  # the deferred norm ran (_Deferred): its output came in
+            return super().forward(x)
         ln = self._gp_norm
         return ops.fused_layernorm_linear(x, ln.weight, ln.bias, self.weight.t(), self.bias, eps=ln.eps)
 
@@ -276,10 +295,12 @@ def _rms_eps(norm: nn.Module) -> Optional[float]:
     return None
 
 
-def _defer_into(norm: nn.Module, consumer: nn.Module, mixin: type) -> None:
+def _defer_into(norm: nn.Module, consumer: nn.Module, mixin: type, span: tuple) -> None:
     # The consumer refers to the norm without registering it as a child: registered twice,
     # its Parameters would appear twice in state_dict.
     object.__setattr__(consumer, "_gp_norm", norm)
+    _set_span(span, norm, consumer)
+    object.__setattr__(norm, "_gp_alone", _LayerNorm.forward)
     _swap(norm, _Deferred)
     _swap(consumer, mixin)
 
@@ -502,7 +523,8 @@ def _patch_gpt2(model: nn.Module, report: PatchReport, embeddings: bool, norms: 
                 if type(ln) is not nn.LayerNorm or ln.weight is None or ln.bias is None or type(lin) is not Conv1D:
                     report.left[where] = "not an affine nn.LayerNorm followed by a Conv1D"
                     continue
-                _defer_into(ln, lin, _NormConv1D)
+                owner_name = "attn" if lin_name == "c_attn" else "mlp"
+                _defer_into(ln, lin, _NormConv1D, ((block, owner_name, lin_owner), (lin_owner, lin_name, lin)))
                 report.swapped[where] = "fused_layernorm_linear"
         if type(base.ln_f) is nn.LayerNorm and base.ln_f.weight is not None and base.ln_f.bias is not None:
             _swap(base.ln_f, _LayerNorm)
@@ -537,6 +559,9 @@ def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, act: Optional[t
         norm._gp_offset = family.weight_offset
         object.__setattr__(owner, "_gp_norm", norm)  # not registered: its Parameters would appear twice
         object.__setattr__(owner, "_gp_linears", lins)
+        object.__setattr__(norm, "_gp_alone", _rms)
+        _set_span(((layer, owner_name, owner),) + tuple((owner, n, lin) for n, lin in zip(lin_names, lins)),
+                  norm, owner)
         for lin in lins:
             lin._gp_feed = None
             _swap(lin, _Fed)

@@ -748,3 +748,33 @@ def test_bench_gemma2_config():
     torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
     for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
+@pytest.mark.parametrize("name, targets", [("llama", ["q_proj", "v_proj"]), ("gpt2", ["c_attn"])])
+def test_lora_after_patch(name, targets, autocast):
+    """PEFT's LoRA applied after patch() wraps Linears that a norm was fused into: the adapter must
+    read the normalised input (the fusion steps aside), so loss and the adapters' gradients are
+    stock + LoRA's."""
+    peft = pytest.importorskip("peft")
+    base = model_bench.build(name, "cpu", dtype=torch.float32, small=True)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    stock = peft.get_peft_model(copy.deepcopy(base), cfg)
+    ours = copy.deepcopy(base)
+    hf.patch(ours)
+    ours = peft.get_peft_model(ours, cfg)
+    ours.load_state_dict(stock.state_dict())
+    ids = model_bench.batch(name, "cpu", small=True)
+    losses = []
+    for model in (stock, ours):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    tol = 2e-3 if autocast else 1e-6
+    torch.testing.assert_close(losses[1], losses[0], rtol=tol, atol=tol)
+    grads = [{n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in (stock, ours)]
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=5e-2 if autocast else 1e-4, atol=(5e-2 if autocast else 1e-5)
+                                   * g.abs().max().item(), msg=lambda m: f"{n}: {m}")
