@@ -778,3 +778,29 @@ def test_lora_after_patch(name, targets, autocast):
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, rtol=5e-2 if autocast else 1e-4, atol=(5e-2 if autocast else 1e-5)
                                    * g.abs().max().item(), msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
+@pytest.mark.parametrize("name", FAMILIES + ["gemma3_text"])
+def test_generate_matches_stock(name, autocast):
+    """Greedy generation with the KV cache (prefill on our kernels, each decode step Sq = 1 handed to
+    SDPA): the patched model's tokens are stock's, eager and under autocast (the fused q/k/v path)."""
+    if name in FAMILIES:
+        stock = model_bench.build(name, "cpu", dtype=torch.float32, small=True)
+    else:
+        stock = _decoder(name)
+    stock.eval()
+    ours = copy.deepcopy(stock)
+    hf.patch(ours)
+    ids = model_bench.batch("llama", "cpu", small=True)[:, :12]
+    outs = []
+    for model in (stock, ours):
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            outs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                       do_sample=False, pad_token_id=0))
+    assert outs[0].shape == (ids.shape[0], ids.shape[1] + 8)
+    assert torch.equal(outs[1], outs[0]), (outs[0], outs[1])
+    with torch.no_grad():  # the prefill ran on our kernel (once a layer; Gemma 3's sliding layer on SDPA)
+        counts = _op_counts(lambda: ours.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                  max_new_tokens=2, do_sample=False, pad_token_id=0))
+    assert counts["attention"] == (1 if name == "gemma3_text" else 2), counts
