@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import HAS_CUDA  # noqa: E402
+from conftest import DEVICES, HAS_CUDA  # noqa: E402
 
 import gpu_puzzles.hf as hf  # noqa: E402
 from gpu_puzzles.bench import model as model_bench  # noqa: E402
@@ -501,15 +501,16 @@ def test_decoder_families(family):
         _assert_report_runs(report, counts, layers=2)
 
 
-@pytest.mark.parametrize("family", ["olmo2", "phi3", "gemma", "gemma2", "gemma3_text"])
-def test_decoder_families_bf16_parameters(family):
-    """bf16 parameters (our bench's regime), on the CPU: logits and gradients as close to the float32
-    model as stock's bf16 ones."""
-    ref = _decoder(family)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", list(DECODER_FAMILIES))
+def test_decoder_families_bf16_parameters(family, device):
+    """bf16 parameters (our bench's regime), on the CPU and the GPU: logits and gradients as close to
+    the float32 model as stock's bf16 ones."""
+    ref = _decoder(family).to(device)
     stock = copy.deepcopy(ref).to(torch.bfloat16)
     ours = copy.deepcopy(stock)
     hf.patch(ours)
-    ids = model_bench.batch("llama", "cpu", small=True)
+    ids = model_bench.batch("llama", device, small=True)
     a, b, c = _step(ref, ids), _step(stock, ids), _step(ours, ids)
     err = lambda x, y: (x.float() - y.float()).abs().max().item()  # noqa: E731
     assert err(c.logits, a.logits) <= 2 * err(b.logits, a.logits) + 1e-2
@@ -518,16 +519,17 @@ def test_decoder_families_bf16_parameters(family):
         assert err(g2, g0) <= 2 * err(g1, g0) + 2e-2 * (g0.abs().max().item() + 1e-6), n
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", list(DECODER_FAMILIES))
-def test_decoder_families_autocast_bf16(family):
+def test_decoder_families_autocast_bf16(family, device):
     """The newer families under autocast bf16 with float32 parameters (Trainer(bf16=True)'s regime),
-    on the CPU: loss, logits and gradients as close to the float32 model as stock's."""
-    ref = _decoder(family)
+    on the CPU and the GPU: loss, logits and gradients as close to the float32 model as stock's."""
+    ref = _decoder(family).to(device)
     stock, ours = copy.deepcopy(ref), copy.deepcopy(ref)
     hf.patch(ours)
-    ids = model_bench.batch("llama", "cpu", small=True)
+    ids = model_bench.batch("llama", device, small=True)
     a = _step(ref, ids)
-    b, c = _amp_step(stock, ids, "cpu", torch.bfloat16), _amp_step(ours, ids, "cpu", torch.bfloat16)
+    b, c = _amp_step(stock, ids, device, torch.bfloat16), _amp_step(ours, ids, device, torch.bfloat16)
     assert c.loss.dtype == b.loss.dtype == torch.float32
     err = lambda x, y: (x.float() - y.float()).abs().max().item()  # noqa: E731
     assert abs(c.loss.item() - a.loss.item()) <= 2 * abs(b.loss.item() - a.loss.item()) + 2e-3
@@ -541,7 +543,7 @@ def test_decoder_families_autocast_bf16(family):
     # its q/k norms a bf16 q/k (stock runs them). Fused with the projections after them (the GEMM
     # in bf16, as stock's): Phi-3's norms before qkv_proj and gate_up_proj; Mistral's and Qwen2's
     # before q/k/v, their float32 weights cast and concatenated. (Llama, Qwen3: FAMILIES' tests.)
-    counts = _op_counts(lambda: _amp_step(ours, ids, "cpu", torch.bfloat16))
+    counts = _op_counts(lambda: _amp_step(ours, ids, device, torch.bfloat16))
     fam = DECODER_FAMILIES[family]
     assert counts["attention_backward"] == fam.attention and counts["rms_norm_backward"] == fam.amp_alone, counts
     assert counts["fused_rmsnorm_linear_backward"] == fam.amp_fused, counts
