@@ -860,7 +860,7 @@ def test_cuda_backward_deterministic():
 # cublas turns it off); everything else takes cuBLAS + the epilogue pass. The CUTLASS
 # kernel is recognised by its name in the profiler's kernel list.
 
-EVT_SOURCE = "csrc/layernorm_linear/layernorm_linear_evt_sm90.cu"
+EVT_SOURCE = "csrc/norms/layernorm_linear_evt_sm90.cu"
 # Our CUTLASS kernel's demangled name (cuBLAS kernels are named differently; the epilogue
 # node's name comes late in a very long name, in case the profiler shortens it).
 EVT_KERNEL_MARKS = ("cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal", "Sm90ColBroadcast")

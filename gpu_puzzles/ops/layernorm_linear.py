@@ -10,7 +10,7 @@ by the cheaper of two plans (by the bytes each moves; knob ``layernorm_linear_pl
 an epilogue applies the per-row statistics, never writing layer_norm(x); "normalize"
 writes layer_norm(x) and runs one cuBLAS GEMM with the bias in its epilogue. W may be any
 2-D view with a unit stride (GPT-2's Conv1D ``weight.t()``): it is not copied, and its
-gradient comes back in its layout. See csrc/layernorm_linear/layernorm_linear.cpp for the
+gradient comes back in its layout. See csrc/norms/layernorm_linear.cpp for the
 algebra and the large-mean guard, layernorm_linear_plan.h for the choice.
 """
 from typing import Optional
@@ -42,7 +42,7 @@ def _layer_norm_backward_fake(grad_out, x, weight, mean, rstd):
     return x.new_empty(x.shape), x.new_empty(weight.shape), x.new_empty(weight.shape)
 
 
-# Autograd is registered in C++ (csrc/layernorm_linear/layernorm_linear_autograd.cpp; why: csrc/common/autograd.h).
+# Autograd is registered in C++ (csrc/norms/layernorm_linear_autograd.cpp; why: csrc/common/autograd.h).
 
 
 @register_fake("gpu_puzzles::fused_layernorm_linear")

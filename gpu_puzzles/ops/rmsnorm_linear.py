@@ -9,7 +9,7 @@ kernels with the mean forced to zero and no beta, and the same two plans (knob
 ``layernorm_linear_plan``): "normalize" writes rms_norm(x) and runs one GEMM; "fold" runs
 the GEMM on x against W * norm_weight and applies rstd in its epilogue. W may be any 2-D
 view with a unit stride (it is not copied; its gradient comes back in its layout). See
-csrc/layernorm_linear/layernorm_linear.cpp.
+csrc/norms/layernorm_linear.cpp.
 """
 from typing import Optional
 
@@ -49,7 +49,7 @@ def _fused_rms_backward_fake(grad_out, x, norm_weight, linear_weight, rstd, has_
     return x.new_empty(x.shape), x.new_empty((H,)), dW, W.new_empty((N,) if has_bias else (0,))
 
 
-# Autograd is registered in C++ (csrc/layernorm_linear/layernorm_linear_autograd.cpp).
+# Autograd is registered in C++ (csrc/norms/layernorm_linear_autograd.cpp).
 
 _rms_norm = torch.ops.gpu_puzzles.rms_norm.default
 _fused = torch.ops.gpu_puzzles.fused_rmsnorm_linear.default

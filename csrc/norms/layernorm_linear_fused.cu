@@ -5,7 +5,7 @@
 // applies the statistics in place, so the normalised x is never written. After the
 // CUTLASS GEMM the epilogue only fixes the large-mean rows (FIXUP_ONLY). Also the
 // curriculum's naive kernel.
-#include "layernorm_linear/layernorm_linear_device.cuh"
+#include "norms/layernorm_linear_device.cuh"
 
 namespace gpu_puzzles {
 namespace {

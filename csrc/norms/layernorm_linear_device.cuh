@@ -13,8 +13,8 @@
 #include "common/align.h"
 #include "common/device.cuh"
 #include "common/func_attr.h"
-#include "layernorm_linear/layernorm_linear.h"
-#include "layernorm_linear/layernorm_linear_plan.h"
+#include "norms/layernorm_linear.h"
+#include "norms/layernorm_linear_plan.h"
 
 namespace gpu_puzzles {
 namespace {

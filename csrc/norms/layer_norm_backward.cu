@@ -5,7 +5,7 @@
 // layernorm_linear_plan (layernorm_linear_plan.h); the grid is sized here.
 #include <type_traits>
 
-#include "layernorm_linear/layernorm_linear_device.cuh"
+#include "norms/layernorm_linear_device.cuh"
 
 namespace gpu_puzzles {
 namespace {

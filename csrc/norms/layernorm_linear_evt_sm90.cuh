@@ -17,7 +17,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
-#include "layernorm_linear/layernorm_linear.h"
+#include "norms/layernorm_linear.h"
 
 namespace gpu_puzzles {
 namespace {

@@ -9,7 +9,7 @@
 #include <cmath>
 
 #include "common/cpu_vec.h"
-#include "layernorm_linear/layernorm_linear.h"
+#include "norms/layernorm_linear.h"
 
 namespace gpu_puzzles {
 namespace GP_CPU_NS {

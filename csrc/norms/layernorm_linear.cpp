@@ -51,8 +51,8 @@
 #include "common/checks.h"
 #include "common/register.h"
 #include "common/cuda_launch.h"
-#include "layernorm_linear/layernorm_linear.h"
-#include "layernorm_linear/layernorm_linear_plan.h"
+#include "norms/layernorm_linear.h"
+#include "norms/layernorm_linear_plan.h"
 
 namespace gpu_puzzles {
 namespace {

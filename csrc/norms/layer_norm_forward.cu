@@ -6,7 +6,7 @@
 // the same kernels with the mean forced to zero and no beta (rms_norm).
 #include <type_traits>
 
-#include "layernorm_linear/layernorm_linear_device.cuh"
+#include "norms/layernorm_linear_device.cuh"
 
 namespace gpu_puzzles {
 namespace {

@@ -26,12 +26,12 @@
 #include <atomic>
 #include <cstdint>
 
-#include "layernorm_linear/layernorm_linear.h"
+#include "norms/layernorm_linear.h"
 
 #ifdef GPU_PUZZLES_WITH_SM90A
 #include "common/align.h"
-#include "common/func_attr.h"                              // device_sm_count
-#include "layernorm_linear/layernorm_linear_evt_sm90.cuh"  // EvtGemm
+#include "common/func_attr.h"                   // device_sm_count
+#include "norms/layernorm_linear_evt_sm90.cuh"  // EvtGemm
 
 // A plain sm_90 image of this file would hold stubs that print an error and write
 // nothing; setup.py maps 9.0 to 9.0a, and this makes any other build loud.
