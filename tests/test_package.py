@@ -47,6 +47,25 @@ def test_knobs_listed_with_their_values():
         assert current is None, f"{name} is overridden outside any override() block"
 
 
+def test_knob_values_in_the_order_the_kernels_number_them():
+    # C++ reads these knobs by their 1-based position in the table (enums beside each op's plan:
+    # softmax.h, attention.h, layernorm_linear_plan.h): a reordered table would pick other kernels.
+    numbered = {
+        "softmax_rows": ("cluster", "staged", "smem", "bulk"),
+        "softmax_cols": ("inner", "staged"),
+        "attention_bwd": ("mma", "wgmma", "wgmma_split", "wgmma_turns"),
+        "attention_order": ("rows", "longest"),
+        "attention_fwd_grid": ("blocks", "persistent"),
+        "attention_bwd_grid": ("blocks", "persistent"),
+        "layernorm_linear_evt": ("evt", "cublas"),
+        "layernorm_linear_pdl": ("pdl", "plain"),
+        "layernorm_linear_plan": ("fold", "normalize"),
+    }
+    knobs = gp.tuning.knobs()
+    for name, values in numbered.items():
+        assert knobs[name][0] == values, name
+
+
 def test_override_sets_and_restores():
     name, (values, _) = next(iter(gp.tuning.knobs().items()))
     with gp.tuning.override(**{name: values[-1]}):

@@ -110,4 +110,9 @@ int64_t attention_backward_workspace_bytes(const AttentionBwdArgs& a);
 LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stream);
 LaunchStatus attention_backward_cuda(const AttentionBwdArgs& a, void* workspace, cudaStream_t stream);
 
+// Knob values read as numbers (common/kernel_choice.h: 1-based, in kKnobs' order; 0 = the heuristic).
+enum AttentionBwdKnob : int { kKnobBwdMma = 1, kKnobBwdWgmma = 2, kKnobBwdWgmmaSplit = 3, kKnobBwdWgmmaTurns = 4 };
+enum AttentionOrderKnob : int { kKnobOrderRows = 1, kKnobOrderLongest = 2 };
+enum AttentionGridKnob : int { kKnobGridBlocks = 1, kKnobGridPersistent = 2 };
+
 }  // namespace gpu_puzzles

@@ -671,8 +671,8 @@ cudaError_t launch_bwd_d(const AttentionBwdArgs& a, void* ws, int dev, cudaStrea
   // 1.018-1.031x the column split, at (8,12,1024) causal 0.971x and (16,12,512) causal 0.954x,
   // where fewer blocks leave the turns uneven (benchmarks/results/attention_bwd_turns_h100.json).
   // Knob attention_bwd: wgmma_turns / wgmma_split force one.
-  const int forced = knob(Knob::AttentionBwd);  // 3: wgmma_split, 4: wgmma_turns
-  const bool turns = forced == 4 || (forced != 3 && a.G() * a.Sq >= 2048);
+  const int forced = knob(Knob::AttentionBwd);
+  const bool turns = forced == kKnobBwdWgmmaTurns || (forced != kKnobBwdWgmmaSplit && a.G() * a.Sq >= 2048);
   return turns ? launch_bwd<BwdCfg<Elem, 64, true>, Elem>(a, ws, dev, stream)
                : launch_bwd<BwdCfg<Elem, 64, false>, Elem>(a, ws, dev, stream);
 }

@@ -148,10 +148,10 @@ struct WorkCursor {
 // blocks on 132 SMs, ran 0.60x one CTA a block; benchmarks/results/attention_bwd_grid_h100.json).
 // Full grids (blocks of equal work) are always balanced.
 inline unsigned grid_ctas(const BlockOrder& o, bool causal, int sms, Knob grid_knob) {
-  const int forced = knob(grid_knob);  // 1: blocks, 2: persistent
+  const int forced = knob(grid_knob);
   const bool balanced = !causal || o.blocks() <= static_cast<unsigned>(sms) ||
                         static_cast<int64_t>(o.gx) * o.cb * 10 >= int64_t{19} * sms;
-  const bool persistent = forced == 2 || (forced == 0 && balanced);
+  const bool persistent = forced == kKnobGridPersistent || (forced == 0 && balanced);
   return persistent ? std::min(o.blocks(), static_cast<unsigned>(sms)) : o.blocks();
 }
 
@@ -164,7 +164,7 @@ inline unsigned grid_ctas(const BlockOrder& o, bool causal, int sms, Knob grid_k
 // attention_order=rows.
 inline int64_t chunk_rows(bool causal, int64_t nbh, int gx, int sms, int64_t bytes_per_row) {
   constexpr int64_t kL2Budget = int64_t{16} << 20;
-  if (!causal || nbh <= 1 || knob(Knob::AttentionOrder) == 1) return 1;  // 1: "rows"
+  if (!causal || nbh <= 1 || knob(Knob::AttentionOrder) == kKnobOrderRows) return 1;
   const int64_t by_l2 = kL2Budget / std::max<int64_t>(bytes_per_row, 1);
   const int64_t one_wave = (std::max(sms, 1) + gx - 1) / std::max(gx, 1);
   const int64_t cb = std::max<int64_t>(1, std::min<int64_t>(nbh, std::max(by_l2, one_wave)));

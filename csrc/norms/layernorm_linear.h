@@ -94,6 +94,9 @@ LaunchStatus layernorm_linear_large_mean_fixup_cuda(void* y, const void* x, cons
 // 1 <= M, N, K < 2^31. The GEMM returns cudaErrorNotSupported, launching nothing, for a
 // problem CUTLASS refuses (y unaligned, say).
 bool layernorm_linear_evt_possible(const void* x, const void* wc, int64_t M, int64_t N, int64_t K, DType dtype);
+// From this K the GEMM takes its big tile (128x256, cooperative), below it 128x128 pingpong; the
+// fused forward's plan (layernorm_linear_plan.h) weighs the big tile against cuBLAS.
+constexpr int64_t kEvtBigTileMinK = 2048;
 size_t layernorm_linear_evt_workspace_bytes(int64_t M, int64_t N, int64_t K, DType dtype);
 // pdl: a programmatic dependent launch (the kernel waits for the launch before it).
 LaunchStatus layernorm_linear_evt_gemm_cuda(const void* x, const void* wc, const void* mean, const void* rstd,

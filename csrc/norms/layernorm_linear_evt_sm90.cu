@@ -59,7 +59,6 @@ using Big = EvtGemm<T, Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm:
 template <class T>
 using Small = EvtGemm<T, Shape<_128, _128, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                       cutlass::epilogue::TmaWarpSpecialized>;
-constexpr int64_t kBigMinK = 2048;
 
 std::atomic<int> g_avail[kMaxCachedDevices];  // 0 = not checked, 1 = yes, 2 = no
 
@@ -78,10 +77,10 @@ bool current_device(int& dev, int& sms) {
 template <class F>
 auto dispatch(DType dt, int64_t K, F&& f) {
   if (dt == DType::BFloat16) {
-    if (K >= kBigMinK) return f(Big<cutlass::bfloat16_t>{});
+    if (K >= kEvtBigTileMinK) return f(Big<cutlass::bfloat16_t>{});
     return f(Small<cutlass::bfloat16_t>{});
   }
-  if (K >= kBigMinK) return f(Big<cutlass::half_t>{});
+  if (K >= kEvtBigTileMinK) return f(Big<cutlass::half_t>{});
   return f(Small<cutlass::half_t>{});
 }
 

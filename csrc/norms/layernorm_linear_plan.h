@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "common/kernel_choice.h"
+#include "norms/layernorm_linear.h"  // kEvtBigTileMinK
 
 namespace gpu_puzzles {
 namespace layernorm_linear {
@@ -27,6 +28,11 @@ constexpr int kPrepWarps = 8;
 constexpr int kPrepMaxVecs = 4;
 // Rows per step of ln_bwd_cached: one vector per thread (narrow), kCache per thread.
 constexpr int kBwdRowsNarrow = 4, kBwdRowsWide = 2;
+
+// The knobs' values (common/kernel_choice.h: 1-based, in kKnobs' order; 0 = the heuristic).
+enum LayerNormLinearEvtKnob : int { kKnobEvt = 1, kKnobCublas = 2 };
+enum LayerNormLinearPdlKnob : int { kKnobPdl = 1, kKnobPlain = 2 };
+enum LayerNormLinearPlanKnob : int { kKnobFold = 1, kKnobNormalize = 2 };
 
 enum class Stage {
   kForward,   // layer_norm forward (ln_fwd_*)
@@ -116,8 +122,8 @@ inline Plan layernorm_linear_plan(Stage stage, int64_t H, int vec_width, bool al
       }
       break;
     case Stage::kGemm:
-      p.evt = evt_possible && knob(Knob::LayerNormLinearEvt) != 2;  // 2: "cublas"
-      p.pdl = p.evt && knob(Knob::LayerNormLinearPdl) != 2;         // 2: "plain"
+      p.evt = evt_possible && knob(Knob::LayerNormLinearEvt) != kKnobCublas;
+      p.pdl = p.evt && knob(Knob::LayerNormLinearPdl) != kKnobPlain;
       break;
   }
   return p;
@@ -133,7 +139,6 @@ inline Plan layernorm_linear_plan(Stage stage, int64_t H, int vec_width, bool al
 // read W as (N, K) rows: a W that is not row-major (Conv1D's weight.t()) takes the
 // normalise plan, whose cuBLAS GEMM reads any W with a unit stride as it is (a forced fold
 // copies it). The knob layernorm_linear_plan (fold | normalize) overrides the choice.
-constexpr int64_t kEvtBigTileMinK = 2048;  // as kBigMinK in layernorm_linear_evt_sm90.cu
 constexpr int64_t kFoldMinOutput = int64_t(1) << 23;
 
 // w_rows: W is (N, K) row-major (what the fold kernels read). evt_possible: as for
@@ -144,12 +149,12 @@ inline Plan fused_forward_plan(int64_t M, int64_t N, int64_t K, bool w_rows, boo
   Plan p = layernorm_linear_plan(Stage::kGemm, K, 8, true, evt_possible);
   if (!one_dtype) return p;  // fold = false
   switch (knob(Knob::LayerNormLinearPlan)) {
-    case 1:
+    case kKnobFold:
       p.fold = true;
-      break;  // "fold"
-    case 2:
+      break;
+    case kKnobNormalize:
       p.fold = false;
-      break;  // "normalize"
+      break;
     default:
       p.fold = w_rows && p.evt && K < kEvtBigTileMinK && M >= 2 * N && M * N >= kFoldMinOutput;
   }
