@@ -12,7 +12,7 @@ the forward timed with CUDA events (warm-up, median of --reps) at the four bench
 FLOPs: 4*B*H*Sq*Sk*D (half when causal), as in gpu_puzzles/bench/attention.py.
 
 Configs: "auto" (the default heuristic, attention_fwd_plan in csrc/attention/attention_plan.cu)
-and the attention_fwd knob's values: "mma" (attn_fwd_tc), "mma_r32" (attn_fwd_tc2), "wgmma" /
+and the attention_fwd knob's values: "mma" (attn_fwd_mma), "mma_r32" (attn_fwd_mma_r32), "wgmma" /
 "wgmma3" (the sm_90a kernel of csrc/attention/attention_fwd_sm90.cu with 2 / 3 warpgroups per
 CTA), "ws" / "ws2" / "ws3" (its warp-specialised, TMA-fed variants: plain, consumers' GEMMs
 overlapping their softmax, and that with the consumers taking turns; "ws192": ws3 with three

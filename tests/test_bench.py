@@ -185,7 +185,7 @@ def test_cpu_bench_runs_every_case_per_thread_count(monkeypatch, tmp_path):
 # Kernel names as the H100 profiles of the compiled GPT-2 step recorded them
 # (benchmarks/results/model_compile_profile_h100.json), and the group each belongs to.
 @pytest.mark.parametrize("name, group", [
-    ("void gpu_puzzles::(anonymous namespace)::attn_bwd_dkdv_tc<__nv_bfloat16, 64>(gpu_puzzles::", "ours: attention"),
+    ("void gpu_puzzles::(anonymous namespace)::attn_bwd_dkdv_mma<__nv_bfloat16, 64>(gpu_puzzles::", "ours: attention"),
     ("void gpu_puzzles::(anonymous namespace)::ln_bwd_cached<__nv_bfloat16, 8, 1, 4, true, false",
      "ours: norm(+linear)"),
     ("void gpu_puzzles::(anonymous namespace)::layernorm_linear_colsum<__nv_bfloat16, 8>(__nv_bf",
@@ -256,10 +256,10 @@ _NS = "gpu_puzzles::(anonymous namespace)::"
      f"cutlass::bfloat16_t>(...)", "ws3"),
     (f"void {_NS}attn_fwd_ws_sm90<{_NS}WsFwdCfg<cutlass::bfloat16_t, 64, 128, 2, 3, true, true>, "
      f"cutlass::bfloat16_t>(...)", "ws192"),
-    (f"void {_NS}attn_fwd_tc2<__nv_bfloat16, 128>(...)", "mma_r32"),
-    (f"void {_NS}attn_fwd_tc<__nv_bfloat16, 64, 8>(...)", "mma/w8"),
+    (f"void {_NS}attn_fwd_mma_r32<__nv_bfloat16, 128>(...)", "mma_r32"),
+    (f"void {_NS}attn_fwd_mma<__nv_bfloat16, 64, 8>(...)", "mma/w8"),
     (f"void {_NS}attn_fwd_simt<float, 64>(...)", "simt"),
-    (f"void {_NS}attn_bwd_dq_tc<__nv_bfloat16, 64>(...)", None),
+    (f"void {_NS}attn_bwd_dq_mma<__nv_bfloat16, 64>(...)", None),
 ])
 def test_attention_forward_kernel_labels(name, label):
     from gpu_puzzles.bench.attention import forward_kernel

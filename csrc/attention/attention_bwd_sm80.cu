@@ -72,9 +72,9 @@ constexpr int tc_dkdv_smem_bytes() {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kTcThreads)
-    attn_bwd_dkdv_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout,
-                     const float* __restrict__ lse, const float* __restrict__ delta, Rows<T> dk, Rows<T> dv,
-                     int64_t Hkv, int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale, bool causal) {
+    attn_bwd_dkdv_mma(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout,
+                      const float* __restrict__ lse, const float* __restrict__ delta, Rows<T> dk, Rows<T> dv,
+                      int64_t Hkv, int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale, bool causal) {
   constexpr int LDS = D + 8;
   constexpr int NQT = kBwdKQ / 8;  // n-tiles over queries
   constexpr int NDT = D / 8;
@@ -222,9 +222,9 @@ constexpr int tc_dq_smem_bytes() {
 // in them without spilling, and left free it takes ~150 (3 blocks).
 template <typename T, int D>
 __global__ void __launch_bounds__(kTcThreads, D == 64 ? 4 : 1)
-    attn_bwd_dq_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout, const float* __restrict__ lse,
-                   const float* __restrict__ delta, Rows<T> dq, int64_t H, int64_t G, int64_t bh0, int64_t Sq,
-                   int64_t Sk, float scale, bool causal) {
+    attn_bwd_dq_mma(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<const T> dout,
+                    const float* __restrict__ lse, const float* __restrict__ delta, Rows<T> dq, int64_t H, int64_t G,
+                    int64_t bh0, int64_t Sq, int64_t Sk, float scale, bool causal) {
   constexpr int LDS = D + 8;
   constexpr int NKT = kBwdQN / 8;  // n-tiles over keys
   constexpr int NDT = D / 8;
@@ -347,11 +347,11 @@ __global__ void __launch_bounds__(kTcThreads, D == 64 ? 4 : 1)
 // ---- launcher -------------------------------------------------------------------
 
 template <typename T, int D>
-cudaError_t launch_bwd_tc(const AttentionBwdArgs& a, const float* delta, int dev, cudaStream_t stream) {
+cudaError_t launch_bwd_mma(const AttentionBwdArgs& a, const float* delta, int dev, cudaStream_t stream) {
   constexpr int smem_kv = tc_dkdv_smem_bytes<D>();
   constexpr int smem_q = tc_dq_smem_bytes<D>();
-  constexpr auto kkv = attn_bwd_dkdv_tc<T, D>;
-  constexpr auto kq = attn_bwd_dq_tc<T, D>;
+  constexpr auto kkv = attn_bwd_dkdv_mma<T, D>;
+  constexpr auto kq = attn_bwd_dq_mma<T, D>;
   cudaError_t e = set_smem<kkv>(dev, smem_kv);
   if (e != cudaSuccess) return e;
   e = set_smem<kq>(dev, smem_q);
@@ -377,10 +377,10 @@ cudaError_t launch_bwd_tc(const AttentionBwdArgs& a, const float* delta, int dev
 
 cudaError_t attention_bwd_mma(const AttentionBwdArgs& a, const float* delta, int dev, cudaStream_t stream) {
   if (a.dtype == DType::BFloat16)
-    return a.D == 64 ? launch_bwd_tc<__nv_bfloat16, 64>(a, delta, dev, stream)
-                     : launch_bwd_tc<__nv_bfloat16, 128>(a, delta, dev, stream);
-  return a.D == 64 ? launch_bwd_tc<__half, 64>(a, delta, dev, stream)
-                   : launch_bwd_tc<__half, 128>(a, delta, dev, stream);
+    return a.D == 64 ? launch_bwd_mma<__nv_bfloat16, 64>(a, delta, dev, stream)
+                     : launch_bwd_mma<__nv_bfloat16, 128>(a, delta, dev, stream);
+  return a.D == 64 ? launch_bwd_mma<__half, 64>(a, delta, dev, stream)
+                   : launch_bwd_mma<__half, 128>(a, delta, dev, stream);
 }
 
 }  // namespace gpu_puzzles

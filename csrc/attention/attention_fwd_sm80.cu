@@ -3,10 +3,10 @@
 // fragments from padded shared memory (attention_mma.cuh). P goes from the S accumulators
 // straight into the A operand of the P V mma; the softmax is online
 // (common/online_softmax.cuh) and lse = m + log(l) is written per query row.
-//   attn_fwd_tc  (plan Mma): 16 rows per warp, 4 or 8 warps, Q fragments held in
+//   attn_fwd_mma  (plan Mma): 16 rows per warp, 4 or 8 warps, Q fragments held in
 //                registers, 64-key K/V tiles loaded with cp.async (V(j) overlaps
 //                S = Q K(j)^T, K(j+1) overlaps O += P V(j)).
-//   attn_fwd_tc2 (plan MmaR32): the tiling as template parameters; instantiated at
+//   attn_fwd_mma_r32 (plan MmaR32): the tiling as template parameters; instantiated at
 //                32 rows per warp, 32-key tiles, 4 warps, K/V double-buffered.
 // Which one runs, and with how many warps: attention_fwd_plan (attention_plan.cu).
 #include <cuda_bf16.h>
@@ -34,14 +34,14 @@ namespace {
 constexpr int kFwdBN = 64;  // keys per tile
 
 template <int D, int WARPS>
-constexpr int tc_fwd_smem_bytes() {
+constexpr int mma_fwd_smem_bytes() {
   return (16 * WARPS + 2 * kFwdBN) * (D + 8) * 2;
 }
 
 template <typename T, int D, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
-    attn_fwd_tc(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
-                int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
+    attn_fwd_mma(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
+                 int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
   constexpr int BM = 16 * WARPS;  // query rows per block (16 per warp)
   constexpr int NT = WARPS * 32;
   constexpr int LDS = D + 8;
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 }
 
 // ---- forward, v2 (configurable) -----------------------------------------------
-// Same math and masking as attn_fwd_tc, with the tiling as template parameters:
+// Same math and masking as attn_fwd_mma, with the tiling as template parameters:
 //   RPW    query rows per warp, 16 or 32. At 32 each warp holds two m16 tiles, so every
 //          K / V B-fragment read by ldmatrix feeds two mma instead of one: half the
 //          shared-memory traffic per FLOP (at 16 rows, smem bandwidth caps mma.sync).
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 //   WARPS  4 or 8; BM = RPW * WARPS query rows per block.
 //   STAGES 2: K/V double-buffered; tile j+1 is fetched (cp.async) during all of tile
 //          j's compute, one __syncthreads per tile. 1: the single-buffer schedule of
-//          attn_fwd_tc (V(j) overlaps S = Q K(j)^T, K(j+1) overlaps O += P V(j)).
+//          attn_fwd_mma (V(j) overlaps S = Q K(j)^T, K(j+1) overlaps O += P V(j)).
 // Q fragments are held in registers when they fit in 32 registers (RPW = 16, or D = 64);
 // otherwise (RPW = 32, D = 128) they are re-read from shared memory at each k-step, as
 // O (MT * D/2 floats) + S (MT * BN/2 floats) already use most of the register file.
@@ -188,8 +188,8 @@ constexpr int tc_fwd2_smem_bytes() {
 
 template <typename T, int D, int RPW, int BN, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32)
-    attn_fwd_tc2(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
-                 int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
+    attn_fwd_mma_r32(Rows<const T> q, Rows<const T> k, Rows<const T> v, Rows<T> o, float* __restrict__ lse, int64_t H,
+                     int64_t G, int64_t bh0, int64_t Sq, int64_t Sk, float scale_log2, bool causal) {
   static_assert(RPW == 16 || RPW == 32, "RPW");
   static_assert(BN == 32 || BN == 64, "BN");
   static_assert(STAGES == 1 || STAGES == 2, "STAGES");
@@ -397,20 +397,20 @@ cudaError_t launch_fwd(const AttentionFwdArgs& a, int dev, cudaStream_t stream) 
   });
 }
 
-// The plan's tilings, the only ones instantiated (build time): attn_fwd_tc with 4 or 8
-// warps, attn_fwd_tc2 at 32 rows per warp, 32-key tiles, 4 warps, 2 stages. Its template
+// The plan's tilings, the only ones instantiated (build time): attn_fwd_mma with 4 or 8
+// warps, attn_fwd_mma_r32 at 32 rows per warp, 32-key tiles, 4 warps, 2 stages. Its template
 // takes more (RPW 16/32, BN 32/64, WARPS 4/8, STAGES 1/2); the others measured slower
 // (benchmarks/results/attention_sweep_h200.txt).
 template <typename T, int D>
 cudaError_t launch_fwd_mma(const AttentionFwdArgs& a, const AttnFwdPlan& p, int dev, cudaStream_t stream) {
   if (p.kernel == AttnFwdKernel::MmaR32) {
     constexpr int RPW = 32, BN = 32, WARPS = 4, STAGES = 2;
-    return launch_fwd<attn_fwd_tc2<T, D, RPW, BN, WARPS, STAGES>, RPW * WARPS, WARPS * 32,
+    return launch_fwd<attn_fwd_mma_r32<T, D, RPW, BN, WARPS, STAGES>, RPW * WARPS, WARPS * 32,
                       tc_fwd2_smem_bytes<D, RPW, BN, WARPS, STAGES>(), T>(a, dev, stream);
   }
   if (p.warps == 4)
-    return launch_fwd<attn_fwd_tc<T, D, 4>, 16 * 4, 4 * 32, tc_fwd_smem_bytes<D, 4>(), T>(a, dev, stream);
-  return launch_fwd<attn_fwd_tc<T, D, 8>, 16 * 8, 8 * 32, tc_fwd_smem_bytes<D, 8>(), T>(a, dev, stream);
+    return launch_fwd<attn_fwd_mma<T, D, 4>, 16 * 4, 4 * 32, mma_fwd_smem_bytes<D, 4>(), T>(a, dev, stream);
+  return launch_fwd<attn_fwd_mma<T, D, 8>, 16 * 8, 8 * 32, mma_fwd_smem_bytes<D, 8>(), T>(a, dev, stream);
 }
 
 template <typename T>

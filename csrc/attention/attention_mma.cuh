@@ -87,7 +87,7 @@ struct MmaOp {
     }
 #endif
   }
-  // Same, not volatile: a pure register op the compiler may schedule freely (attn_fwd_tc2).
+  // Same, not volatile: a pure register op the compiler may schedule freely (attn_fwd_mma_r32).
   static __device__ __forceinline__ void run_nv(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     if constexpr (kHalf) {

@@ -77,10 +77,10 @@ double wave_fill(int64_t ctas, int sms) {
 //  * D = 128 there otherwise: the wgmma kernel. 3 warpgroups (192 query rows per CTA) run
 //    about 1.075x faster per CTA than 2 (128 rows), so 3 unless 2 fill the waves of the
 //    one-CTA-per-SM grid better by more than that.
-//  * D = 128 elsewhere: attn_fwd_tc2 at 32 rows per warp, 32-key tiles, 4 warps
+//  * D = 128 elsewhere: attn_fwd_mma_r32 at 32 rows per warp, 32-key tiles, 4 warps
 //    (mma_r32); the other tilings measured slower (attention_sweep_h200.txt). 32-row
 //    tiles with 64-key tiles spill at D = 128.
-//  * D = 64 elsewhere: attn_fwd_tc ("mma"), 8 warps; 4 at D = 128 when forced to mma
+//  * D = 64 elsewhere: attn_fwd_mma ("mma"), 8 warps; 4 at D = 128 when forced to mma
 //    (attention_fwd_warps overrides both).
 AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& err) {
   err = cudaSuccess;

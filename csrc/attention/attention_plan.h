@@ -14,8 +14,8 @@ namespace gpu_puzzles {
 
 enum class AttnFwdKernel {
   Simt,     // attn_fwd_simt
-  Mma,      // attn_fwd_tc: 16 query rows per warp, `warps` warps (knob attention_fwd=mma)
-  MmaR32,   // attn_fwd_tc2, 32 rows per warp, 32-key tiles, 4 warps, 2 stages (mma_r32)
+  Mma,      // attn_fwd_mma: 16 query rows per warp, `warps` warps (knob attention_fwd=mma)
+  MmaR32,   // attn_fwd_mma_r32, 32 rows per warp, 32-key tiles, 4 warps, 2 stages (mma_r32)
   Wgmma,    // attn_fwd_sm90 with `warpgroups` warpgroups (wgmma: 2, wgmma3: 3)
   WgmmaWs,  // attn_fwd_ws_sm90: TMA producer warpgroup + 2 or 3 consumer warpgroups
 };

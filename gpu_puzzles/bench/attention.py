@@ -67,7 +67,7 @@ def impls(device, causal, B, H, Sq, Sk, dtype, backward, compile_=True, unfused=
 # The kernels are told apart by their demangled names in the profiler; the labels are the
 # values of the attention_fwd knob, with the warps for "mma".
 _SM90 = re.compile(r"attn_fwd_sm90<.*?Sm90FwdCfg<[^<>]*?,\s*\d+,\s*\d+,\s*(\d+)>")  # D, BN, warpgroups
-_TC = re.compile(r"attn_fwd_tc<[^<>]*?,\s*\d+,\s*(\d+)>")  # T, D, warps
+_TC = re.compile(r"attn_fwd_mma<[^<>]*?,\s*\d+,\s*(\d+)>")  # T, D, warps
 # D, BN, stages, consumers, overlap, pingpong
 _WS = re.compile(r"attn_fwd_ws_sm90<.*?WsFwdCfg<[^<>]*?,\s*\d+,\s*\d+,\s*\d+,\s*(\d+),\s*(true|false),\s*(true|false)>")
 
@@ -86,7 +86,7 @@ def forward_kernel(name):
     m = _SM90.search(name)
     if m:
         return "wgmma3" if m.group(1) == "3" else "wgmma"
-    if "attn_fwd_tc2<" in name:
+    if "attn_fwd_mma_r32<" in name:
         return "mma_r32"
     m = _TC.search(name)
     if m:
@@ -102,7 +102,7 @@ def backward_kernel(name):
     two-pass mma.sync kernels), "simt"; None for any other kernel."""
     if "attn_bwd_ws_sm90<" in name:
         return "wgmma"
-    if "attn_bwd_dkdv_tc<" in name:
+    if "attn_bwd_dkdv_mma<" in name:
         return "mma"
     if "attn_bwd_dkdv_simt<" in name:
         return "simt"
