@@ -244,7 +244,7 @@ Tensor3 normalize_forward(const Tensor& x, const Tensor& g, const Tensor* be, co
 }
 
 Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, const c10::optional<Tensor>& b, int64_t M,
-                         int64_t N, int64_t H, double eps, bool cuda);
+                         int64_t N, int64_t H, double eps, bool cuda, const Plan& fwd);
 
 // lb_ null: RMSNorm+Linear (the mean undefined in the result).
 Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb_, const Tensor& W_,
@@ -269,7 +269,7 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb
     return {y.view(out_shape(x, N)), mean, rstd};
   }
   if (!lb_) {
-    auto [y, mean, rstd] = rms_fold_forward(x, g, W_, b, M, N, H, eps, cuda);
+    auto [y, mean, rstd] = rms_fold_forward(x, g, W_, b, M, N, H, eps, cuda, fwd);
     return {y.view(out_shape(x, N)), mean, rstd};
   }
   const Tensor be = lb_->contiguous();
@@ -288,8 +288,8 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb
     GP_CUDA_CHECK_STATUS(layernorm_linear_prep_cuda(x.data_ptr(), W.data_ptr(), g.data_ptr(), be.data_ptr(),
                                                     b ? b->data_ptr() : nullptr, mean.data_ptr(), rstd.data_ptr(),
                                                     wc.data_ptr(), r.data_ptr(), bp.data_ptr(), M, N, H, eps, dt, s));
-    const Plan plan = layernorm_linear_plan(Stage::kGemm, H, 8, true,
-                                            layernorm_linear_evt_possible(x.data_ptr(), wc.data_ptr(), M, N, H, dt));
+    // The plan asked once (fwd): its EVT check took x for wc too, which is as aligned (a fresh allocation).
+    const Plan& plan = fwd;
     if (plan.evt) {
       // sm_90a: one CUTLASS GEMM with the statistics applied in its epilogue, then
       // only the large-mean rows are recomputed (see layernorm_linear_evt_sm90.cu).
@@ -335,7 +335,7 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb
 // epilogue with mean = r = 0 and bp = b (its large-mean recompute never triggers).
 // Returns (y (M, N), undefined mean, rstd).
 Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, const c10::optional<Tensor>& b, int64_t M,
-                         int64_t N, int64_t H, double eps, bool cuda) {
+                         int64_t N, int64_t H, double eps, bool cuda, const Plan& fwd) {
   Tensor rstd = std::get<2>(layer_norm_impl(x, g, nullptr, eps, cuda, /*want_y=*/false));
   const Tensor W = W_.contiguous();  // the epilogue's (never taken) recompute reads (N, H) rows
   const Tensor wc = (W * g).contiguous();
@@ -347,9 +347,7 @@ Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, con
   if (cuda) {
 #ifdef WITH_CUDA
     const cudaStream_t s = current_stream();
-    const Plan plan = layernorm_linear_plan(Stage::kGemm, H, 8, true,
-                                            layernorm_linear_evt_possible(x.data_ptr(), wc.data_ptr(), M, N, H, dt));
-    if (plan.evt) {
+    if (fwd.evt) {  // the plan asked once, as in the LayerNorm fold
       z = at::empty({M, N}, x.options());
       const size_t ws_bytes = layernorm_linear_evt_workspace_bytes(M, N, H, dt);
       Tensor ws;
