@@ -295,12 +295,14 @@ def _rms_eps(norm: nn.Module) -> Optional[float]:
     return None
 
 
-def _defer_into(norm: nn.Module, consumer: nn.Module, mixin: type, span: tuple) -> None:
+def _defer_into(norm: nn.Module, consumer: nn.Module, mixin: type, span: tuple, alone: Callable) -> None:
+    """Moves ``norm``'s work into ``consumer`` (swapped to ``mixin``) while the modules of ``span``
+    are in place; ``alone(norm, x)`` is the norm's own forward once they are not."""
     # The consumer refers to the norm without registering it as a child: registered twice,
     # its Parameters would appear twice in state_dict.
     object.__setattr__(consumer, "_gp_norm", norm)
+    object.__setattr__(norm, "_gp_alone", alone)
     _set_span(span, norm, consumer)
-    object.__setattr__(norm, "_gp_alone", _LayerNorm.forward)
     _swap(norm, _Deferred)
     _swap(consumer, mixin)
 
@@ -524,7 +526,8 @@ def _patch_gpt2(model: nn.Module, report: PatchReport, embeddings: bool, norms: 
                     report.left[where] = "not an affine nn.LayerNorm followed by a Conv1D"
                     continue
                 owner_name = "attn" if lin_name == "c_attn" else "mlp"
-                _defer_into(ln, lin, _NormConv1D, ((block, owner_name, lin_owner), (lin_owner, lin_name, lin)))
+                _defer_into(ln, lin, _NormConv1D, ((block, owner_name, lin_owner), (lin_owner, lin_name, lin)),
+                            _LayerNorm.forward)
                 report.swapped[where] = "fused_layernorm_linear"
         if type(base.ln_f) is nn.LayerNorm and base.ln_f.weight is not None and base.ln_f.bias is not None:
             _swap(base.ln_f, _LayerNorm)
@@ -557,20 +560,17 @@ def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, act: Optional[t
                 or len({lin.bias is None for lin in lins}) != 1):
             continue  # the norm runs alone (rms_norm), the Linears stock
         norm._gp_offset = family.weight_offset
-        object.__setattr__(owner, "_gp_norm", norm)  # not registered: its Parameters would appear twice
         object.__setattr__(owner, "_gp_linears", lins)
-        object.__setattr__(norm, "_gp_alone", _rms)
-        _set_span(((layer, owner_name, owner),) + tuple((owner, n, lin) for n, lin in zip(lin_names, lins)),
-                  norm, owner)
         for lin in lins:
             lin._gp_feed = None
             _swap(lin, _Fed)
-        _swap(norm, _Deferred)
-        _swap(owner, _NormFeeds)
+        span = ((layer, owner_name, owner),) + tuple((owner, n, lin) for n, lin in zip(lin_names, lins))
+        _defer_into(norm, owner, _NormFeeds, span, _rms)
         where = f"{prefix}.{norm_name}+{owner_name}.{'/'.join(lin_names)}"
         fused.add(norm_name)
-        if _half_offset(family, act):
-            report.left[where] = _half_offset(family, act)
+        why = _half_offset(family, act)
+        if why:
+            report.left[where] = why
             continue
         report.swapped[where] = ("fused_rmsnorm_linear" if len(lins) == 1 else
                                  "rms_norm (under autocast with weights of another dtype: fused_rmsnorm_linear "
@@ -601,8 +601,9 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
                 continue
             norm._gp_offset = family.weight_offset
             _swap(norm, _RMSNorm)
-            if _half_offset(family, act):
-                report.left[where] = _half_offset(family, act)
+            why = _half_offset(family, act)
+            if why:
+                report.left[where] = why
             elif isinstance(act, torch.Tensor) and act.dtype != w.dtype:
                 # _rms runs stock for such a pair; it takes rms_norm once they agree.
                 report.left[where] = (f"weight {w.dtype} beside {act.dtype} activations: transformers returns the "

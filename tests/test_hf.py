@@ -463,10 +463,10 @@ DECODER_FAMILIES = {
 }
 
 
-def _decoder(family, seed=0, **overrides):
+def _decoder(family, seed=0):
     fam = DECODER_FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, fam.config)(**{**model_bench._SMALL_DECODER, **fam.overrides, **overrides},
+    config = getattr(transformers, fam.config)(**{**model_bench._SMALL_DECODER, **fam.overrides},
                                                attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
                                                pad_token_id=None)
     config._attn_implementation = "eager" if family == "gemma2" else "sdpa"
