@@ -277,7 +277,9 @@ def _profile_step(step):
 
 
 def run(models, device, variants=None, modes=("eager", "compile"), steps=10, profile=False, log=print, turns=5,
-        precisions=("bf16",), ckpts=(None,)):
+        precisions=("bf16",), ckpts=(None,), on_row=None):
+    """Every (model, precision, checkpointing, mode) case; ``on_row(rows)`` after each row, so a
+    run cut short by a time limit still leaves what it measured."""
     rows = []
     for name in models:
         for precision in precisions:
@@ -287,6 +289,9 @@ def run(models, device, variants=None, modes=("eager", "compile"), steps=10, pro
                                             turns=turns, profile=profile, precision=precision, ckpt=ckpt):
                         rows.append(r)
                         log(_fmt(r))
+                        if on_row:
+                            add_speedups(rows)
+                            on_row(rows)
     add_speedups(rows)
     return rows
 
@@ -455,28 +460,32 @@ def main(argv=None):
                                                                                           "nonreentrant")]
     if bad:
         p.error(f"unknown --precision / --grad-ckpt values {bad}")
+    import transformers
+    meta = dict(device=device_name(device), torch=torch.__version__, cuda=torch.version.cuda,
+                transformers=transformers.__version__, commit=git_commit(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                timing=f"eager: all variants of a model built and warmed up (3 steps) first, then taking "
+                       f"turns in {args.turns} rounds of --steps/{args.turns} steps; compiled: one variant after "
+                       f"another, each in a fresh dynamo state, 3 warm-up steps; median of a variant's steps, "
+                       f"CUDA events around each; peak = the variant's own state + its steps' "
+                       f"max_memory_allocated above what was allocated before them")
+
+    def save(rows):  # after every row: a run stopped by a time limit keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(meta, rows=rows), f, indent=1)
+
     if args.trainer:
         rows = [r for name in args.models.split(",") for prec in precisions for c in ckpts
                 for r in run_trainer(name, list(variants or ["stock", "ours"]), device, prec, c, args.steps)]
         add_speedups(rows)
     else:
         rows = run(args.models.split(","), device, variants, tuple(args.modes.split(",")), args.steps, args.profile,
-                   turns=args.turns, precisions=precisions, ckpts=ckpts)
+                   turns=args.turns, precisions=precisions, ckpts=ckpts, on_row=save)
     print_rows(rows)
     print_breakdown(rows)
     if args.json:
-        import transformers
-        meta = dict(device=device_name(device), torch=torch.__version__, cuda=torch.version.cuda,
-                    transformers=transformers.__version__, commit=git_commit(),
-                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    timing=f"eager: all variants of a model built and warmed up (3 steps) first, then taking "
-                           f"turns in {args.turns} rounds of --steps/{args.turns} steps; compiled: one variant after "
-                           f"another, each in a fresh dynamo state, 3 warm-up steps; median of a variant's steps, "
-                           f"CUDA events around each; peak = the variant's own state + its steps' "
-                           f"max_memory_allocated above what was allocated before them",
-                    rows=rows)
-        with open(args.json, "w") as f:
-            json.dump(meta, f, indent=1)
+        save(rows)
         print(f"wrote {args.json}")
     return 0
 
