@@ -91,6 +91,14 @@ TORCH_LIBRARY(gpu_puzzles, m) {
       "fused_rmsnorm_linear_backward(Tensor grad_out, Tensor x, Tensor norm_weight, Tensor linear_weight, Tensor rstd, "
       "bool has_bias) -> (Tensor, Tensor, Tensor, Tensor)");
 
+  // ---- gated_act -----------------------------------------------------------
+  // The gated MLP's middle: act(gate) * up, elementwise over gate and up of one shape (..., I),
+  // read in place where their rows are strided (the halves of one gate_up projection);
+  // activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU as Gemma's), "gelu" (erf). The output and
+  // both gradients are contiguous; the backward takes the forward's inputs.
+  m.def("gated_act(Tensor gate, Tensor up, str activation=\"silu\") -> Tensor");
+  m.def("gated_act_backward(Tensor grad_out, Tensor gate, Tensor up, str activation) -> (Tensor, Tensor)");
+
   // ---- attention -----------------------------------------------------------
   // softmax(q k^T * scale) v; scale=None means 1/sqrt(D); causal is SDPA's
   // is_causal (key j visible to query i iff j <= i). Returns (out, lse): lse is

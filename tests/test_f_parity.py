@@ -44,9 +44,21 @@ def _raises_naming(call, name, exc=(TypeError, ValueError, RuntimeError)):
 
 def test_every_public_function_has_a_case():
     covered = {"softmax", "log_softmax", "layer_norm", "fused_layernorm_linear", "rms_norm", "fused_rmsnorm_linear",
-               "cross_entropy", "fused_linear_cross_entropy", "embedding", "conv1d", "attention"}
+               "cross_entropy", "fused_linear_cross_entropy", "embedding", "conv1d", "attention", "gated_act"}
     functions = {n for n in gp.__all__ if inspect.isfunction(getattr(gp, n)) and n != "build_info"}
     assert functions == covered, f"not compared with F: {functions - covered}; gone: {covered - functions}"
+
+
+# ---- gated_act: F's activation times up, as transformers' MLPs write it -------------------
+
+@pytest.mark.parametrize("activation,ref", [("silu", F.silu), ("gelu_tanh", lambda g: F.gelu(g, approximate="tanh")),
+                                            ("gelu", F.gelu)])
+def test_gated_act(activation, ref):
+    g, u = _randn(3, 7, seed=11, scale=3, grad=True), _randn(3, 7, seed=12, grad=True)
+    _same_grads(gp.gated_act(g, u, activation), ref(g) * u, [g, u], f"gated_act {activation}")
+    _same_grads(gp.gated_act(gate=g, up=u, activation=activation), ref(g) * u, [g, u], f"gated_act {activation} kw")
+    if activation == "silu":  # the default
+        _same_grads(gp.gated_act(g, u), F.silu(g) * u, [g, u], "gated_act default")
 
 
 # ---- softmax, log_softmax ------------------------------------------------------------

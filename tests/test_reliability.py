@@ -691,6 +691,7 @@ def _registered_calls():
         ("cross_entropy", (logits, target)), ("cross_entropy_backward", (loss.detach(), logits, target, clse, -100,
                                                                           "mean")),
         ("fused_linear_cross_entropy", (x, W, torch.tensor([1, 0, 4]), bl)),
+        ("gated_act", (x, r(3, 8))), ("gated_act_backward", (r(3, 8), x, r(3, 8), "silu")),
     ]
 
 
