@@ -21,7 +21,9 @@ Families and what they get:
   OLMo 2's q/k norms; Phi-3's norms fused into the qkv_proj and gate_up_proj after them
   (``fused_rmsnorm_linear``), and the other families' norm before q/k/v into them under
   autocast with float32 weights (one GEMM over the weights' cast copies, concatenated in the
-  cast); attention (GQA); the LM loss.
+  cast); the gated MLP's act(gate) * up (``gated_act``: SwiGLU, Gemma's GeGLU); attention
+  (GQA); the LM loss. Under torch.compile on float32 activations, the norms
+  not fused with a single Linear run stock, for inductor to fuse with the adds and casts.
 Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
 mask, attention dropout while training, Sq != Sk) is handed to SDPA; a model that soft-caps
@@ -141,13 +143,22 @@ class _LayerNorm:
         return ops.layer_norm(x, self.weight, self.bias, eps=self.eps)
 
 
+def _to_inductor(x: torch.Tensor) -> bool:
+    """Whether a norm that no GEMM takes in runs stock because dynamo is tracing it, on float32
+    activations (fp32 parameters, under autocast or not): inductor fuses the stock norm with the
+    residual add before it and the casts to the GEMMs' dtype after it, where our op is opaque to
+    it and reads and writes the float32 activation once more on each side."""
+    return x.dtype == torch.float32 and torch.compiler.is_compiling()
+
+
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An RMSNorm module's output: ``rms_norm`` where x and the weight share a dtype.
     transformers' RMSNorm returns weight * x_normed in the promoted dtype of the two, rms_norm
     x's: they agree when the dtypes do (under autocast too: no rule for either). A float32
     weight kept beside bf16 activations runs the stock module, and so does Gemma's ``1 + weight``
-    scale on half activations (stock forms it in float32; in x's dtype it would round)."""
-    if not _scale_ok(norm, x):
+    scale on half activations (stock forms it in float32; in x's dtype it would round); under
+    torch.compile on float32 activations, inductor takes it (_to_inductor)."""
+    if not _scale_ok(norm, x) or _to_inductor(x):
         return norm._gp_base.forward(norm, x)
     return ops.rms_norm(x, _norm_weight(norm), eps=_rms_eps(norm))
 
@@ -251,9 +262,11 @@ def _fused_dtype(x: torch.Tensor, norm: nn.Module, lins: tuple) -> Optional[torc
     """The dtype of the fused GEMM's operands, or None where the norm and the Linears run apart.
     One Linear: fused wherever the op takes the dtypes (under autocast, as the op's autocast rule
     has it). Several: only under autocast with weights of another dtype, whose cast copies the
-    concatenation replaces; in the weights' own dtype, concatenating would copy them every step."""
+    concatenation replaces; in the weights' own dtype, concatenating would copy them every step.
+    Under torch.compile on float32 activations, several are left apart and their norm to
+    inductor (_to_inductor)."""
     dev = x.device.type
-    if not _scale_ok(norm, x):
+    if not _scale_ok(norm, x) or (len(lins) > 1 and _to_inductor(x)):
         return None
     if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) and x.dtype != torch.float64:
         dt = torch.get_autocast_dtype(dev)
@@ -284,6 +297,50 @@ class _NormConv1D:
             return super().forward(x)
         ln = self._gp_norm
         return ops.fused_layernorm_linear(x, ln.weight, ln.bias, self.weight.t(), self.bias, eps=ln.eps)
+
+
+def _gated_act_name(act: Any) -> Optional[str]:
+    """gated_act's name for a transformers activation module, or None for one it does not take."""
+    from transformers import activations as acts
+    kind = type(act)
+    if kind in (nn.SiLU, acts.SiLUActivation):
+        return "silu"
+    return {acts.GELUTanh: "gelu_tanh", acts.GELUActivation: "gelu"}.get(kind)
+
+
+# (projections, activation attribute): Llama-style MLPs; Phi-3's one gate_up projection.
+_GATED_MLPS = ((("gate_proj", "up_proj"), "act_fn"), (("gate_up_proj",), "activation_fn"))
+
+
+class _GatedMLP:
+    """A gated MLP, ``down(act(gate(x)) * up(x))`` (Phi-3: gate and up the halves of one
+    projection), whose middle runs as one ``gated_act``. The projections are called as the
+    module finds them (PEFT's LoRA may wrap them after patch()). Under torch.compile the
+    product stays stock: inductor fuses it into one kernel each way, as ours."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gp_halves:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.dtype != up.dtype or torch.compiler.is_compiling():
+            return self.down_proj(getattr(self, self._gp_act_attr)(gate) * up)
+        return self.down_proj(ops.gated_act(gate, up, self._gp_act))
+
+
+def _patch_mlp(mlp: nn.Module, where: str, report: PatchReport) -> None:
+    for projections, act_attr in _GATED_MLPS:
+        if all(isinstance(getattr(mlp, n, None), nn.Module) for n in projections + ("down_proj",)):
+            name = _gated_act_name(getattr(mlp, act_attr, None))
+            if name is None:
+                report.left[where] = (f"activation {type(getattr(mlp, act_attr, None)).__name__}: gated_act takes "
+                                      "silu, gelu_tanh and gelu")
+                return
+            mlp._gp_halves, mlp._gp_act, mlp._gp_act_attr = len(projections) == 1, name, act_attr
+            _swap(mlp, _GatedMLP)
+            report.swapped[where] = f"gated_act ({name}; compiled: stock, fused by inductor)"
+            return
+    report.left[where] = "not a gated MLP gpu_puzzles knows (gate_proj/up_proj/down_proj or gate_up_proj/down_proj)"
 
 
 def _rms_eps(norm: nn.Module) -> Optional[float]:
@@ -580,10 +637,13 @@ def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, act: Optional[t
 
 
 def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embeddings: bool, norms: bool,
-                   attention: bool, loss: bool, fused_loss: bool) -> None:
+                   attention: bool, loss: bool, fused_loss: bool, mlp: bool) -> None:
     base = getattr(model, "model", model)
     if embeddings:
         _patch_embedding(base.embed_tokens, "model.embed_tokens", report)
+    if mlp:  # before the norms: a norm fused into the MLP (Phi-3) wraps this swap (_NormFeeds)
+        for i, layer in enumerate(base.layers):
+            _patch_mlp(layer.mlp, f"model.layers.{i}.mlp", report)
     if norms:
         act = getattr(getattr(base, "embed_tokens", None), "weight", None)  # the activations' dtype
         norms_found = []
@@ -609,7 +669,7 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
                 report.left[where] = (f"weight {w.dtype} beside {act.dtype} activations: transformers returns the "
                                       "promoted dtype, rms_norm x's, so the stock RMSNorm runs")
             else:
-                report.swapped[where] = "rms_norm"
+                report.swapped[where] = "rms_norm (compiled on float32 activations: stock, fused by inductor)"
     from transformers.modeling_outputs import CausalLMOutputWithPast
     _patch_attention_and_loss(model, report, attention, loss, fused_loss, "attention_dropout", ", GQA",
                               CausalLMOutputWithPast)
@@ -648,12 +708,13 @@ def _set_loss(model: nn.Module, report: PatchReport) -> None:
 
 
 def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, attention: bool = True,
-          loss: bool = True, fused_loss: bool = False) -> PatchReport:
+          loss: bool = True, fused_loss: bool = False, mlp: bool = True) -> PatchReport:
     """Route ``model``'s compute through gpu_puzzles ops in place; returns a :class:`PatchReport`.
 
-    ``embeddings``, ``norms`` (norms and the norm+linear fusions), ``attention`` and ``loss``
-    pick what is patched. ``fused_loss`` (with ``loss``): in training with labels, the LM
-    head and the loss run fused and ``outputs.logits`` is None (the logits are never stored).
+    ``embeddings``, ``norms`` (norms and the norm+linear fusions), ``attention``, ``loss`` and
+    ``mlp`` (a decoder's gated MLP: ``gated_act``) pick what is patched. ``fused_loss`` (with
+    ``loss``): in training with labels, the LM head and the loss run fused and
+    ``outputs.logits`` is None (the logits are never stored).
     An architecture it does not know is left untouched (the report says so). Patching a
     model twice is a no-op for what is already patched.
     """
@@ -666,7 +727,7 @@ def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, atte
     if model_type in _GPT2:
         _patch_gpt2(model, report, embeddings, norms, attention, loss, fused_loss)
     elif model_type in _DECODERS:
-        _patch_decoder(model, report, _DECODERS[model_type], embeddings, norms, attention, loss, fused_loss)
+        _patch_decoder(model, report, _DECODERS[model_type], embeddings, norms, attention, loss, fused_loss, mlp)
     else:
         report.left["model"] = (f"architecture '{model_type}' is not one gpu_puzzles.hf knows "
                                 f"(known: {', '.join(_GPT2 + tuple(_DECODERS))})")
