@@ -53,7 +53,6 @@
 #include "attention/attention_sm90.cuh"
 #include "common/device.cuh"
 #include "common/func_attr.h"
-#include "common/kernel_choice.h"
 #include "common/online_softmax.cuh"
 
 namespace gpu_puzzles {
@@ -607,7 +606,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 }
 
 template <class Cfg, class Elem>
-cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cudaStream_t stream) {
+cudaError_t launch_bwd(const AttentionBwdArgs& a, const AttnGridPlan& grid, void* workspace, int dev,
+                       cudaStream_t stream) {
   constexpr int D = Cfg::D;
   const int64_t Sqp = padded_rows(a.Sq);
   float* lse2 = static_cast<float*>(workspace);
@@ -643,19 +643,14 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
   const int gx = static_cast<int>(ceil_div_u(a.Sk, Cfg::BN));
   // What a kv head's blocks read and add to: Q, dO and the float32 dq of its G query heads.
   const int64_t row_bytes = a.G() * a.Sq * D * static_cast<int64_t>(2 * sizeof(Elem) + sizeof(float));
-  // A persistent grid (one CTA an SM, each running its share of the key blocks) loads the next
-  // block's Q / dO tiles while the last one's GEMMs finish, and its K / V while the last one's
-  // dK / dV are stored: 1.007-1.015x one CTA a block on full grids, 1.067x at GPT-2's causal
-  // (8,12,1024,64); where the causal order's chunks are of one to two rounds, 0.57-0.78x, so
-  // there one CTA a block (grid_ctas; attention_bwd_grid_h100.json).
-  e = for_ordered_grids(a.BHkv(), gx, a.causal, row_bytes, Knob::AttentionBwdGrid, dev,
-                        [&](int64_t bh0, const BlockOrder& order, unsigned ctas) {
-                          kern<<<ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-                              tma_q, tma_do, tma_k, tma_v, lse2, delta, dq_acc, rows_of<Elem>(a.dk, a.sdk),
-                              rows_of<Elem>(a.dv, a.sdv), static_cast<int>(a.H), static_cast<int>(a.Hkv),
-                              static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq), static_cast<int>(Sqp),
-                              static_cast<int>(a.Sk), a.scale, a.causal);
-                        });
+  // Persistent or one CTA a block: the plan's (attention_bwd_plan, attn_grid_ctas).
+  e = for_ordered_grids(
+      a.BHkv(), gx, a.causal, row_bytes, grid, dev, [&](int64_t bh0, const BlockOrder& order, unsigned ctas) {
+        kern<<<ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+            tma_q, tma_do, tma_k, tma_v, lse2, delta, dq_acc, rows_of<Elem>(a.dk, a.sdk), rows_of<Elem>(a.dv, a.sdv),
+            static_cast<int>(a.H), static_cast<int>(a.Hkv), static_cast<int>(a.B), bh0, order, static_cast<int>(a.Sq),
+            static_cast<int>(Sqp), static_cast<int>(a.Sk), a.scale, a.causal);
+      });
   if (e != cudaSuccess) return e;
   const int64_t n = a.BH() * Sqp * D / 16;  // 16 floats a thread
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{1} << 20));
@@ -665,16 +660,11 @@ cudaError_t launch_bwd(const AttentionBwdArgs& a, void* workspace, int dev, cuda
 }
 
 template <class Elem>
-cudaError_t launch_bwd_d(const AttentionBwdArgs& a, void* ws, int dev, cudaStream_t stream) {
-  if (a.D != 64) return launch_bwd<BwdCfg<Elem, 128>, Elem>(a, ws, dev, stream);
-  // D = 64: dQ by turns where a CTA sweeps many query blocks (G * Sq >= 2048 rows): there it ran
-  // 1.018-1.031x the column split, at (8,12,1024) causal 0.971x and (16,12,512) causal 0.954x,
-  // where fewer blocks leave the turns uneven (benchmarks/results/attention_bwd_turns_h100.json).
-  // Knob attention_bwd: wgmma_turns / wgmma_split force one.
-  const int forced = knob(Knob::AttentionBwd);
-  const bool turns = forced == kKnobBwdWgmmaTurns || (forced != kKnobBwdWgmmaSplit && a.G() * a.Sq >= 2048);
-  return turns ? launch_bwd<BwdCfg<Elem, 64, true>, Elem>(a, ws, dev, stream)
-               : launch_bwd<BwdCfg<Elem, 64, false>, Elem>(a, ws, dev, stream);
+cudaError_t launch_bwd_d(const AttentionBwdArgs& a, const AttnBwdPlan& p, void* ws, int dev, cudaStream_t stream) {
+  if (a.D != 64) return launch_bwd<BwdCfg<Elem, 128>, Elem>(a, p.grid, ws, dev, stream);
+  // D = 64: dQ by turns or by column halves, as the plan says (attention_bwd_plan).
+  return p.dq_turns ? launch_bwd<BwdCfg<Elem, 64, true>, Elem>(a, p.grid, ws, dev, stream)
+                    : launch_bwd<BwdCfg<Elem, 64, false>, Elem>(a, p.grid, ws, dev, stream);
 }
 
 }  // namespace
@@ -690,9 +680,10 @@ int64_t attention_backward_sm90_workspace_bytes(const AttentionBwdArgs& a) {
   return a.BH() * padded_rows(a.Sq) * (2 + a.D) * static_cast<int64_t>(sizeof(float));
 }
 
-cudaError_t attention_backward_sm90(const AttentionBwdArgs& a, void* workspace, int dev, cudaStream_t stream) {
-  return a.dtype == DType::BFloat16 ? launch_bwd_d<cutlass::bfloat16_t>(a, workspace, dev, stream)
-                                    : launch_bwd_d<cutlass::half_t>(a, workspace, dev, stream);
+cudaError_t attention_backward_sm90(const AttentionBwdArgs& a, const AttnBwdPlan& p, void* workspace, int dev,
+                                    cudaStream_t stream) {
+  return a.dtype == DType::BFloat16 ? launch_bwd_d<cutlass::bfloat16_t>(a, p, workspace, dev, stream)
+                                    : launch_bwd_d<cutlass::half_t>(a, p, workspace, dev, stream);
 }
 
 }  // namespace gpu_puzzles

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "attention/attention.h"
+#include "attention/attention_plan.h"  // AttnBwdPlan
 
 namespace gpu_puzzles {
 
@@ -17,7 +18,9 @@ namespace gpu_puzzles {
 bool attention_backward_sm90_supported(const AttentionBwdArgs& a);
 // Its workspace: lse * log2(e) and delta per query row (padded), and the float32 dq accumulator.
 int64_t attention_backward_sm90_workspace_bytes(const AttentionBwdArgs& a);
-// Launches the prep kernel, the backward and dq's conversion (asynchronous).
-cudaError_t attention_backward_sm90(const AttentionBwdArgs& a, void* workspace, int dev, cudaStream_t stream);
+// Launches the prep kernel, the backward and dq's conversion (asynchronous), as plan p
+// (attention_bwd_plan: p.kernel == Wgmma) says: its dQ scheme at D = 64 and its grid.
+cudaError_t attention_backward_sm90(const AttentionBwdArgs& a, const AttnBwdPlan& p, void* workspace, int dev,
+                                    cudaStream_t stream);
 
 }  // namespace gpu_puzzles

@@ -16,8 +16,8 @@
 #include <type_traits>
 
 #include "attention/attention.h"
+#include "attention/attention_plan.h"
 #include "common/func_attr.h"
-#include "common/kernel_choice.h"
 
 namespace gpu_puzzles {
 namespace {  // one copy per .cu file: nothing here is shared across files at link time
@@ -140,52 +140,21 @@ struct WorkCursor {
   }
 };
 
-// The CTAs of a launch of `o`: a persistent grid (one CTA an SM, each running its blocks in turn,
-// WorkCursor) where it keeps the CTAs balanced, else one CTA a block; `grid_knob` (blocks |
-// persistent) forces one. The snake pairs a CTA's heavier and lighter blocks only over chunks of
-// about two rounds or more: over chunks of one to two rounds, the CTAs of the first round take
-// the heaviest blocks alone, chunk after chunk (the (4,32,4096,128) causal backward, chunks of 160
-// blocks on 132 SMs, ran 0.60x one CTA a block; benchmarks/results/attention_bwd_grid_h100.json).
-// Full grids (blocks of equal work) are always balanced.
-inline unsigned grid_ctas(const BlockOrder& o, bool causal, int sms, Knob grid_knob) {
-  const int forced = knob(grid_knob);
-  const bool balanced = !causal || o.blocks() <= static_cast<unsigned>(sms) ||
-                        static_cast<int64_t>(o.gx) * o.cb * 10 >= int64_t{19} * sms;
-  const bool persistent = forced == kKnobGridPersistent || (forced == 0 && balanced);
-  return persistent ? std::min(o.blocks(), static_cast<unsigned>(sms)) : o.blocks();
-}
-
-// Rows a chunk of a causal grid: as many as keep what they read under 16 MB of L2, and at least
-// a wave of CTAs (one CTA an SM). All rows at once thrash the L2 (forward (4,32,4096,128): 1.57
-// ms against 1.03); a chunk of fewer blocks than SMs leaves the order nothing to balance (a GQA
-// backward's kv head reads 16 MB at 4096 keys and is 32 blocks: 1.29 ms as one-row chunks, 0.89
-// as four) (benchmarks/results/attention_order_h100.txt). The chunks are of equal size (to a row):
-// a short last chunk would start its heaviest blocks last. 1 for full grids, or with the knob
-// attention_order=rows.
-inline int64_t chunk_rows(bool causal, int64_t nbh, int gx, int sms, int64_t bytes_per_row) {
-  constexpr int64_t kL2Budget = int64_t{16} << 20;
-  if (!causal || nbh <= 1 || knob(Knob::AttentionOrder) == kKnobOrderRows) return 1;
-  const int64_t by_l2 = kL2Budget / std::max<int64_t>(bytes_per_row, 1);
-  const int64_t one_wave = (std::max(sms, 1) + gx - 1) / std::max(gx, 1);
-  const int64_t cb = std::max<int64_t>(1, std::min<int64_t>(nbh, std::max(by_l2, one_wave)));
-  const int64_t chunks = (nbh + cb - 1) / cb;
-  return (nbh + chunks - 1) / chunks;
-}
-
 // The sm_90a kernels' 1D grids over BH (batch, head) rows of gx blocks each: calls
 // f(bh0, order, ctas) for launches of order.blocks() blocks (rows bh0 on) on `ctas` CTAs
-// (grid_ctas with `grid_knob`), each fitting gridDim.x (2^31 - 1), in the order above
-// (chunk_rows with `bytes_per_row` and device dev's SM count).
+// (attn_grid_ctas), each fitting gridDim.x (2^31 - 1), in the order above (attn_chunk_rows
+// with `bytes_per_row` and device dev's SM count); `g` is the plan's (attention_plan.h).
 template <typename F>
-cudaError_t for_ordered_grids(int64_t BH, int gx, bool causal, int64_t bytes_per_row, Knob grid_knob, int dev, F&& f) {
+cudaError_t for_ordered_grids(int64_t BH, int gx, bool causal, int64_t bytes_per_row, const AttnGridPlan& g, int dev,
+                              F&& f) {
   cudaError_t e = cudaSuccess;
   const int sms = device_sm_count(dev, e);
   if (e != cudaSuccess) return e;
   const int64_t step = std::max<int64_t>(1, ((int64_t{1} << 31) - 1) / std::max(gx, 1));
   for (int64_t bh0 = 0; bh0 < BH; bh0 += step) {
     const int64_t nbh = std::min<int64_t>(step, BH - bh0);
-    const BlockOrder order{nbh, chunk_rows(causal, nbh, gx, sms, bytes_per_row), gx};
-    f(bh0, order, grid_ctas(order, causal, sms, grid_knob));
+    const BlockOrder order{nbh, attn_chunk_rows(g, causal, nbh, gx, sms, bytes_per_row), gx};
+    f(bh0, order, attn_grid_ctas(g, order.blocks(), static_cast<int64_t>(gx) * order.cb, causal, sms));
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }

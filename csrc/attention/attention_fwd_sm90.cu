@@ -707,7 +707,7 @@ template <class Elem, int D, int Variant>
 using FwdCfgWs = WsFwdCfg<Elem, D, 128, 2, Variant == 3 ? 3 : 2, Variant >= 1, Variant >= 2>;
 
 template <class Cfg, class Elem>
-cudaError_t launch_ws(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
+cudaError_t launch_ws(const AttentionFwdArgs& a, const AttnGridPlan& grid, int dev, cudaStream_t stream) {
   constexpr int D = Cfg::D;
   const auto tma_q = make_tma_atom(SM90_TMA_LOAD{}, tma_view<D, Elem>(a.q, a.Sq, a.H, a.B, a.sq),
                                    typename Cfg::LayoutQ{}, Shape<Int<Cfg::BM>, Int<D>>{});
@@ -723,7 +723,7 @@ cudaError_t launch_ws(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
   const int gx = static_cast<int>((a.Sq + Cfg::BM - 1) / Cfg::BM);
   // What a (batch, head) row's blocks read: its share of K and V (G rows read one kv head).
   const int64_t row_bytes = 2 * a.Sk * D * static_cast<int64_t>(sizeof(Elem)) / a.G();
-  return for_ordered_grids(a.BH(), gx, a.causal, row_bytes, Knob::AttentionFwdGrid, dev,
+  return for_ordered_grids(a.BH(), gx, a.causal, row_bytes, grid, dev,
                            [&](int64_t bh0, const BlockOrder& order, unsigned ctas) {
                              kern<<<ctas, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
                                  tma_q, tma_k, tma_v, rows_of<Elem>(a.o, a.so), static_cast<float*>(a.lse),
@@ -733,17 +733,18 @@ cudaError_t launch_ws(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
 }
 
 template <class Elem, int Variant>
-cudaError_t launch_ws_d(const AttentionFwdArgs& a, int dev, cudaStream_t stream) {
-  return a.D == 64 ? launch_ws<FwdCfgWs<Elem, 64, Variant>, Elem>(a, dev, stream)
-                   : launch_ws<FwdCfgWs<Elem, 128, Variant>, Elem>(a, dev, stream);
+cudaError_t launch_ws_d(const AttentionFwdArgs& a, const AttnGridPlan& grid, int dev, cudaStream_t stream) {
+  return a.D == 64 ? launch_ws<FwdCfgWs<Elem, 64, Variant>, Elem>(a, grid, dev, stream)
+                   : launch_ws<FwdCfgWs<Elem, 128, Variant>, Elem>(a, grid, dev, stream);
 }
 
 template <class Elem>
-cudaError_t launch_ws_v(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream) {
-  if (variant == 3 && a.D == 64) return launch_ws<FwdCfgWs<Elem, 64, 3>, Elem>(a, dev, stream);
-  return variant >= 2   ? launch_ws_d<Elem, 2>(a, dev, stream)
-         : variant == 1 ? launch_ws_d<Elem, 1>(a, dev, stream)
-                        : launch_ws_d<Elem, 0>(a, dev, stream);
+cudaError_t launch_ws_v(const AttentionFwdArgs& a, int variant, const AttnGridPlan& grid, int dev,
+                        cudaStream_t stream) {
+  if (variant == 3 && a.D == 64) return launch_ws<FwdCfgWs<Elem, 64, 3>, Elem>(a, grid, dev, stream);
+  return variant >= 2   ? launch_ws_d<Elem, 2>(a, grid, dev, stream)
+         : variant == 1 ? launch_ws_d<Elem, 1>(a, grid, dev, stream)
+                        : launch_ws_d<Elem, 0>(a, grid, dev, stream);
 }
 
 }  // namespace
@@ -788,9 +789,10 @@ bool attention_forward_ws_supported(const AttentionFwdArgs& a) {
          tma_operand_ok(a.sv, a.Sk, a.Hkv, a.B) && a.Sk > 0 && a.BH() < (int64_t{1} << 31) && a.scale > 0.f;
 }
 
-cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream) {
-  return a.dtype == DType::BFloat16 ? launch_ws_v<cutlass::bfloat16_t>(a, variant, dev, stream)
-                                    : launch_ws_v<cutlass::half_t>(a, variant, dev, stream);
+cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, const AttnGridPlan& grid, int dev,
+                                      cudaStream_t stream) {
+  return a.dtype == DType::BFloat16 ? launch_ws_v<cutlass::bfloat16_t>(a, variant, grid, dev, stream)
+                                    : launch_ws_v<cutlass::half_t>(a, variant, grid, dev, stream);
 }
 
 }  // namespace gpu_puzzles

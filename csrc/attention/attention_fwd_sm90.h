@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include "attention/attention.h"
+#include "attention/attention_plan.h"  // AttnGridPlan
 
 namespace gpu_puzzles {
 
@@ -25,8 +26,9 @@ cudaError_t attention_forward_sm90(const AttentionFwdArgs& a, int warpgroups, in
 // 3 = ws192, ws3 with three consumers, D = 64 only), for the same calls where ws_supported(a)
 // also holds (strides the TMA takes, Sk > 0); same image as above. Causal grids run their
 // heaviest blocks first (BlockOrder, attention_common.cuh), on a persistent grid where balanced
-// (grid_ctas; knob attention_fwd_grid).
+// (attn_grid_ctas): as `grid`, the plan's, says.
 bool attention_forward_ws_supported(const AttentionFwdArgs& a);
-cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, int dev, cudaStream_t stream);
+cudaError_t attention_forward_sm90_ws(const AttentionFwdArgs& a, int variant, const AttnGridPlan& grid, int dev,
+                                      cudaStream_t stream);
 
 }  // namespace gpu_puzzles

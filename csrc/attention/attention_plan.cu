@@ -55,6 +55,18 @@ double wave_fill(int64_t ctas, int sms) {
   const int64_t waves = (ctas + sms - 1) / sms;
   return static_cast<double>(ctas) / static_cast<double>(waves * sms);
 }
+
+// The grid of an sm_90a launch from the knobs attention_order and `grid_knob` (its kernel's
+// attention_{fwd,bwd}_grid); not overridden: longest first, persistent where balanced.
+AttnGridPlan grid_plan(Knob grid_knob) {
+  AttnGridPlan g;
+  const int grid = knob(grid_knob);
+  g.grid = grid == kKnobGridBlocks       ? AttnGrid::Blocks
+           : grid == kKnobGridPersistent ? AttnGrid::Persistent
+                                         : AttnGrid::Balanced;
+  g.longest_first = knob(Knob::AttentionOrder) != kKnobOrderRows;
+  return g;
+}
 #endif
 
 }  // namespace
@@ -69,7 +81,7 @@ double wave_fill(int64_t ctas, int sms) {
 //    0.95-0.97x at 512-1024 rows, where 192-row blocks pad more (attention_ws192_h100.txt).
 //    Its grid is persistent, one CTA an SM, each running its share of the query blocks (the
 //    next block's Q and K load while the last one finishes), where the causal order keeps the
-//    CTAs balanced (grid_ctas): 1.006-1.21x one CTA a block over twelve shapes,
+//    CTAs balanced (attn_grid_ctas): 1.006-1.21x one CTA a block over twelve shapes,
 //    GPT-2's (8,12,1024,64) causal 1.14x (attention_fwd_grid_h100.json; knob
 //    attention_fwd_grid=blocks / persistent forces one).
 //    Operands TMA cannot describe (stride-0 broadcast heads) and Sk = 0 also take the
@@ -99,7 +111,8 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
     if (a.Sk >= 1024 || a.BH() * ((a.Sq + 127) / 128) >= 2 * int64_t{sms}) ws = a.D == 64 && a.Sq >= 2048 ? 3 : 2;
   }
   if (ws >= 0 && attention_forward_ws_supported(a)) {
-    if (attention_forward_sm90_available(dev, err)) return {AttnFwdKernel::WgmmaWs, 0, 3, ws};
+    if (attention_forward_sm90_available(dev, err))
+      return {AttnFwdKernel::WgmmaWs, 0, 3, ws, grid_plan(Knob::AttentionFwdGrid)};
     if (err != cudaSuccess) return simt;
   }
   int wg = is("wgmma") ? 2 : is("wgmma3") ? 3 : 0;
@@ -123,25 +136,41 @@ AttnFwdPlan attention_fwd_plan(const AttentionFwdArgs& a, int dev, cudaError_t& 
 
 // Default, fp16/bf16 with D == Dv in {64, 128} and 16-byte aligned operands (else SIMT): on
 // a 9.x GPU (sm_90a build), unless deterministic algorithms are asked for, the warp-specialised
-// wgmma backward (one pass, dq summed in float32 in any order; at D = 64 its dQ scheme by
-// shape, attention_bwd_sm90.cu); elsewhere, and for operands its TMA cannot describe, the two
-// deterministic mma.sync passes.
-AttnBwdKernel attention_bwd_plan(const AttentionBwdArgs& a, int dev, cudaError_t& err) {
+// wgmma backward (one pass, dq summed in float32 in any order); elsewhere, and for operands its
+// TMA cannot describe, the two deterministic mma.sync passes.
+//  * Its dQ scheme at D = 64: by turns where a CTA sweeps many query blocks (G * Sq >= 2048
+//    rows): there it ran 1.018-1.031x the column split, at (8,12,1024) causal 0.971x and
+//    (16,12,512) causal 0.954x, where fewer blocks leave the turns uneven
+//    (benchmarks/results/attention_bwd_turns_h100.json). Knob attention_bwd: wgmma_turns /
+//    wgmma_split force one.
+//  * Its grid is persistent (one CTA an SM, each running its share of the key blocks: the next
+//    block's Q / dO tiles load while the last one's GEMMs finish, and its K / V while the last
+//    one's dK / dV are stored) where the causal order keeps the CTAs balanced (attn_grid_ctas):
+//    1.007-1.015x one CTA a block on full grids, 1.067x at GPT-2's causal (8,12,1024,64); where
+//    the causal order's chunks are of one to two rounds, 0.57-0.78x, so there one CTA a block
+//    (attention_bwd_grid_h100.json; knob attention_bwd_grid=blocks / persistent forces one).
+AttnBwdPlan attention_bwd_plan(const AttentionBwdArgs& a, int dev, cudaError_t& err) {
   err = cudaSuccess;
+  const AttnBwdPlan simt{AttnBwdKernel::Simt};
   // o is read only by the delta kernels (16-byte loads where its rows allow): no alignment needed.
   const bool tc = half_type(a.dtype) && tc_head_dims(a.D, a.Dv) && rows16(a.q, a.sq) && rows16(a.k, a.sk) &&
                   rows16(a.v, a.sv) && rows16(a.dout, a.sdo) && rows16(a.dq, a.sdq) && rows16(a.dk, a.sdk) &&
                   rows16(a.dv, a.sdv);
-  if (!tc) return AttnBwdKernel::Simt;
+  if (!tc) return simt;
 #if defined(GPU_PUZZLES_WITH_SM90A)
-  const char* forced = knob_value(Knob::AttentionBwd);
-  const bool want = forced != nullptr ? std::strncmp(forced, "wgmma", 5) == 0 : !a.deterministic;
+  const int forced = knob(Knob::AttentionBwd);
+  const bool want = forced == kKnobBwdWgmma || forced == kKnobBwdWgmmaSplit || forced == kKnobBwdWgmmaTurns ||
+                    (forced == 0 && !a.deterministic);
   if (want && attention_backward_sm90_supported(a)) {
-    if (attention_forward_sm90_available(dev, err)) return AttnBwdKernel::Wgmma;
-    if (err != cudaSuccess) return AttnBwdKernel::Simt;
+    if (attention_forward_sm90_available(dev, err)) {
+      const bool turns =
+          a.D == 64 && (forced == kKnobBwdWgmmaTurns || (forced != kKnobBwdWgmmaSplit && a.G() * a.Sq >= 2048));
+      return {AttnBwdKernel::Wgmma, turns, grid_plan(Knob::AttentionBwdGrid)};
+    }
+    if (err != cudaSuccess) return simt;
   }
 #endif
-  return device_has_sm80(dev, err) ? AttnBwdKernel::Mma : AttnBwdKernel::Simt;
+  return device_has_sm80(dev, err) ? AttnBwdPlan{AttnBwdKernel::Mma} : simt;
 }
 
 int64_t attention_backward_workspace_bytes(const AttentionBwdArgs& a) {
@@ -150,7 +179,7 @@ int64_t attention_backward_workspace_bytes(const AttentionBwdArgs& a) {
 #if defined(GPU_PUZZLES_WITH_SM90A)
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);  // an error here comes back from the launch's own query
-  if (err == cudaSuccess && a.BH() > 0 && a.Sq > 0 && attention_bwd_plan(a, dev, err) == AttnBwdKernel::Wgmma)
+  if (err == cudaSuccess && a.BH() > 0 && a.Sq > 0 && attention_bwd_plan(a, dev, err).kernel == AttnBwdKernel::Wgmma)
     bytes = std::max(bytes, attention_backward_sm90_workspace_bytes(a));
 #endif
   return (bytes + 255) / 256 * 256;
@@ -170,7 +199,7 @@ LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stre
     case AttnFwdKernel::Wgmma:
       return static_cast<LaunchStatus>(attention_forward_sm90(a, p.warpgroups, dev, stream));
     case AttnFwdKernel::WgmmaWs:
-      return static_cast<LaunchStatus>(attention_forward_sm90_ws(a, p.variant, dev, stream));
+      return static_cast<LaunchStatus>(attention_forward_sm90_ws(a, p.variant, p.grid, dev, stream));
 #endif
     case AttnFwdKernel::Mma:
     case AttnFwdKernel::MmaR32:
@@ -199,14 +228,15 @@ LaunchStatus attention_backward_cuda(const AttentionBwdArgs& a, void* workspace,
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
-  const AttnBwdKernel k = attention_bwd_plan(a, dev, e);
+  const AttnBwdPlan p = attention_bwd_plan(a, dev, e);
   if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
 #if defined(GPU_PUZZLES_WITH_SM90A)
-  if (k == AttnBwdKernel::Wgmma) return static_cast<LaunchStatus>(attention_backward_sm90(a, workspace, dev, stream));
+  if (p.kernel == AttnBwdKernel::Wgmma)
+    return static_cast<LaunchStatus>(attention_backward_sm90(a, p, workspace, dev, stream));
 #endif
   e = attention_bwd_delta(a, workspace, stream);
   if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
-  if (k == AttnBwdKernel::Mma)
+  if (p.kernel == AttnBwdKernel::Mma)
     return static_cast<LaunchStatus>(attention_bwd_mma(a, static_cast<const float*>(workspace), dev, stream));
   return static_cast<LaunchStatus>(attention_bwd_simt(a, workspace, dev, stream));
 }
