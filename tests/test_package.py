@@ -49,7 +49,7 @@ def test_knobs_listed_with_their_values():
 
 def test_knob_values_in_the_order_the_kernels_number_them():
     # C++ reads these knobs by their 1-based position in the table (enums beside each op's plan:
-    # softmax.h, attention.h, layernorm_linear_plan.h): a reordered table would pick other kernels.
+    # softmax_plan.h, attention.h, layernorm_linear_plan.h): a reordered table would pick other kernels.
     numbered = {
         "softmax_rows": ("cluster", "staged", "smem", "bulk"),
         "softmax_cols": ("inner", "staged"),

@@ -1,7 +1,8 @@
 // One typed channel to override the per-op kernel heuristics, for tests and tuning
 // sweeps (Python: gpu_puzzles.tuning.override). Each op's plan reads its knobs here;
-// a knob at 0 leaves the choice to the op's heuristic. Torch-free, so launchers in
-// .cu files read it directly. Process-wide: an override applies to every thread.
+// a knob at 0 leaves the choice to the op's heuristic. Only the plans (<op>_plan.h, and
+// the .cu files beside them) read it: torch-free, so plans the launchers ask may include
+// it too. Process-wide: an override applies to every thread.
 #pragma once
 
 namespace gpu_puzzles {

@@ -14,6 +14,7 @@
 #include "common/tensor_rows.h"
 #include "common/cuda_launch.h"
 #include "conv1d/conv1d.h"
+#include "conv1d/conv1d_plan.h"
 
 namespace gpu_puzzles {
 namespace {
@@ -23,10 +24,7 @@ struct Shape {
 };
 
 Conv1dAlgo parse_algorithm(const std::string& algorithm, int64_t K, bool on_cuda) {
-  if (algorithm == "auto") {
-    if (!on_cuda || K <= kConv1dFastMaxK) return Conv1dAlgo::Fast;
-    return K <= kConv1dTiledMaxK ? Conv1dAlgo::Tiled : Conv1dAlgo::Naive;
-  }
+  if (algorithm == "auto") return conv1d_auto_algo(K, on_cuda);
   if (algorithm == "fast") {
     TORCH_CHECK(!on_cuda || K <= kConv1dFastMaxK, "conv1d: algorithm='fast' handles kernel sizes up to ",
                 kConv1dFastMaxK, ", weight has ", K, " taps; use algorithm='auto'");

@@ -8,14 +8,16 @@
 // Index arithmetic is 64-bit throughout: B*C*L may exceed 2^31.
 #include "common/device.cuh"
 #include "conv1d/conv1d.h"
+#include "conv1d/conv1d_plan.h"
 
 namespace gpu_puzzles {
 namespace {
 
-constexpr int kE = 8;          // elements per lane in the fast path
-constexpr int kWarps = 4;      // warps per block in the fast path
-constexpr int kSeg = 32 * kE;  // elements per warp segment of a row
-constexpr int kTile = 256;     // outputs per block in the tiled path
+using conv1d::FastPlan;
+using conv1d::kE;
+using conv1d::kSeg;
+using conv1d::kWarps;
+constexpr int kTile = 256;  // outputs per block in the tiled path
 constexpr unsigned kFull = 0xffffffffu;
 
 static_assert(kConv1dFastMaxK == kE + 1, "fast path halo is one neighbouring chunk");
@@ -299,53 +301,26 @@ __global__ void conv1d_dw_generic(const T* __restrict__ dy, RowStrides dys, cons
   }
 }
 
-// 16-byte vectors need every row start aligned: the bases, and the row strides of the
-// strided inputs (`rows`) in whole vectors.
-bool vec_ok(const void* const* ptrs, int n, const RowStrides* rows, int nrows, int64_t L, int elem) {
-  if ((L * elem) % 16 != 0 || L % kE != 0) return false;
-  for (int i = 0; i < n; ++i)
-    if (ptrs[i] && (reinterpret_cast<uintptr_t>(ptrs[i]) & 15) != 0) return false;
-  for (int i = 0; i < nrows; ++i)
-    if ((rows[i].s0 * elem) % 16 != 0 || (rows[i].s1 * elem) % 16 != 0) return false;
-  return true;
-}
-
-// Calls f(KMAX, CAUSAL, VEC) as compile-time constants.
+// Calls f(KMAX, CAUSAL, VEC) as compile-time constants: the plan's kmax and vec.
 template <typename F>
-void dispatch_fast(int K, bool causal, bool vec, F&& f) {
+void dispatch_fast(const FastPlan& p, bool causal, F&& f) {
   auto with_kmax = [&](auto causal_c, auto vec_c) {
-    if (K <= 4)
+    if (p.kmax == 4)
       f(std::integral_constant<int, 4>{}, causal_c, vec_c);
     else
       f(std::integral_constant<int, kConv1dFastMaxK>{}, causal_c, vec_c);
   };
   if (causal) {
-    if (vec)
+    if (p.vec)
       with_kmax(std::true_type{}, std::true_type{});
     else
       with_kmax(std::true_type{}, std::false_type{});
   } else {
-    if (vec)
+    if (p.vec)
       with_kmax(std::false_type{}, std::true_type{});
     else
       with_kmax(std::false_type{}, std::false_type{});
   }
-}
-
-// Split the batch so the backward grid has enough warps even for small C * L.
-void batch_groups(int64_t B, int64_t C, int64_t segs, int64_t* bper, int64_t* nbg) {
-  const int64_t want = 16384;
-  if (C * segs == 0) {  // empty rows: nothing to split
-    *bper = 1;
-    *nbg = 1;
-    return;
-  }
-  int64_t groups = (want + C * segs - 1) / (C * segs);
-  if (groups < 1) groups = 1;
-  if (groups > B) groups = B > 0 ? B : 1;
-  *bper = (B + groups - 1) / groups;
-  if (*bper < 1) *bper = 1;
-  *nbg = (B + *bper - 1) / *bper;
 }
 
 }  // namespace
@@ -362,14 +337,14 @@ LaunchStatus conv1d_forward_cuda(const Conv1dArgs& a, Conv1dAlgo algo, cudaStrea
     const T* bias = static_cast<const T*>(a.bias);
     T* out = static_cast<T*>(a.out);
     if (algo == Conv1dAlgo::Fast) {
-      const int64_t segs = (a.L + kSeg - 1) / kSeg;
       const void* ptrs[2] = {a.x, a.out};
-      const unsigned blocks = ceil_div_u(rows * segs, kWarps);
-      dispatch_fast(
-          a.K, a.causal, vec_ok(ptrs, 2, &a.xs, 1, a.L, sizeof(T)), [&](auto kmax, auto causal_c, auto vec_c) {
-            conv1d_fwd_fast<T, decltype(kmax)::value, decltype(causal_c)::value, decltype(vec_c)::value>
-                <<<blocks, kWarps * 32, 0, stream>>>(x, a.xs, w, a.w_stride, bias, out, rows, a.C, a.L, a.K, segs);
-          });
+      const FastPlan p =
+          conv1d::fast_plan(a.B, a.C, a.L, a.K, conv1d::vec_ok(ptrs, 2, &a.xs, 1, a.L, sizeof(T)), false);
+      const unsigned blocks = ceil_div_u(rows * p.segs, kWarps);
+      dispatch_fast(p, a.causal, [&](auto kmax, auto causal_c, auto vec_c) {
+        conv1d_fwd_fast<T, decltype(kmax)::value, decltype(causal_c)::value, decltype(vec_c)::value>
+            <<<blocks, kWarps * 32, 0, stream>>>(x, a.xs, w, a.w_stride, bias, out, rows, a.C, a.L, a.K, p.segs);
+      });
     } else if (algo == Conv1dAlgo::Tiled) {
       const int64_t tiles = (a.L + kTile - 1) / kTile;
       const size_t smem = sizeof(A) * (kTile + 2 * a.K - 1);
@@ -388,38 +363,34 @@ LaunchStatus conv1d_forward_cuda(const Conv1dArgs& a, Conv1dAlgo algo, cudaStrea
 }
 
 int64_t conv1d_backward_fast_workspace(int64_t B, int64_t C, int64_t L, int K) {
-  const int64_t segs = (L + kSeg - 1) / kSeg;
-  int64_t bper, nbg;
-  batch_groups(B, C, segs, &bper, &nbg);
-  return nbg * C * segs * (K + 1);
+  const FastPlan p = conv1d::fast_plan(B, C, L, K, false, true);  // vec does not change the split
+  return p.nbg * C * p.segs * (K + 1);
 }
 
 LaunchStatus conv1d_backward_fast_cuda(const void* dy, RowStrides dys, const void* x, RowStrides xs, const void* w,
                                        int64_t w_stride, void* dx, void* dw, void* dbias, void* workspace, int64_t B,
                                        int64_t C, int64_t L, int K, bool causal, DType dtype, cudaStream_t stream) {
   if (C == 0) return 0;
-  const int64_t segs = (L + kSeg - 1) / kSeg;
-  int64_t bper, nbg;
-  batch_groups(B, C, segs, &bper, &nbg);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
     A* partial = static_cast<A*>(workspace);
+    const void* ptrs[3] = {dy, x, dx};
+    const RowStrides strided[2] = {dys, xs};
+    const FastPlan p = conv1d::fast_plan(B, C, L, K, conv1d::vec_ok(ptrs, 3, strided, 2, L, sizeof(T)), true);
     if (B > 0 && L > 0) {
-      const void* ptrs[3] = {dy, x, dx};
-      const unsigned blocks = ceil_div_u(nbg * C * segs, kWarps);
-      const RowStrides strided[2] = {dys, xs};
-      dispatch_fast(K, causal, vec_ok(ptrs, 3, strided, 2, L, sizeof(T)), [&](auto kmax, auto causal_c, auto vec_c) {
+      const unsigned blocks = ceil_div_u(p.nbg * C * p.segs, kWarps);
+      dispatch_fast(p, causal, [&](auto kmax, auto causal_c, auto vec_c) {
         conv1d_bwd_fast<T, decltype(kmax)::value, decltype(causal_c)::value, decltype(vec_c)::value>
             <<<blocks, kWarps * 32, 0, stream>>>(static_cast<const T*>(dy), dys, static_cast<const T*>(x), xs,
                                                  static_cast<const T*>(w), w_stride, static_cast<T*>(dx), partial, B, C,
-                                                 L, K, segs, bper, nbg);
+                                                 L, K, p.segs, p.bper, p.nbg);
       });
     } else {
-      cudaMemsetAsync(partial, 0, sizeof(A) * nbg * C * segs * (K + 1), stream);
+      cudaMemsetAsync(partial, 0, sizeof(A) * p.nbg * C * p.segs * (K + 1), stream);
     }
-    conv1d_reduce_partials<T><<<static_cast<unsigned>(C), 128, 0, stream>>>(partial, static_cast<T*>(dw),
-                                                                            static_cast<T*>(dbias), C, K, segs, nbg);
+    conv1d_reduce_partials<T><<<static_cast<unsigned>(C), 128, 0, stream>>>(
+        partial, static_cast<T*>(dw), static_cast<T*>(dbias), C, K, p.segs, p.nbg);
   });
   return static_cast<LaunchStatus>(cudaGetLastError());
 }

@@ -17,30 +17,12 @@
 
 #include "common/checks.h"
 #include "common/cuda_launch.h"
-#include "common/kernel_choice.h"
 #include "common/register.h"
 #include "common/tensor_rows.h"
 #include "cross_entropy/cross_entropy.h"
+#include "cross_entropy/cross_entropy_plan.h"
 
 namespace gpu_puzzles {
-
-CrossEntropyPlan cross_entropy_plan(int64_t rows, int64_t V, int64_t elem_bytes) {
-  CrossEntropyPlan p{};
-  // About 8 vectors of 16 bytes per thread per row, 32 to 512 threads: several blocks per
-  // SM stay resident, so one row's reduction tail overlaps other rows' loads.
-  const int64_t nvec = (V * elem_bytes + 15) / 16;
-  p.threads = 32;
-  while (p.threads < 512 && int64_t(p.threads) * 8 < nvec) p.threads *= 2;
-  // Fused: as few chunks as keep each under kCeChunkBytes, of equal size (8192 rows of
-  // 50257 bf16: 4 x 2048, not 3 x 2670 + 182), so no GEMM runs on a sliver of rows.
-  rows = std::max<int64_t>(rows, 1);
-  const int64_t by_bytes = std::max<int64_t>(1, kCeChunkBytes / std::max<int64_t>(1, V * elem_bytes));
-  const int64_t chunks = (rows + by_bytes - 1) / by_bytes;
-  const int knob_rows = knob_int(Knob::CrossEntropyChunk, 0);
-  p.chunk_rows = knob_rows > 0 ? std::min<int64_t>(rows, knob_rows) : (rows + chunks - 1) / chunks;
-  return p;
-}
-
 namespace {
 
 using Tensor = at::Tensor;

@@ -72,17 +72,6 @@ struct CeReduceArgs {
 };
 LaunchStatus cross_entropy_reduce_cuda(const CeReduceArgs& a, cudaStream_t stream);
 
-// The one heuristic of the op: the CUDA block size of the row kernels, and the rows per
-// chunk of the fused linear cross-entropy (knob cross_entropy_chunk overrides the latter).
-struct CrossEntropyPlan {
-  int threads;
-  int64_t chunk_rows;
-};
-// Chunks hold at most this many bytes of logits: large enough that the three GEMMs of a
-// chunk keep the GPU busy, small against the full (N, V) logits a stock model stores.
-constexpr int64_t kCeChunkBytes = int64_t(256) << 20;
-CrossEntropyPlan cross_entropy_plan(int64_t rows, int64_t V, int64_t elem_bytes);
-
 // CPU kernels (float / double only: the host converts half types), one copy per SIMD level.
 GP_CPU_DECLARE(void, cross_entropy_forward_cpu, const CeFwdArgs& a)
 GP_CPU_DECLARE(void, cross_entropy_backward_cpu, const CeBwdArgs& a)

@@ -20,12 +20,14 @@
 // Index arithmetic is 64-bit throughout.
 #include "common/device.cuh"
 #include "embedding/embedding.h"
+#include "embedding/embedding_plan.h"
 
 namespace gpu_puzzles {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kU = 4;  // vectors per lane per work unit (loads in flight)
+using embedding::kThreads;
+using embedding::kU;
+using embedding::Plan;
 
 // ---- N-element access: one 16-byte vector (N * sizeof(T) == 16) or a scalar (N == 1)
 
@@ -56,26 +58,6 @@ __device__ __forceinline__ void store_n(T* __restrict__ p, const T (&r)[N]) {
 template <typename T>
 __device__ __forceinline__ T zero_of() {
   return from_acc<T>(acc_t<T>(0));
-}
-
-// A row of nvec N-element slots is cut into chunks of G * kU slots; work unit
-// (row, chunk) belongs to one group of G lanes, lane l taking slots
-// chunk * G * kU + u * G + l (u < kU): each u step is one coalesced request.
-struct Plan {
-  int64_t nvec;    // slots per row
-  int lg;          // log2 of the group size G
-  int64_t chunks;  // chunks per row
-};
-
-Plan make_plan(int64_t E, int N) {
-  Plan p{};
-  p.nvec = E / N;
-  const int64_t per_lane = (p.nvec + kU - 1) / kU;
-  int g = 1, lg = 0;
-  while (g < 32 && g < per_lane) g <<= 1, ++lg;
-  p.lg = lg;
-  p.chunks = (p.nvec + (int64_t(g) * kU) - 1) / (int64_t(g) * kU);
-  return p;
 }
 
 unsigned blocks_for(int64_t units, int lg) {
@@ -309,8 +291,6 @@ __global__ void emb_convert(const acc_t<T>* __restrict__ acc, T* __restrict__ ou
     out[i] = from_acc<T>(acc[i]);
 }
 
-bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 dim3 grid_2d(int64_t ntok, int64_t E) {
   const int64_t gx = (ntok + 15) / 16, gy = (E + 15) / 16;
   return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy < 65535 ? gy : 65535));
@@ -331,18 +311,16 @@ LaunchStatus embedding_forward_cuda(const EmbeddingFwdArgs& a, cudaStream_t stre
   dispatch_dtype(a.dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int NV = 16 / sizeof(T);
-    const bool vec = (a.E * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
-                     (a.w_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0 && aligned(a.weight) && aligned(a.out);
+    const Plan p = embedding::forward_plan(a, sizeof(T));
     dispatch_index(a.idx64, [&](auto itag) {
       using I = decltype(itag);
       auto launch = [&](auto n_c) {
         constexpr int N = decltype(n_c)::value;
-        const Plan p = make_plan(a.E, N);
         emb_fwd<T, I, N><<<blocks_for(a.T * p.chunks, p.lg), kThreads, 0, stream>>>(
             static_cast<const I*>(a.idx), a.is, static_cast<const T*>(a.weight), a.w_stride, static_cast<T*>(a.out),
             a.T, a.V, p.nvec, p.lg, p.chunks);
       };
-      if (vec)
+      if (p.vec)
         launch(std::integral_constant<int, NV>{});
       else
         launch(std::integral_constant<int, 1>{});
@@ -381,12 +359,9 @@ LaunchStatus embedding_backward_sorted_cuda(const EmbeddingBwdArgs& a, cudaStrea
     using T = decltype(tag);
     using A = acc_t<T>;
     constexpr int NV = 16 / sizeof(T);
-    const int64_t es = static_cast<int64_t>(sizeof(T));
-    const bool vec = (a.E * es) % 16 == 0 && (a.gs.s0 * es) % 16 == 0 && (a.gs.s1 * es) % 16 == 0 &&
-                     aligned(a.grad_out) && aligned(a.grad_weight);
+    const Plan p = embedding::backward_plan(a, sizeof(T));
     auto launch = [&](auto n_c) {
       constexpr int N = decltype(n_c)::value;
-      const Plan p = make_plan(a.E, N);
       const int64_t tiles = (a.T + kEmbTile - 1) / kEmbTile;
       if (tiles > 0)
         emb_bwd_tiles<T, N><<<blocks_for(tiles * p.chunks, p.lg), kThreads, 0, stream>>>(
@@ -395,7 +370,7 @@ LaunchStatus embedding_backward_sorted_cuda(const EmbeddingBwdArgs& a, cudaStrea
       emb_bwd_rows<T, N><<<blocks_for(a.V * p.chunks, p.lg), kThreads, 0, stream>>>(
           a.seg, static_cast<const A*>(a.partial), static_cast<T*>(a.grad_weight), a.V, p.nvec, p.lg, p.chunks);
     };
-    if (vec)
+    if (p.vec)
       launch(std::integral_constant<int, NV>{});
     else
       launch(std::integral_constant<int, 1>{});

@@ -10,6 +10,7 @@
 #include "common/cpu_isa.h"
 #include "common/dtype.h"
 #include "common/row_strides.h"
+#include "softmax/softmax_plan.h"  // SoftmaxTuning
 
 namespace gpu_puzzles {
 
@@ -20,37 +21,6 @@ namespace gpu_puzzles {
 //   Shuffle : warp-shuffle block reduction, three passes;
 //   Online  : single-pass running (max, sum), then one write pass.
 enum class SoftmaxAlgo : int { Auto = 0, Tree = 1, Shuffle = 2, Online = 3 };
-
-// The values of the softmax_rows and softmax_cols knobs: each is its 1-based index in the knob
-// table (common/kernel_choice.cpp), named as the knob's value there.
-enum SoftmaxRowsKernel : int { kRowsCluster = 1, kRowsStaged = 2, kRowsSmem = 3, kRowsBulk = 4 };
-enum SoftmaxColsKernel : int { kColsInner = 1, kColsStaged = 2 };
-
-// Kernel variants of the Auto forward / backward. Each field is the value of
-// its knob (common/kernel_choice.h: softmax_rows, softmax_cluster, ...) when
-// overridden, else the default; softmax_tuning() decides both in one place.
-struct SoftmaxTuning {
-  int rows = 0;     // long rows, a SoftmaxRowsKernel: cluster (the row in a cluster's registers),
-                    // staged (forward: persistent clusters, copies in flight), smem (the slice in
-                    // shared memory, cp.async; forward and backward, any alignment), bulk (the
-                    // same, one bulk copy)
-  int cluster = 0;  // staged rows kernel: preferred cluster size, 4 (smem/bulk only), 8 or 16; smem/bulk:
-                    // the cluster size of a 512 KB row (the slice is 512 KB / cluster)
-  int stages = 0;   // staged kernels: copies in flight per block, 2 or 3; columns: 1 = one tile at a
-                    // time (smaller blocks, several per SM)
-  int cols = 0;     // non-last dim, a SoftmaxColsKernel: inner (tiles across the inner columns), staged
-                    // (staged column tiles, forward and backward)
-  int col_rows_fwd = 0, col_rows_bwd = 0;  // staged column kernel: rows per thread, 4, 8 or 16
-  int smem_align = 0;  // smem/bulk rows: the most specialised kernel allowed, 1 aligned (rows 16-byte
-                       // aligned, N % V == 0), 2 same (inputs at the output's offset in 16 bytes),
-                       // 3 shifted (any); each is taken only where the layout allows it
-  int grid = 0;        // one-stage staged kernels and smem/bulk rows: clusters launched per resident
-                       // cluster, 1 (every cluster resident, looping) or 4 (blocks come and go)
-};
-
-// The tuning of this call: the knobs' overrides, else the built-in defaults.
-// Read once per op call, so the workspace size and the launch see the same plan.
-SoftmaxTuning softmax_tuning();
 
 struct SoftmaxArgs {
   const void* a;  // forward: x;     backward: y (the forward's output)

@@ -1,7 +1,8 @@
 // The pieces the softmax kernel files share (softmax_rows.cu, softmax_cluster.cu,
 // softmax_cols.cu, softmax_teaching.cu, softmax_plan.cu): block sizes, the
-// device reductions and statistics helpers, the Plan the heuristic fills, and
-// each family's launcher. Internal to csrc/softmax; include from .cu files only.
+// device reductions and statistics helpers, what the plan reads of a call's layout
+// (the Plan: softmax_plan.h), and each family's launcher. Internal to csrc/softmax;
+// include from .cu files only.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -386,43 +387,7 @@ __device__ __forceinline__ Vec<T, V> smem_fetch(const uint4* buf, int64_t pos, i
   return r;
 }
 
-// ---- planning ----------------------------------------------------------------
-
-enum class Kind {
-  WarpRows,
-  RowWarp,
-  BlockRows,
-  ClusterRows,
-  ClusterFwd,
-  StagedRows,
-  SmemRows,
-  Split,
-  Inner,
-  InnerCluster,
-  StagedCols,
-  Looped
-};
-
-struct Plan {
-  Kind kind;
-  int ch = 1;       // chunks per thread (register paths)
-  int lanes = 32;   // lanes per row (WarpRows)
-  int threads = 0;  // block size (BlockRows, ClusterRows), TC (Inner)
-  int64_t S = 1;    // chunks per row (Split), blocks per cluster (ClusterRows, ClusterFwd, InnerCluster)
-  bool cache = false;
-  int64_t smem = 0;   // dynamic shared memory bytes (Inner, StagedRows, StagedCols)
-  int stages = 2;     // StagedRows, StagedCols: copies in flight per thread, in rows / tiles;
-                      // 1: one at a time, several blocks per SM (grid: see `grid`)
-  int64_t sv = 0;     // SmemRows: 16-byte vectors of the output a block writes per row
-  int64_t sb = 0;     // SmemRows: 16-byte vectors of shared memory per input (sv, or sv + 1 where
-                      // an input may be misaligned against the output)
-  bool bulk = false;  // SmemRows: the slice arrives by one bulk copy (TMA), not per-thread cp.async
-  int align = 2;      // SmemRows: 0 every row 16-byte aligned and N % V == 0, 1 every input row at the
-                      // output row's offset within 16 bytes (smem_own_rows_kernel), 2 any (smem_rows_kernel)
-  int grid = 1;       // StagedCols with 1 stage, SmemRows: clusters launched per resident cluster
-  // InnerCluster keeps threads / cache / smem of the Inner plan: its fallback
-  // when the cluster launch is refused.
-};
+// ---- planning (the Plan: softmax_plan.h) --------------------------------------
 
 inline int esize(DType dt) { return dt == DType::Float64 ? 8 : (dt == DType::Float32 ? 4 : 2); }
 inline int64_t pow2ceil(int64_t v) {
