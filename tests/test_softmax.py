@@ -30,6 +30,13 @@ FUNCS = {"softmax": (gp.softmax, torch.softmax), "log_softmax": (gp.log_softmax,
 INF = float("inf")
 
 
+def cuda_every_dtype_and_kind(test):
+    """A CUDA test run for each float dtype, softmax and log_softmax (parameters dtype, kind)."""
+    test = pytest.mark.parametrize("kind", ["softmax", "log_softmax"])(test)
+    test = pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])(test)
+    return requires_cuda(test)
+
+
 def _ref64(x, dim, kind):
     return FUNCS[kind][1](x.double(), dim)
 
@@ -237,9 +244,7 @@ def _cuda_check_(x, dim, kind, algorithm, dtype, what):
     assert_close_ref(dx / scale, ref_dx / scale, dtype, what + " backward")
 
 
-@requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+@cuda_every_dtype_and_kind
 def test_cuda_rows_all_paths(dtype, kind):
     torch.manual_seed(5)
     for rows, n in CUDA_ROWS:
@@ -250,9 +255,7 @@ def test_cuda_rows_all_paths(dtype, kind):
             _cuda_check(xm, -1, kind, "auto", dtype, f"{kind} misaligned ({rows},{n})")
 
 
-@requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+@cuda_every_dtype_and_kind
 def test_cuda_columns_all_paths(dtype, kind):
     torch.manual_seed(6)
     _check_columns(CUDA_COLS, kind, dtype, scale=2, dim0=True)
@@ -842,9 +845,7 @@ def _odd_lengths(v):
     return sorted(near | {50257, 32003})
 
 
-@requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+@cuda_every_dtype_and_kind
 def test_cuda_odd_lengths(dtype, kind):
     torch.manual_seed(41)
     v = _vec(dtype)
@@ -860,9 +861,7 @@ def test_cuda_odd_lengths(dtype, kind):
         _check_rows(x, g, kind, dtype, f"{kind} odd ({rows},{n}) {dtype}")
 
 
-@requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+@cuda_every_dtype_and_kind
 def test_cuda_offset_views(dtype, kind):
     # x = buf[off:off + R N].view(R, N) for every element offset of a 16-byte vector, dy at a
     # different offset: input, dy and output misaligned against each other, row by row.
@@ -899,9 +898,7 @@ def _strided_cases(n, dtype, seed):
             ("rows 1::2 of (5, N+7), from element 3", big[1::2, 3:n + 3], bigg[1::2, 1:n + 1])]
 
 
-@requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+@cuda_every_dtype_and_kind
 def test_cuda_strided_rows(dtype, kind):
     v = _vec(dtype)
     if RACECHECK and dtype not in (torch.float32, torch.bfloat16):

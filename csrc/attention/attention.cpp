@@ -335,6 +335,22 @@ struct KernelOutput {
   }
 };
 
+// What the forward's and the backward's kernel args share: the sizes, the (float) scale,
+// the mask and the dtype.
+template <class Args>
+void set_problem(Args& a, const AttnShape& s, float kscale, bool causal, const at::Tensor& q) {
+  a.B = s.B;
+  a.H = s.H;
+  a.Hkv = s.Hkv;
+  a.Sq = s.Sq;
+  a.Sk = s.Sk;
+  a.D = s.D;
+  a.Dv = s.Dv;
+  a.scale = kscale;
+  a.causal = causal;
+  a.dtype = to_dtype(q.scalar_type());
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      c10::optional<double> scale, bool causal, bool enable_gqa) {
   const AttnShape s = check_qkv(q, k, v, enable_gqa, "attention");
@@ -369,25 +385,9 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda_op(const at::Tensor& q, const 
   const KernelInput Q = kernel_input(qs, s, s.H, s.Sq, s.D), K = kernel_input(k, s, s.Hkv, s.Sk, s.D),
                     V = kernel_input(v, s, s.Hkv, s.Sk, s.Dv);
   KernelOutput O(out, s, s.H, s.Sq, s.Dv);
-  AttentionFwdArgs a{Q.t.data_ptr(),
-                     K.t.data_ptr(),
-                     V.t.data_ptr(),
-                     O.buf.data_ptr(),
-                     lse.data_ptr(),
-                     Q.st,
-                     K.st,
-                     V.st,
-                     O.st,
-                     s.B,
-                     s.H,
-                     s.Hkv,
-                     s.Sq,
-                     s.Sk,
-                     s.D,
-                     s.Dv,
-                     kscale,
-                     causal,
-                     to_dtype(q.scalar_type())};
+  AttentionFwdArgs a{
+      Q.t.data_ptr(), K.t.data_ptr(), V.t.data_ptr(), O.buf.data_ptr(), lse.data_ptr(), Q.st, K.st, V.st, O.st};
+  set_problem(a, s, kscale, causal, q);
   GP_CUDA_CHECK_STATUS(attention_forward_cuda(a, current_stream()));
   O.finish();
   return {out, lse};
@@ -434,18 +434,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
                      G.st,
                      DQ.st,
                      DK.st,
-                     DV.st,
-                     s.B,
-                     s.H,
-                     s.Hkv,
-                     s.Sq,
-                     s.Sk,
-                     s.D,
-                     s.Dv,
-                     kscale,
-                     causal,
-                     to_dtype(q.scalar_type()),
-                     at::globalContext().deterministicAlgorithms()};
+                     DV.st};
+  set_problem(a, s, kscale, causal, q);
+  a.deterministic = at::globalContext().deterministicAlgorithms();
   const int64_t ws_bytes = attention_backward_workspace_bytes(a);
   at::Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, q.options().dtype(at::kByte));
   GP_CUDA_CHECK_STATUS(attention_backward_cuda(a, ws.data_ptr(), current_stream()));

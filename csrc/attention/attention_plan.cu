@@ -173,13 +173,31 @@ AttnBwdPlan attention_bwd_plan(const AttentionBwdArgs& a, int dev, cudaError_t& 
   return device_has_sm80(dev, err) ? AttnBwdPlan{AttnBwdKernel::Mma} : simt;
 }
 
+namespace {
+
+// Head dims the CUDA kernels take.
+bool head_dims_ok(int64_t D, int64_t Dv) {
+  return D > 0 && Dv > 0 && D <= kAttentionMaxHeadDim && Dv <= kAttentionMaxHeadDim;
+}
+
+// p = plan(a) on the current device, dev; CUDA's error, if any, returned (p then as on error).
+template <class Args, class Plan>
+cudaError_t plan_on_device(const Args& a, Plan (*plan)(const Args&, int, cudaError_t&), Plan& p, int& dev) {
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) p = plan(a, dev, e);
+  return e;
+}
+
+}  // namespace
+
 int64_t attention_backward_workspace_bytes(const AttentionBwdArgs& a) {
   const int64_t elem = a.dtype == DType::Float64 ? 8 : 4;
   int64_t bytes = a.BH() * a.Sq * elem;  // delta = rowsum(dout * o), one per query row
 #if defined(GPU_PUZZLES_WITH_SM90A)
   int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);  // an error here comes back from the launch's own query
-  if (err == cudaSuccess && a.BH() > 0 && a.Sq > 0 && attention_bwd_plan(a, dev, err).kernel == AttnBwdKernel::Wgmma)
+  AttnBwdPlan p{};  // an error here comes back from the launch's own query
+  if (a.BH() > 0 && a.Sq > 0 && plan_on_device(a, attention_bwd_plan, p, dev) == cudaSuccess &&
+      p.kernel == AttnBwdKernel::Wgmma)
     bytes = std::max(bytes, attention_backward_sm90_workspace_bytes(a));
 #endif
   return (bytes + 255) / 256 * 256;
@@ -187,12 +205,10 @@ int64_t attention_backward_workspace_bytes(const AttentionBwdArgs& a) {
 
 LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stream) {
   if (a.BH() <= 0 || a.Sq <= 0) return static_cast<LaunchStatus>(cudaSuccess);
-  if (a.D <= 0 || a.Dv <= 0 || a.D > kAttentionMaxHeadDim || a.Dv > kAttentionMaxHeadDim)
-    return static_cast<LaunchStatus>(cudaErrorInvalidValue);
+  if (!head_dims_ok(a.D, a.Dv)) return static_cast<LaunchStatus>(cudaErrorInvalidValue);
   int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
-  const AttnFwdPlan p = attention_fwd_plan(a, dev, e);
+  AttnFwdPlan p{};
+  const cudaError_t e = plan_on_device(a, attention_fwd_plan, p, dev);
   if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
   switch (p.kernel) {
 #if defined(GPU_PUZZLES_WITH_SM90A)
@@ -211,8 +227,7 @@ LaunchStatus attention_forward_cuda(const AttentionFwdArgs& a, cudaStream_t stre
 
 LaunchStatus attention_backward_cuda(const AttentionBwdArgs& a, void* workspace, cudaStream_t stream) {
   if (a.BH() <= 0) return static_cast<LaunchStatus>(cudaSuccess);
-  if (a.D <= 0 || a.Dv <= 0 || a.D > kAttentionMaxHeadDim || a.Dv > kAttentionMaxHeadDim)
-    return static_cast<LaunchStatus>(cudaErrorInvalidValue);
+  if (!head_dims_ok(a.D, a.Dv)) return static_cast<LaunchStatus>(cudaErrorInvalidValue);
   if (a.Sq <= 0) {
     // No queries: no gradient reaches k or v. dk and dv are dense here (the host allocates
     // them so), whatever their order: numel elements from their base.
@@ -226,9 +241,8 @@ LaunchStatus attention_backward_cuda(const AttentionBwdArgs& a, void* workspace,
     return static_cast<LaunchStatus>(cudaSuccess);
   }
   int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
-  const AttnBwdPlan p = attention_bwd_plan(a, dev, e);
+  AttnBwdPlan p{};
+  cudaError_t e = plan_on_device(a, attention_bwd_plan, p, dev);
   if (e != cudaSuccess) return static_cast<LaunchStatus>(e);
 #if defined(GPU_PUZZLES_WITH_SM90A)
   if (p.kernel == AttnBwdKernel::Wgmma)

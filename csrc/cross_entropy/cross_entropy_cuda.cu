@@ -316,23 +316,30 @@ int rows_grid(int64_t rows) {
   return static_cast<int>(rows < 0x7fffffff ? rows : 0x7fffffff);
 }
 
-}  // namespace
-
-LaunchStatus cross_entropy_forward_cuda(const CeFwdArgs& a, cudaStream_t stream) {
+// A row kernel's launch: launch(tag) for a's dtype (tag: a value of the element type);
+// nothing for no rows.
+template <typename Args, typename F>
+LaunchStatus launch_rows(const Args& a, F&& launch) {
   if (a.rows == 0) return cudaSuccess;
   return dispatch_dtype(a.dtype, [&](auto tag) -> LaunchStatus {
-    using T = decltype(tag);
-    ce_fwd_kernel<T><<<rows_grid<T>(a.rows), a.threads, 0, stream>>>(a);
+    launch(tag);
     return cudaGetLastError();
   });
 }
 
+}  // namespace
+
+LaunchStatus cross_entropy_forward_cuda(const CeFwdArgs& a, cudaStream_t stream) {
+  return launch_rows(a, [&](auto tag) {
+    using T = decltype(tag);
+    ce_fwd_kernel<T><<<rows_grid<T>(a.rows), a.threads, 0, stream>>>(a);
+  });
+}
+
 LaunchStatus cross_entropy_backward_cuda(const CeBwdArgs& a, cudaStream_t stream) {
-  if (a.rows == 0) return cudaSuccess;
-  return dispatch_dtype(a.dtype, [&](auto tag) -> LaunchStatus {
+  return launch_rows(a, [&](auto tag) {
     using T = decltype(tag);
     ce_bwd_kernel<T><<<rows_grid<T>(a.rows), a.threads, 0, stream>>>(a);
-    return cudaGetLastError();
   });
 }
 

@@ -246,6 +246,25 @@ Tensor3 normalize_forward(const Tensor& x, const Tensor& g, const Tensor* be, co
 Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, const c10::optional<Tensor>& b, int64_t M,
                          int64_t N, int64_t H, double eps, bool cuda, const Plan& fwd);
 
+#ifdef WITH_CUDA
+// The fold plans' sm_90a GEMM (plan.evt): z (M, N) = x wc^T, the statistics applied in its
+// epilogue (layernorm_linear_evt_sm90.cu). Undefined where CUTLASS refused the problem
+// (nothing was launched): the caller runs cuBLAS and the epilogue pass instead.
+Tensor evt_gemm(const Tensor& x, const Tensor& wc, const Tensor& mean, const Tensor& rstd, const Tensor& r,
+                const Tensor& bp, int64_t M, int64_t N, int64_t H, DType dt, cudaStream_t s, bool pdl) {
+  Tensor z = at::empty({M, N}, x.options());
+  const size_t ws_bytes = layernorm_linear_evt_workspace_bytes(M, N, H, dt);
+  Tensor ws;
+  if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+  const LaunchStatus st = layernorm_linear_evt_gemm_cuda(x.data_ptr(), wc.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+                                                         r.data_ptr(), bp.data_ptr(), z.data_ptr(),
+                                                         ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H, dt, s, pdl);
+  if (st == cudaErrorNotSupported) return Tensor();
+  GP_CUDA_CHECK_STATUS(st);
+  return z;
+}
+#endif
+
 // lb_ null: RMSNorm+Linear (the mean undefined in the result).
 Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb_, const Tensor& W_,
                            const c10::optional<Tensor>& b_, double eps, bool cuda) {
@@ -293,21 +312,11 @@ Tensor3 fused_forward_impl(const Tensor& x_, const Tensor& lw_, const Tensor* lb
     if (plan.evt) {
       // sm_90a: one CUTLASS GEMM with the statistics applied in its epilogue, then
       // only the large-mean rows are recomputed (see layernorm_linear_evt_sm90.cu).
-      z = at::empty({M, N}, x.options());
-      const size_t ws_bytes = layernorm_linear_evt_workspace_bytes(M, N, H, dt);
-      Tensor ws;
-      if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
-      const LaunchStatus st = layernorm_linear_evt_gemm_cuda(
-          x.data_ptr(), wc.data_ptr(), mean.data_ptr(), rstd.data_ptr(), r.data_ptr(), bp.data_ptr(), z.data_ptr(),
-          ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H, dt, s, plan.pdl);
-      if (st == cudaErrorNotSupported) {
-        z.reset();  // CUTLASS refused this problem (nothing was launched): the general path below
-      } else {
-        GP_CUDA_CHECK_STATUS(st);
+      z = evt_gemm(x, wc, mean, rstd, r, bp, M, N, H, dt, s, plan.pdl);
+      if (z.defined())  // else the general path below
         GP_CUDA_CHECK_STATUS(layernorm_linear_large_mean_fixup_cuda(
             z.data_ptr(), x.data_ptr(), g.data_ptr(), be.data_ptr(), W.data_ptr(), b ? b->data_ptr() : nullptr,
             mean.data_ptr(), rstd.data_ptr(), M, N, H, dt, s, plan.pdl));
-      }
     }
     if (!z.defined()) {
       z = at::mm(x.view({M, H}), wc.t()).contiguous();  // cuBLAS
@@ -347,19 +356,8 @@ Tensor3 rms_fold_forward(const Tensor& x, const Tensor& g, const Tensor& W_, con
   if (cuda) {
 #ifdef WITH_CUDA
     const cudaStream_t s = current_stream();
-    if (fwd.evt) {  // the plan asked once, as in the LayerNorm fold
-      z = at::empty({M, N}, x.options());
-      const size_t ws_bytes = layernorm_linear_evt_workspace_bytes(M, N, H, dt);
-      Tensor ws;
-      if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
-      const LaunchStatus st2 = layernorm_linear_evt_gemm_cuda(
-          x.data_ptr(), wc.data_ptr(), zeros.data_ptr(), rstd.data_ptr(), zeros.data_ptr(), bp.data_ptr(), z.data_ptr(),
-          ws_bytes > 0 ? ws.data_ptr() : nullptr, M, N, H, dt, s, false);
-      if (st2 == cudaErrorNotSupported)
-        z.reset();  // CUTLASS refused this problem (nothing was launched): cuBLAS below
-      else
-        GP_CUDA_CHECK_STATUS(st2);
-    }
+    // The plan asked once, as in the LayerNorm fold; undefined z (refused): cuBLAS below.
+    if (fwd.evt) z = evt_gemm(x, wc, zeros, rstd, zeros, bp, M, N, H, dt, s, false);
     if (!z.defined()) {
       z = at::mm(x.view({M, H}), wc.t()).contiguous();
       GP_CUDA_CHECK_STATUS(layernorm_linear_epilogue_cuda(

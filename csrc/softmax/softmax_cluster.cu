@@ -759,9 +759,7 @@ const void* smem_rows_kernel_for(bool log, bool bulk, int align) {
 // The shared-memory row kernel of plan p (p.align: which of the three).
 template <typename T, bool BWD, bool LOG, bool BULK>
 cudaError_t launch_smem_rows_of(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
-  const T* A_ = static_cast<const T*>(a.a);
-  const T* B_ = static_cast<const T*>(a.b);
-  T* O = static_cast<T*>(a.out);
+  const auto [A_, B_, O] = typed_ptrs<T>(a);
   const int64_t rows = a.outer, N = a.N;
   if (p.align == 0)
     return launch_staged(smem_own_rows_kernel<T, LOG, BWD, BULK, true>, p, rows, st, A_, B_, O, rows, N, a.la, a.lb,
@@ -781,9 +779,7 @@ cudaError_t launch_smem_rows(const SoftmaxArgs& a, const Plan& p, cudaStream_t s
 
 template <typename T, bool BWD>
 cudaError_t launch_cluster_typed(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
-  const T* A_ = static_cast<const T*>(a.a);
-  const T* B_ = static_cast<const T*>(a.b);
-  T* O = static_cast<T*>(a.out);
+  const auto [A_, B_, O] = typed_ptrs<T>(a);
   const int64_t rows = a.outer, N = a.N;
   const bool vec = vec_ok(a, BWD);
   switch (p.kind) {
@@ -827,9 +823,8 @@ cudaError_t launch_cluster_typed(const SoftmaxArgs& a, const Plan& p, cudaStream
 namespace softmax_detail {
 
 cudaError_t launch_cluster_rows(const SoftmaxArgs& a, const Plan& p, cudaStream_t st, bool bwd) {
-  return dispatch_dtype(a.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    return bwd ? launch_cluster_typed<T, true>(a, p, st) : launch_cluster_typed<T, false>(a, p, st);
+  return dispatch_typed(a, bwd, [&](auto tag, auto bwd_c) {
+    return launch_cluster_typed<decltype(tag), decltype(bwd_c)::value>(a, p, st);
   });
 }
 

@@ -422,9 +422,7 @@ auto staged_cols_kernel_for(bool log) {
 
 template <typename T, bool BWD>
 cudaError_t launch_inner(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
-  const T* A_ = static_cast<const T*>(a.a);
-  const T* B_ = static_cast<const T*>(a.b);
-  T* O = static_cast<T*>(a.out);
+  const auto [A_, B_, O] = typed_ptrs<T>(a);
   const int64_t tiles = cdiv(a.inner, p.threads);
   const dim3 block(p.threads, kInnerThreads / p.threads);
   const unsigned g = grid_for(a.outer * tiles);
@@ -442,9 +440,7 @@ cudaError_t launch_inner(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
 
 template <typename T, bool BWD>
 cudaError_t launch_cols_typed(const SoftmaxArgs& a, const Plan& p, cudaStream_t st) {
-  const T* A_ = static_cast<const T*>(a.a);
-  const T* B_ = static_cast<const T*>(a.b);
-  T* O = static_cast<T*>(a.out);
+  const auto [A_, B_, O] = typed_ptrs<T>(a);
   constexpr int V = 16 / sizeof(T);
   const int64_t N = a.N;
   switch (p.kind) {
@@ -485,10 +481,8 @@ cudaError_t launch_cols_typed(const SoftmaxArgs& a, const Plan& p, cudaStream_t 
 namespace softmax_detail {
 
 cudaError_t launch_cols(const SoftmaxArgs& a, const Plan& p, cudaStream_t st, bool bwd) {
-  return dispatch_dtype(a.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    return bwd ? launch_cols_typed<T, true>(a, p, st) : launch_cols_typed<T, false>(a, p, st);
-  });
+  return dispatch_typed(
+      a, bwd, [&](auto tag, auto bwd_c) { return launch_cols_typed<decltype(tag), decltype(bwd_c)::value>(a, p, st); });
 }
 
 const void* inner_cluster_kernel_handle() {

@@ -389,6 +389,26 @@ __device__ __forceinline__ Vec<T, V> smem_fetch(const uint4* buf, int64_t pos, i
 
 // ---- planning (the Plan: softmax_plan.h) --------------------------------------
 
+// f(tag, bwd_c) and its result: tag a value of a's element type (dispatch_dtype), bwd_c
+// std::true_type for the backward, else std::false_type. The families' entry points.
+template <typename F>
+auto dispatch_typed(const SoftmaxArgs& a, bool bwd, F&& f) {
+  return dispatch_dtype(a.dtype, [&](auto tag) { return bwd ? f(tag, std::true_type{}) : f(tag, std::false_type{}); });
+}
+
+// A call's pointers in its element type: input a (x, or y backward), input b (dy; null
+// forward) and the output.
+template <typename T>
+struct TypedPtrs {
+  const T* a;
+  const T* b;
+  T* out;
+};
+template <typename T>
+TypedPtrs<T> typed_ptrs(const SoftmaxArgs& a) {
+  return {static_cast<const T*>(a.a), static_cast<const T*>(a.b), static_cast<T*>(a.out)};
+}
+
 inline int esize(DType dt) { return dt == DType::Float64 ? 8 : (dt == DType::Float32 ? 4 : 2); }
 inline int64_t pow2ceil(int64_t v) {
   int64_t p = 1;

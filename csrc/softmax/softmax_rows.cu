@@ -261,9 +261,7 @@ __global__ void __launch_bounds__(kRowWarpThreads, 3)
 template <typename T, bool BWD>
 cudaError_t launch_split_typed(const SoftmaxArgs& a, void* workspace, cudaStream_t st, bool vec) {
   if (workspace == nullptr) return cudaErrorInvalidValue;
-  const T* A_ = static_cast<const T*>(a.a);
-  const T* B_ = static_cast<const T*>(a.b);
-  T* O = static_cast<T*>(a.out);
+  const auto [A_, B_, O] = typed_ptrs<T>(a);
   const int64_t rows = a.outer, N = a.N, S = cdiv(N, kSplitChunk);
   auto* ws = static_cast<acc_t<T>*>(workspace);
   const unsigned g = grid_for(rows * S);
@@ -276,44 +274,27 @@ cudaError_t launch_split_typed(const SoftmaxArgs& a, void* workspace, cudaStream
 
 template <typename T, bool BWD>
 cudaError_t launch_rows_typed(const SoftmaxArgs& a, const Plan& p, void* workspace, cudaStream_t st) {
-  const T* A_ = static_cast<const T*>(a.a);
-  const T* B_ = static_cast<const T*>(a.b);
-  T* O = static_cast<T*>(a.out);
+  const auto [A_, B_, O] = typed_ptrs<T>(a);
   const int64_t rows = a.outer, N = a.N;
   const bool vec = vec_ok(a, BWD);
   switch (p.kind) {
     case Kind::WarpRows: {
+      // Rows of up to 16 vectors share a warp, p.lanes lanes a row; else a warp a row, p.ch chunks a lane.
       const int per = kWarpRowsThreads / 32 * (32 / p.lanes);
-      const unsigned g = grid_for(cdiv(rows, per));
-      if (p.lanes == 1)
-        rows_regs_kernel<T, 1, false, BWD, 1>
-            <<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.lanes == 2)
-        rows_regs_kernel<T, 1, false, BWD, 2>
-            <<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.lanes == 4)
-        rows_regs_kernel<T, 1, false, BWD, 4>
-            <<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.lanes == 8)
-        rows_regs_kernel<T, 1, false, BWD, 8>
-            <<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.lanes == 16)
-        rows_regs_kernel<T, 1, false, BWD, 16>
-            <<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.ch == 1)
-        rows_regs_kernel<T, 1, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else if (p.ch == 2)
-        rows_regs_kernel<T, 2, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else
-        rows_regs_kernel<T, 4, false, BWD><<<g, kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      const auto k = p.lanes == 1    ? rows_regs_kernel<T, 1, false, BWD, 1>
+                     : p.lanes == 2  ? rows_regs_kernel<T, 1, false, BWD, 2>
+                     : p.lanes == 4  ? rows_regs_kernel<T, 1, false, BWD, 4>
+                     : p.lanes == 8  ? rows_regs_kernel<T, 1, false, BWD, 8>
+                     : p.lanes == 16 ? rows_regs_kernel<T, 1, false, BWD, 16>
+                     : p.ch == 1     ? rows_regs_kernel<T, 1, false, BWD>
+                     : p.ch == 2     ? rows_regs_kernel<T, 2, false, BWD>
+                                     : rows_regs_kernel<T, 4, false, BWD>;
+      k<<<grid_for(cdiv(rows, per)), kWarpRowsThreads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
       break;
     }
     case Kind::BlockRows: {
-      const unsigned g = grid_for(rows);
-      if (p.ch == 1)
-        rows_regs_kernel<T, 1, true, BWD><<<g, p.threads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
-      else
-        rows_regs_kernel<T, 2, true, BWD><<<g, p.threads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
+      const auto k = p.ch == 1 ? rows_regs_kernel<T, 1, true, BWD> : rows_regs_kernel<T, 2, true, BWD>;
+      k<<<grid_for(rows), p.threads, 0, st>>>(A_, B_, O, rows, N, a.la, a.lb, a.log, vec);
       break;
     }
     case Kind::RowWarp: {
@@ -340,17 +321,14 @@ cudaError_t launch_rows_typed(const SoftmaxArgs& a, const Plan& p, void* workspa
 namespace softmax_detail {
 
 cudaError_t launch_rows(const SoftmaxArgs& a, const Plan& p, void* workspace, cudaStream_t st, bool bwd) {
-  return dispatch_dtype(a.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    return bwd ? launch_rows_typed<T, true>(a, p, workspace, st) : launch_rows_typed<T, false>(a, p, workspace, st);
+  return dispatch_typed(a, bwd, [&](auto tag, auto bwd_c) {
+    return launch_rows_typed<decltype(tag), decltype(bwd_c)::value>(a, p, workspace, st);
   });
 }
 
 cudaError_t launch_split(const SoftmaxArgs& a, void* workspace, cudaStream_t st, bool bwd) {
-  return dispatch_dtype(a.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    return bwd ? launch_split_typed<T, true>(a, workspace, st, vec_ok(a, true))
-               : launch_split_typed<T, false>(a, workspace, st, vec_ok(a, false));
+  return dispatch_typed(a, bwd, [&](auto tag, auto bwd_c) {
+    return launch_split_typed<decltype(tag), decltype(bwd_c)::value>(a, workspace, st, vec_ok(a, bwd_c));
   });
 }
 

@@ -259,6 +259,23 @@ def peak_memory_rows(fns: dict, make_args: Callable[[], tuple], device: torch.de
     return rows
 
 
+def norm_linear_memory_rows(op: str, shapes, make_fns: Callable[[], dict], inputs: Callable, dtype: torch.dtype,
+                            device: torch.device) -> list:
+    """peak_memory_rows of one forward+backward of a Norm+Linear op per (M, H, N) in ``shapes``:
+    the fns of ``make_fns()`` (asked per shape) on fresh ``inputs(M, H, N, dtype, device,
+    grad=True)`` and a gradient of the (M, N) output."""
+    rows = []
+    for (M, H, N) in shapes:
+        fns = make_fns()
+
+        def make(M=M, H=H, N=N):
+            return (*inputs(M, H, N, dtype, device, grad=True), torch.randn(M, N, device=device, dtype=dtype))
+
+        rows += peak_memory_rows(fns, make, device, op=op, case=f"M={M} H={H} N={N}", direction="fwd+bwd",
+                                 M=M, H=H, N=N, dtype=str(dtype).replace("torch.", ""))
+    return rows
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
     if device.type != "cuda":

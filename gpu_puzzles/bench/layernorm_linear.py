@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from .common import Case, backward_fn, copy_bandwidth, device_name, git_commit, peak_memory_rows, run_case
+from .common import Case, backward_fn, copy_bandwidth, device_name, git_commit, norm_linear_memory_rows, run_case
 
 OP = "layernorm_linear"
 
@@ -133,17 +133,11 @@ def peak_memory(device, shapes=BENCH_SHAPES, dtype=torch.bfloat16, compile_=True
     """Peak memory above the live inputs (MiB) of one forward+backward per implementation."""
     if device.type != "cuda":
         return []
-    rows = []
-    for (M, H, N) in shapes:
-        fns = {k: backward_fn(f, 5) for k, f in impls(compile_).items()}
-        fns["F.linear alone"] = _linear_only_bwd
 
-        def make(M=M, H=H, N=N):
-            return (*inputs(M, H, N, dtype, device, grad=True), torch.randn(M, N, device=device, dtype=dtype))
+    def fns():
+        return {**{k: backward_fn(f, 5) for k, f in impls(compile_).items()}, "F.linear alone": _linear_only_bwd}
 
-        rows += peak_memory_rows(fns, make, device, op=OP, case=f"M={M} H={H} N={N}", direction="fwd+bwd",
-                                 M=M, H=H, N=N, dtype=str(dtype).replace("torch.", ""))
-    return rows
+    return norm_linear_memory_rows(OP, shapes, fns, inputs, dtype, device)
 
 
 def tour_check(device):

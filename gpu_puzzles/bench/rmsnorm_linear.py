@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import gpu_puzzles as gp
 
-from .common import Case, backward_fn, peak_memory_rows
+from .common import Case, backward_fn, norm_linear_memory_rows
 
 OP = "rmsnorm_linear"
 EPS = 1e-6
@@ -103,16 +103,11 @@ def peak_memory(device, shapes=BENCH_SHAPES, dtype=torch.bfloat16, compile_=True
     """Peak memory above the live inputs (MiB) of one forward+backward per implementation."""
     if device.type != "cuda":
         return []
-    rows = []
-    for (M, H, N) in shapes:
-        fns = {label: backward_fn(fn, 3) for label, fn in impls(ours, reference, compile_).items()}
 
-        def make(M=M, H=H, N=N):
-            return (*inputs(M, H, N, dtype, device, grad=True), torch.randn(M, N, device=device, dtype=dtype))
+    def fns():
+        return {label: backward_fn(fn, 3) for label, fn in impls(ours, reference, compile_).items()}
 
-        rows += peak_memory_rows(fns, make, device, op=OP, case=f"M={M} H={H} N={N}", direction="fwd+bwd",
-                                 M=M, H=H, N=N, dtype=str(dtype).replace("torch.", ""))
-    return rows
+    return norm_linear_memory_rows(OP, shapes, fns, inputs, dtype, device)
 
 
 def tour_check(device):
