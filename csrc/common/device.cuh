@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/dtype.h"
 
@@ -23,30 +24,31 @@ struct Acc<double> {
 template <typename T>
 using acc_t = typename Acc<T>::type;
 
+// Element <-> accumulator conversions: the half types to and from float through their
+// intrinsics (the build turns their implicit conversions off), anything else by a cast.
+template <typename To, typename From>
+__device__ __forceinline__ To convert_to(From v) {
+  constexpr bool kToFloat = std::is_same<To, float>::value, kFromFloat = std::is_same<From, float>::value;
+  if constexpr (kToFloat && std::is_same<From, __half>::value)
+    return __half2float(v);
+  else if constexpr (kToFloat && std::is_same<From, __nv_bfloat16>::value)
+    return __bfloat162float(v);
+  else if constexpr (kFromFloat && std::is_same<To, __half>::value)
+    return __float2half_rn(v);
+  else if constexpr (kFromFloat && std::is_same<To, __nv_bfloat16>::value)
+    return __float2bfloat16_rn(v);
+  else
+    return static_cast<To>(v);
+}
+
 template <typename A, typename T>
 __device__ __forceinline__ A to_acc(T v) {
-  return static_cast<A>(v);
-}
-template <>
-__device__ __forceinline__ float to_acc<float, __half>(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float to_acc<float, __nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
+  return convert_to<A>(v);
 }
 
 template <typename T, typename A>
 __device__ __forceinline__ T from_acc(A v) {
-  return static_cast<T>(v);
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half, float>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) {
-  return __float2bfloat16_rn(v);
+  return convert_to<T>(v);
 }
 
 // N elements of T moved as whole 16-byte words (N * sizeof(T) must be a multiple of 16).

@@ -169,25 +169,32 @@ __device__ __forceinline__ void store_chunk(T* __restrict__ p, const A (&v)[V], 
 
 // Reductions over a group: the block, or LANES aligned lanes of a warp (xor
 // offsets below LANES never leave the group). Every lane of the warp calls them.
-template <bool BLOCK, int LANES, typename A>
-__device__ __forceinline__ A group_max(A v, A* red) {
+template <bool BLOCK, int LANES, bool MAX, typename A>
+__device__ __forceinline__ A group_reduce(A v, A* red) {
   if constexpr (BLOCK) {
-    return block_max(v, red);
+    if constexpr (MAX)
+      return block_max(v, red);
+    else
+      return block_sum(v, red);
   } else {
 #pragma unroll
-    for (int o = LANES / 2; o > 0; o >>= 1) v = max_a(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = LANES / 2; o > 0; o >>= 1) {
+      const A w = __shfl_xor_sync(0xffffffffu, v, o);
+      if constexpr (MAX)
+        v = max_a(v, w);
+      else
+        v += w;
+    }
     return v;
   }
 }
 template <bool BLOCK, int LANES, typename A>
+__device__ __forceinline__ A group_max(A v, A* red) {
+  return group_reduce<BLOCK, LANES, true>(v, red);
+}
+template <bool BLOCK, int LANES, typename A>
 __device__ __forceinline__ A group_sum(A v, A* red) {
-  if constexpr (BLOCK) {
-    return block_sum(v, red);
-  } else {
-#pragma unroll
-    for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-  }
+  return group_reduce<BLOCK, LANES, false>(v, red);
 }
 
 // ---- a row in registers (rows_regs_kernel, cluster_rows_kernel) -----------------
