@@ -40,25 +40,6 @@ void check_grad_out(const at::Tensor& grad_out, const at::Tensor& gate) {
               " but gate has shape ", gate.sizes(), "; they must match");
 }
 
-at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
-  check_inputs(gate, up, "gated_act");
-  const GatedAct act = parse_activation(activation, "gated_act");
-  TORCH_CHECK(gate.device().is_cpu(), "gated_act: gate must be a CPU tensor for the CPU kernel, got ", gate.device());
-  at::Tensor out = at::empty(gate.sizes(), gate.options());
-  gated_act_forward_cpu_kernel(gate.contiguous(), up.contiguous(), out, act);
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> gated_act_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
-                                                          const at::Tensor& up, c10::string_view activation) {
-  check_inputs(gate, up, "gated_act_backward");
-  check_grad_out(grad_out, gate);
-  const GatedAct act = parse_activation(activation, "gated_act_backward");
-  at::Tensor dgate = at::empty(gate.sizes(), gate.options()), dup = at::empty(gate.sizes(), gate.options());
-  gated_act_backward_cpu_kernel(grad_out.contiguous(), gate.contiguous(), up.contiguous(), dgate, dup, act);
-  return {dgate, dup};
-}
-
 #ifdef WITH_CUDA
 GatedActArgs cuda_args(const at::Tensor& gate, const at::Tensor& up, GatedAct act) {
   TORCH_CHECK(gate.is_cuda(), "gated_act: gate must be a CUDA tensor for the CUDA kernel, got ", gate.device());
@@ -108,6 +89,25 @@ std::tuple<at::Tensor, at::Tensor> gated_act_backward_cuda(const at::Tensor& gra
   return {dgate, dup};
 }
 #endif
+
+at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
+  check_inputs(gate, up, "gated_act");
+  const GatedAct act = parse_activation(activation, "gated_act");
+  TORCH_CHECK(gate.device().is_cpu(), "gated_act: gate must be a CPU tensor for the CPU kernel, got ", gate.device());
+  at::Tensor out = at::empty(gate.sizes(), gate.options());
+  gated_act_forward_cpu_kernel(gate.contiguous(), up.contiguous(), out, act);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_act_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
+                                                          const at::Tensor& up, c10::string_view activation) {
+  check_inputs(gate, up, "gated_act_backward");
+  check_grad_out(grad_out, gate);
+  const GatedAct act = parse_activation(activation, "gated_act_backward");
+  at::Tensor dgate = at::empty(gate.sizes(), gate.options()), dup = at::empty(gate.sizes(), gate.options());
+  gated_act_backward_cpu_kernel(grad_out.contiguous(), gate.contiguous(), up.contiguous(), dgate, dup, act);
+  return {dgate, dup};
+}
 
 }  // namespace
 

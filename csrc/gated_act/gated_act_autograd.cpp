@@ -1,6 +1,7 @@
 // Autograd for gated_act (why in C++: common/autograd.h). Saves gate and up, which the
 // Linears before it keep anyway; stock's act(gate) * up also keeps act(gate).
 #include <string>
+#include <utility>
 
 #include "common/autograd.h"
 
@@ -10,6 +11,12 @@ namespace {
 using Tensor = at::Tensor;
 using ForwardSig = Tensor(const Tensor&, const Tensor&, c10::string_view);
 using BackwardSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, c10::string_view);
+
+// gpu_puzzles::gated_act_backward, looked up once; both autograd kernels below call it.
+const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
+  static const auto op = typed_op<BackwardSig>("gpu_puzzles::gated_act_backward");
+  return op;
+}
 
 struct GatedActFunction : public torch::autograd::Function<GatedActFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up, c10::string_view activation) {
@@ -21,31 +28,23 @@ struct GatedActFunction : public torch::autograd::Function<GatedActFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto op = typed_op<BackwardSig>("gpu_puzzles::gated_act_backward");
     const auto saved = ctx->get_saved_variables();
-    const std::string activation = ctx->saved_data["activation"].toStringRef();
-    auto [dgate, dup] = op.call(grads[0], saved[0], saved[1], activation);
+    auto [dgate, dup] = backward_op().call(grads[0], saved[0], saved[1], ctx->saved_data["activation"].toStringRef());
     return {if_needed(ctx, 0, dgate), if_needed(ctx, 1, dup), Tensor()};
   }
 };
 
-Tensor gated_act_autograd(const Tensor& gate, const Tensor& up, c10::string_view activation) {
-  return GatedActFunction::apply(gate, up, activation);
-}
-
-// The backward op: no derivative of its own (differentiated again, it raises naming the op).
-std::tuple<Tensor, Tensor> gated_act_backward_autograd(const Tensor& g, const Tensor& gate, const Tensor& up,
-                                                       c10::string_view activation) {
-  static const auto op = typed_op<BackwardSig>("gpu_puzzles::gated_act_backward");
-  return no_double_backward("gated_act_backward", below_autograd([&] { return op.call(g, gate, up, activation); }), g,
-                            gate, up);
+// The forward's kernel and, below, the backward op's: no derivative of its own (differentiated
+// again, it raises naming the op).
+TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
+  m.impl("gated_act", [](const Tensor& gate, const Tensor& up, c10::string_view activation) {
+    return GatedActFunction::apply(gate, up, activation);
+  });
+  m.impl("gated_act_backward", [](const Tensor& g, const Tensor& gate, const Tensor& up, c10::string_view activation) {
+    auto out = below_autograd([&] { return backward_op().call(g, gate, up, activation); });
+    return no_double_backward("gated_act_backward", std::move(out), g, gate, up);
+  });
 }
 
 }  // namespace
-
-TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
-  m.impl("gated_act", &gated_act_autograd);
-  m.impl("gated_act_backward", &gated_act_backward_autograd);
-}
-
 }  // namespace gpu_puzzles

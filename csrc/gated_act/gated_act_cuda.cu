@@ -43,15 +43,27 @@ __device__ __forceinline__ ActDeriv<A> act_and_grad(A g, GatedAct act) {
   return {g * cdf, cdf + g * exp(A(-0.5) * g * g) * A(0.3989422804014327)};
 }
 
-// One thread handles V consecutive elements of a row per step; V = 1 is the unaligned path.
+// Element c0 of row r of a strided operand.
+template <typename T>
+__device__ __forceinline__ const T* row_at(const void* p, const RowStrides& s, int64_t r, int64_t c0) {
+  return static_cast<const T*>(p) + row_offset(s, r) + c0;
+}
+
+// f(r, c0) for every row this thread covers: V consecutive elements from c0 (V = 1 is the
+// unaligned path), the rows looping with a stride of gridDim.y.
+template <int V, typename F>
+__device__ __forceinline__ void each_row(const GatedActArgs& a, F&& f) {
+  const int64_t c0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
+  if (c0 >= a.I) return;
+  for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) f(r, c0);
+}
+
 template <typename T, int V>
 __global__ void gated_act_fwd_kernel(GatedActArgs a) {
   using A = acc_t<T>;
-  const int64_t c0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
-  if (c0 >= a.I) return;
-  for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
-    const T* g = static_cast<const T*>(a.gate) + row_offset(a.gs, r) + c0;
-    const T* u = static_cast<const T*>(a.up) + row_offset(a.us, r) + c0;
+  each_row<V>(a, [&](int64_t r, int64_t c0) {
+    const T* g = row_at<T>(a.gate, a.gs, r, c0);
+    const T* u = row_at<T>(a.up, a.us, r, c0);
     T* o = static_cast<T*>(a.out) + r * a.I + c0;
     if constexpr (V > 1) {
       Vec<T, V> gv, uv, ov;
@@ -63,20 +75,16 @@ __global__ void gated_act_fwd_kernel(GatedActArgs a) {
     } else {
       *o = from_acc<T>(act_only(to_acc<A>(*g), a.act) * to_acc<A>(*u));
     }
-  }
+  });
 }
 
 template <typename T, int V>
 __global__ void gated_act_bwd_kernel(GatedActArgs a) {
   using A = acc_t<T>;
-  const int64_t c0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
-  if (c0 >= a.I) return;
-  for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
-    const T* g = static_cast<const T*>(a.gate) + row_offset(a.gs, r) + c0;
-    const T* u = static_cast<const T*>(a.up) + row_offset(a.us, r) + c0;
-    const T* d = static_cast<const T*>(a.grad_out) + row_offset(a.ds, r) + c0;
-    T* dg = static_cast<T*>(a.out) + r * a.I + c0;
-    T* du = static_cast<T*>(a.dup) + r * a.I + c0;
+  each_row<V>(a, [&](int64_t r, int64_t c0) {
+    const T *g = row_at<T>(a.gate, a.gs, r, c0), *u = row_at<T>(a.up, a.us, r, c0);
+    const T* d = row_at<T>(a.grad_out, a.ds, r, c0);
+    T *dg = static_cast<T*>(a.out) + r * a.I + c0, *du = static_cast<T*>(a.dup) + r * a.I + c0;
     if constexpr (V > 1) {
       Vec<T, V> gv, uv, dv, dgv, duv;
       load_vec(gv, g);
@@ -97,7 +105,7 @@ __global__ void gated_act_bwd_kernel(GatedActArgs a) {
       *dg = from_acc<T>(dy * to_acc<A>(*u) * f.grad);
       *du = from_acc<T>(dy * f.act);
     }
-  }
+  });
 }
 
 bool rows_aligned(const void* p, const RowStrides& s, int elem) {
