@@ -22,8 +22,7 @@ Families and what they get:
   (``fused_rmsnorm_linear``), and the other families' norm before q/k/v into them under
   autocast with float32 weights (one GEMM over the weights' cast copies, concatenated in the
   cast); the gated MLP's act(gate) * up (``gated_act``: SwiGLU, Gemma's GeGLU); attention
-  (GQA); the LM loss. Under torch.compile on float32 activations, the norms
-  not fused with a single Linear run stock, for inductor to fuse with the adds and casts.
+  (GQA); the LM loss.
 Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
 mask, attention dropout while training, Sq != Sk) is handed to SDPA; a model that soft-caps
@@ -143,22 +142,13 @@ class _LayerNorm:
         return ops.layer_norm(x, self.weight, self.bias, eps=self.eps)
 
 
-def _to_inductor(x: torch.Tensor) -> bool:
-    """Whether a norm that no GEMM takes in runs stock because dynamo is tracing it, on float32
-    activations (fp32 parameters, under autocast or not): inductor fuses the stock norm with the
-    residual add before it and the casts to the GEMMs' dtype after it, where our op is opaque to
-    it and reads and writes the float32 activation once more on each side."""
-    return x.dtype == torch.float32 and torch.compiler.is_compiling()
-
-
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An RMSNorm module's output: ``rms_norm`` where x and the weight share a dtype.
     transformers' RMSNorm returns weight * x_normed in the promoted dtype of the two, rms_norm
     x's: they agree when the dtypes do (under autocast too: no rule for either). A float32
     weight kept beside bf16 activations runs the stock module, and so does Gemma's ``1 + weight``
-    scale on half activations (stock forms it in float32; in x's dtype it would round); under
-    torch.compile on float32 activations, inductor takes it (_to_inductor)."""
-    if not _scale_ok(norm, x) or _to_inductor(x):
+    scale on half activations (stock forms it in float32; in x's dtype it would round)."""
+    if not _scale_ok(norm, x):
         return norm._gp_base.forward(norm, x)
     return ops.rms_norm(x, _norm_weight(norm), eps=_rms_eps(norm))
 
@@ -262,11 +252,9 @@ def _fused_dtype(x: torch.Tensor, norm: nn.Module, lins: tuple) -> Optional[torc
     """The dtype of the fused GEMM's operands, or None where the norm and the Linears run apart.
     One Linear: fused wherever the op takes the dtypes (under autocast, as the op's autocast rule
     has it). Several: only under autocast with weights of another dtype, whose cast copies the
-    concatenation replaces; in the weights' own dtype, concatenating would copy them every step.
-    Under torch.compile on float32 activations, several are left apart and their norm to
-    inductor (_to_inductor)."""
+    concatenation replaces; in the weights' own dtype, concatenating would copy them every step."""
     dev = x.device.type
-    if not _scale_ok(norm, x) or (len(lins) > 1 and _to_inductor(x)):
+    if not _scale_ok(norm, x):
         return None
     if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) and x.dtype != torch.float64:
         dt = torch.get_autocast_dtype(dev)
@@ -316,7 +304,8 @@ class _GatedMLP:
     """A gated MLP, ``down(act(gate(x)) * up(x))`` (Phi-3: gate and up the halves of one
     projection), whose middle runs as one ``gated_act``. The projections are called as the
     module finds them (PEFT's LoRA may wrap them after patch()). Under torch.compile the
-    product stays stock: inductor fuses it into one kernel each way, as ours."""
+    product stays stock: inductor fuses it into one kernel each way, a little faster than ours
+    (H200, Llama-3-8B's width: 0.165 / 0.176 ms forward, 0.276 / 0.293 backward)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gp_halves:
@@ -669,7 +658,7 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
                 report.left[where] = (f"weight {w.dtype} beside {act.dtype} activations: transformers returns the "
                                       "promoted dtype, rms_norm x's, so the stock RMSNorm runs")
             else:
-                report.swapped[where] = "rms_norm (compiled on float32 activations: stock, fused by inductor)"
+                report.swapped[where] = "rms_norm"
     from transformers.modeling_outputs import CausalLMOutputWithPast
     _patch_attention_and_loss(model, report, attention, loss, fused_loss, "attention_dropout", ", GQA",
                               CausalLMOutputWithPast)
