@@ -8,7 +8,9 @@
 # The device copy has no .git: pass the commit in, e.g. GPU_PUZZLES_COMMIT=$(git rev-parse --short HEAD).
 # The build step uses a carried .prebuilt/ (tools/prebuild.sh) when its stamp (python,
 # torch, source hash) matches, else pip-installs; `device_run.sh --stamp PY` prints the stamp.
-# Knobs: TESTS (test files), TESTS_TIMEOUT, PYTEST_ARGS, OPS (bench), NOTEBOOKS; for the sanitizer
+# Knobs: TESTS (test files), TESTS_TIMEOUT, PYTEST_ARGS, TEST_WORKERS (xdist processes where
+# pytest-xdist is there or carried as wheels in .whl/: pip download -d .whl pytest-xdist execnet),
+# OPS (bench), NOTEBOOKS; for the sanitizer
 # steps (tools/sanitize_queue.py, results in $OUT/r/sanitizer/<tool>/): SANITIZE_FILES (default
 # every tests/test_*.py), SANITIZE_K (pytest -k, default below), SANITIZE_KERNELS, SANITIZE_UNFILTERED,
 # SANITIZE_TIMEOUT (deadline of each sanitizer step, s, default 480), SANITIZE_WORKERS (processes
@@ -87,7 +89,12 @@ run_step() {
       fi
       echo "build seconds: $(( $(date +%s) - t0 ))" | tee -a "$OUT/r/build.log" ;;
     tests)
-      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 ${PYTEST_ARGS:-} ${TESTS:-tests} 2>&1 \
+      # pytest-xdist where the machine has it (or its wheels carried in .whl/, which has no
+      # internet): `tests -k cuda` took 283 s serially on an H200, more than a call can spare.
+      [ -d .whl ] && ! python3 -c "import xdist" 2>/dev/null && python3 -m pip install -q --no-index --no-deps .whl/*.whl
+      local n=""; python3 -c "import xdist" 2>/dev/null && n="-n ${TEST_WORKERS:-6}"
+      # shellcheck disable=SC2086  # $n and PYTEST_ARGS split on spaces on purpose
+      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 $n ${PYTEST_ARGS:-} ${TESTS:-tests} 2>&1 \
         | tee "$OUT/r/pytest.log" | grep -v "^  File" | tail -40 ;;
     selfcheck)  # each line must report an error, else the sanitizer runs below prove nothing
       nvcc -arch=sm_90 -o /tmp/selfcheck tools/sanitizer_selfcheck.cu
