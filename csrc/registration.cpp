@@ -99,6 +99,15 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   m.def("gated_act(Tensor gate, Tensor up, str activation=\"silu\") -> Tensor");
   m.def("gated_act_backward(Tensor grad_out, Tensor gate, Tensor up, str activation) -> (Tensor, Tensor)");
 
+  // ---- rotary --------------------------------------------------------------
+  // Rotary position embedding of q and k as transformers applies it: x * cos + rotate_half(x) *
+  // sin over the first R = cos.size(-1) elements of each row (rotate_half(x) = cat(-x[R/2:],
+  // x[:R/2]) of that part), the rest copied. cos and sin (..., R) broadcast over q's and k's
+  // leading dims; their dtype is q's, or float32 for half q (the outputs are then float32, as
+  // PyTorch's promotion gives). The backward takes the outputs' gradients and q's dtype.
+  m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("rotary_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, ScalarType dtype) -> (Tensor, Tensor)");
+
   // ---- attention -----------------------------------------------------------
   // softmax(q k^T * scale) v; scale=None means 1/sqrt(D); causal is SDPA's
   // is_causal (key j visible to query i iff j <= i). Returns (out, lse): lse is

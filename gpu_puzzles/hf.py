@@ -21,8 +21,8 @@ Families and what they get:
   OLMo 2's q/k norms; Phi-3's norms fused into the qkv_proj and gate_up_proj after them
   (``fused_rmsnorm_linear``), and the other families' norm before q/k/v into them under
   autocast with float32 weights (one GEMM over the weights' cast copies, concatenated in the
-  cast); the gated MLP's act(gate) * up (``gated_act``: SwiGLU, Gemma's GeGLU); attention
-  (GQA); the LM loss.
+  cast); the gated MLP's act(gate) * up (``gated_act``: SwiGLU, Gemma's GeGLU); RoPE on q
+  and k (``rotary``, Phi-3's partial rotary too); attention (GQA); the LM loss.
 Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
 mask, attention dropout while training, Sq != Sk) is handed to SDPA; a model that soft-caps
@@ -46,6 +46,7 @@ as stock does.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -70,6 +71,7 @@ class _Decoder:
     # all called on the norm's output: fused into them (_NormFeeds)
     fuse: tuple = ()
     weight_offset: float = 0.0  # Gemma's RMSNorm scales by 1 + weight
+    rope_cast_back: bool = False  # its apply_rotary_pos_emb returns q's and k's own dtypes (OLMo 2)
 
 
 _PRE = ("input_layernorm", "post_attention_layernorm")
@@ -86,7 +88,8 @@ _DECODERS = {
     "qwen2": _Decoder(_PRE, fuse=_PRE_FUSE),
     "qwen3": _Decoder(_PRE, ("q_norm", "k_norm"), fuse=_PRE_FUSE),  # per-head q/k RMSNorm before RoPE
     # Norms after attention and the MLP (and on q/k over all heads): none precedes a linear.
-    "olmo2": _Decoder(("post_attention_layernorm", "post_feedforward_layernorm"), ("q_norm", "k_norm")),
+    "olmo2": _Decoder(("post_attention_layernorm", "post_feedforward_layernorm"), ("q_norm", "k_norm"),
+                      rope_cast_back=True),
     # q/k/v and gate/up are one Linear each.
     "phi3": _Decoder(_PRE, fuse=(("input_layernorm", "self_attn", ("qkv_proj",)),
                                  ("post_attention_layernorm", "mlp", ("gate_up_proj",)))),
@@ -330,6 +333,78 @@ def _patch_mlp(mlp: nn.Module, where: str, report: PatchReport) -> None:
             report.swapped[where] = f"gated_act ({name}; compiled: stock, fused by inductor)"
             return
     report.left[where] = "not a gated MLP gpu_puzzles knows (gate_proj/up_proj/down_proj or gate_up_proj/down_proj)"
+
+
+# ---- rotary position embedding ---------------------------------------------------------
+# transformers' attention forwards call their modeling module's apply_rotary_pos_emb by name.
+# patch() replaces that function once per module with _rope_fn's wrapper, which runs our
+# ``rotary`` only inside the forward of an attention module it patched (_Rotary counts them
+# in, per thread): other models of the family in the process keep the stock function's path.
+
+class _RopeDepth(threading.local):
+    depth = 0
+
+
+_ROPE = _RopeDepth()
+
+
+class _Rotary:
+    """An attention module whose RoPE runs ``rotary`` in eager. Under torch.compile it stays
+    stock: inductor fuses it with its neighbours."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return super().forward(*args, **kwargs)
+        _ROPE.depth += 1
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            _ROPE.depth -= 1
+
+
+def _rope_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``rotary`` takes these as the stock function would (dtypes it reads, no
+    gradient to the tables); otherwise the stock function runs."""
+    if q.dtype != k.dtype or cos.dtype != sin.dtype or not (q.device == k.device == cos.device == sin.device):
+        return False
+    if cos.dtype != q.dtype and not (cos.dtype == torch.float32 and q.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return False
+    return q.dim() <= 4 and k.dim() <= 4 and q.shape[-1] == k.shape[-1] and q.device.type in ("cpu", "cuda")
+
+
+def _rope_fn(stock: Callable, cast_back: bool) -> Callable:
+    def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             unsqueeze_dim: int = 1) -> tuple:
+        if torch.compiler.is_compiling() or not _ROPE.depth or not _rope_ok(q, k, cos, sin):
+            return stock(q, k, cos, sin, unsqueeze_dim)
+        oq, ok = ops.rotary(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
+        return (oq.to(q.dtype), ok.to(k.dtype)) if cast_back else (oq, ok)
+
+    apply_rotary_pos_emb._gp_stock = stock
+    return apply_rotary_pos_emb
+
+
+def _patch_rotary(attn: nn.Module, where: str, family: _Decoder, report: PatchReport) -> None:
+    import inspect
+    import sys
+
+    origin = next(c for c in type(attn).__mro__ if c.__module__ != __name__)
+    mod = sys.modules.get(origin.__module__)
+    fn = getattr(mod, "apply_rotary_pos_emb", None)
+    if fn is None:
+        report.left[where] = f"no apply_rotary_pos_emb in {origin.__module__}"
+        return
+    if not hasattr(fn, "_gp_stock"):
+        # With the `kernels` package installed, transformers wraps it in an nn.Module (hub kernels).
+        if list(inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn).parameters) != [
+                "q", "k", "cos", "sin", "unsqueeze_dim"]:
+            report.left[where] = f"{origin.__module__}.apply_rotary_pos_emb has a signature rotary does not know"
+            return
+        mod.apply_rotary_pos_emb = _rope_fn(fn, family.rope_cast_back)
+    _swap(attn, _Rotary)
+    report.swapped[where] = "rotary (compiled: stock, fused by inductor)"
 
 
 def _rms_eps(norm: nn.Module) -> Optional[float]:
@@ -626,10 +701,13 @@ def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, act: Optional[t
 
 
 def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embeddings: bool, norms: bool,
-                   attention: bool, loss: bool, fused_loss: bool, mlp: bool) -> None:
+                   attention: bool, loss: bool, fused_loss: bool, mlp: bool, rotary: bool) -> None:
     base = getattr(model, "model", model)
     if embeddings:
         _patch_embedding(base.embed_tokens, "model.embed_tokens", report)
+    if rotary:
+        for i, layer in enumerate(base.layers):
+            _patch_rotary(layer.self_attn, f"model.layers.{i}.self_attn.rotary", family, report)
     if mlp:  # before the norms: a norm fused into the MLP (Phi-3) wraps this swap (_NormFeeds)
         for i, layer in enumerate(base.layers):
             _patch_mlp(layer.mlp, f"model.layers.{i}.mlp", report)
@@ -697,11 +775,12 @@ def _set_loss(model: nn.Module, report: PatchReport) -> None:
 
 
 def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, attention: bool = True,
-          loss: bool = True, fused_loss: bool = False, mlp: bool = True) -> PatchReport:
+          loss: bool = True, fused_loss: bool = False, mlp: bool = True, rotary: bool = True) -> PatchReport:
     """Route ``model``'s compute through gpu_puzzles ops in place; returns a :class:`PatchReport`.
 
-    ``embeddings``, ``norms`` (norms and the norm+linear fusions), ``attention``, ``loss`` and
-    ``mlp`` (a decoder's gated MLP: ``gated_act``) pick what is patched. ``fused_loss`` (with
+    ``embeddings``, ``norms`` (norms and the norm+linear fusions), ``attention``, ``loss``,
+    ``mlp`` (a decoder's gated MLP: ``gated_act``) and ``rotary`` (a decoder's RoPE) pick what
+    is patched. ``fused_loss`` (with
     ``loss``): in training with labels, the LM head and the loss run fused and
     ``outputs.logits`` is None (the logits are never stored).
     An architecture it does not know is left untouched (the report says so). Patching a
@@ -716,7 +795,8 @@ def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, atte
     if model_type in _GPT2:
         _patch_gpt2(model, report, embeddings, norms, attention, loss, fused_loss)
     elif model_type in _DECODERS:
-        _patch_decoder(model, report, _DECODERS[model_type], embeddings, norms, attention, loss, fused_loss, mlp)
+        _patch_decoder(model, report, _DECODERS[model_type], embeddings, norms, attention, loss, fused_loss, mlp,
+                       rotary)
     else:
         report.left["model"] = (f"architecture '{model_type}' is not one gpu_puzzles.hf knows "
                                 f"(known: {', '.join(_GPT2 + tuple(_DECODERS))})")

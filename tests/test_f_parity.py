@@ -44,7 +44,8 @@ def _raises_naming(call, name, exc=(TypeError, ValueError, RuntimeError)):
 
 def test_every_public_function_has_a_case():
     covered = {"softmax", "log_softmax", "layer_norm", "fused_layernorm_linear", "rms_norm", "fused_rmsnorm_linear",
-               "cross_entropy", "fused_linear_cross_entropy", "embedding", "conv1d", "attention", "gated_act"}
+               "cross_entropy", "fused_linear_cross_entropy", "embedding", "conv1d", "attention", "gated_act",
+               "rotary"}
     functions = {n for n in gp.__all__ if inspect.isfunction(getattr(gp, n)) and n != "build_info"}
     assert functions == covered, f"not compared with F: {functions - covered}; gone: {covered - functions}"
 
@@ -59,6 +60,27 @@ def test_gated_act(activation, ref):
     _same_grads(gp.gated_act(gate=g, up=u, activation=activation), ref(g) * u, [g, u], f"gated_act {activation} kw")
     if activation == "silu":  # the default
         _same_grads(gp.gated_act(g, u), F.silu(g) * u, [g, u], "gated_act default")
+
+
+# ---- rotary: no F counterpart; transformers' apply_rotary_pos_emb, written in torch ops -----
+
+def _rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), dim=-1)
+
+
+@pytest.mark.parametrize("R", [8, 4])  # full, and partial rotary (the rest passed through)
+def test_rotary(R):
+    q, k = _randn(2, 3, 5, 8, seed=13, grad=True), _randn(2, 1, 5, 8, seed=14, grad=True)
+    cos, sin = _randn(2, 1, 5, R, seed=15), _randn(2, 1, 5, R, seed=16)
+
+    def ref(x):
+        r = x[..., :R] * cos + _rotate_half(x[..., :R]) * sin
+        return torch.cat((r, x[..., R:]), dim=-1)
+
+    # each output from its own call: the two share one graph, which a gradient frees
+    _same_grads(gp.rotary(q, k, cos, sin)[0], ref(q), [q], f"rotary q R={R}")
+    _same_grads(gp.rotary(q, k, cos, sin)[1], ref(k), [k], f"rotary k R={R}")
+    _same_grads(gp.rotary(q=q, k=k, cos=cos, sin=sin)[0], ref(q), [q], f"rotary q kw R={R}")
 
 
 # ---- softmax, log_softmax ------------------------------------------------------------

@@ -94,6 +94,28 @@ def test_our_ops_run(name):
     else:
         qk_norms = 2 * layers if name == "qwen3" else 0
         assert counts["rms_norm"] == 2 * layers + 1 + qk_norms and counts["embedding"] == 1
+        assert counts["rotary"] == layers and counts["rotary_backward"] == layers, counts
+
+
+def test_rotary_only_in_patched_models():
+    """The family's apply_rotary_pos_emb is replaced module-wide, but runs ``rotary`` only inside a
+    patched model's attention: an unpatched Llama in the same process, and one patched with
+    rotary=False, keep the stock function's path and its numbers."""
+    stock, ours, report = _pair("llama")
+    _, no_rope, report_no = _pair("llama", rotary=False)
+    assert report.swapped["model.layers.0.self_attn.rotary"].startswith("rotary")
+    assert not any("rotary" in k for k in report_no.swapped)
+    ids = model_bench.batch("llama", "cpu", small=True)
+    assert _op_counts(lambda: _step(stock, ids))["rotary"] == 0
+    assert _op_counts(lambda: _step(no_rope, ids))["rotary"] == 0
+    assert _op_counts(lambda: _step(ours, ids))["rotary"] == 2
+    for m in (stock, ours, no_rope):
+        m.zero_grad()
+    a, b, c = _step(stock, ids), _step(ours, ids), _step(no_rope, ids)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c.logits, a.logits, rtol=1e-5, atol=1e-5)
+    for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
 def test_attention_false_leaves_sdpa():
@@ -525,6 +547,7 @@ def test_decoder_families(family):
     # every family's MLP is gated: SwiGLU, or Gemma's GeGLU (Phi-3's gate and up: one projection's halves)
     act = "gelu_tanh" if family.startswith("gemma") else "silu"
     assert counts["gated_act"] == 2 and report.swapped["model.layers.1.mlp"].startswith(f"gated_act ({act}"), counts
+    assert counts["rotary"] == 2 and counts["rotary_backward"] == 0, counts  # (the profiled call is forward only)
     if fam.attention == 2:
         _assert_report_runs(report, counts, layers=2)
 

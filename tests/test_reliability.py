@@ -692,6 +692,7 @@ def _registered_calls():
                                                                           "mean")),
         ("fused_linear_cross_entropy", (x, W, torch.tensor([1, 0, 4]), bl)),
         ("gated_act", (x, r(3, 8))), ("gated_act_backward", (r(3, 8), x, r(3, 8), "silu")),
+        ("rotary", (x, r(3, 8), r(3, 8), r(3, 8))), ("rotary_backward", (r(3, 8), x, r(3, 8), r(3, 8), torch.float32)),
     ]
 
 

@@ -7,7 +7,7 @@ Each op has a module here exposing ``bench_cases(device)`` (the benchmark shapes
 import importlib
 
 OPS = ["conv1d", "embedding", "softmax", "layernorm_linear", "attention", "rmsnorm_linear", "cross_entropy",
-       "gated_act"]
+       "gated_act", "rotary"]
 
 
 def op_module(name):

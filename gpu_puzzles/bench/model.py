@@ -56,7 +56,9 @@ VARIANTS = {
     "ours, SDPA attention": dict(attention=False),
     "ours": dict(),
     "ours, fused LM head + loss": dict(fused_loss=True),
+    "ours, stock RoPE": dict(rotary=False),  # not in the default set: what rotary buys
 }
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "ours, stock RoPE"]
 # --precision: (parameter dtype, autocast dtype or None, GradScaler).
 PRECISIONS = {
     "bf16": (torch.bfloat16, None, False),
@@ -65,7 +67,7 @@ PRECISIONS = {
 }
 # Short names for --variants (the variant names themselves hold commas).
 VARIANT_ALIASES = {"stock": "stock", "sdpa": "ours, SDPA attention", "ours": "ours",
-                   "fused": "ours, fused LM head + loss"}
+                   "fused": "ours, fused LM head + loss", "norope": "ours, stock RoPE"}
 
 
 def build(name: str, device, dtype=torch.bfloat16, seed: int = 0, small: bool = False):
@@ -285,8 +287,8 @@ def run(models, device, variants=None, modes=("eager", "compile"), steps=10, pro
         for precision in precisions:
             for ckpt in ckpts:
                 for mode in modes:
-                    for r in run_model_mode(name, list(variants or VARIANTS), mode == "compile", device, steps=steps,
-                                            turns=turns, profile=profile, precision=precision, ckpt=ckpt):
+                    for r in run_model_mode(name, list(variants or DEFAULT_VARIANTS), mode == "compile", device,
+                                            steps=steps, turns=turns, profile=profile, precision=precision, ckpt=ckpt):
                         rows.append(r)
                         log(_fmt(r))
                         if on_row:
@@ -429,7 +431,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m gpu_puzzles.bench model", description=__doc__)
     p.add_argument("--models", default="gpt2,llama", help=f"comma-separated, of {list(MODELS)}")
     p.add_argument("--variants", default=None,
-                   help=f"comma-separated, of {list(VARIANT_ALIASES)} ({VARIANT_ALIASES}; default all)")
+                   help=f"comma-separated, of {list(VARIANT_ALIASES)} ({VARIANT_ALIASES}; default all but norope)")
     p.add_argument("--modes", default="eager,compile")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant, over the turns")
     p.add_argument("--turns", type=int, default=5,
