@@ -94,21 +94,22 @@ def test_our_ops_run(name):
     else:
         qk_norms = 2 * layers if name == "qwen3" else 0
         assert counts["rms_norm"] == 2 * layers + 1 + qk_norms and counts["embedding"] == 1
-        assert counts["rotary"] == layers and counts["rotary_backward"] == layers, counts
+        assert counts["rotary"] == 0, counts  # opt-in (patch(rotary=True))
 
 
 def test_rotary_only_in_patched_models():
     """The family's apply_rotary_pos_emb is replaced module-wide, but runs ``rotary`` only inside a
-    patched model's attention: an unpatched Llama in the same process, and one patched with
-    rotary=False, keep the stock function's path and its numbers."""
-    stock, ours, report = _pair("llama")
-    _, no_rope, report_no = _pair("llama", rotary=False)
+    model patched with rotary=True: an unpatched Llama in the same process, and one patched
+    without it, keep the stock function's path and its numbers."""
+    stock, ours, report = _pair("llama", rotary=True)
+    _, no_rope, report_no = _pair("llama")
     assert report.swapped["model.layers.0.self_attn.rotary"].startswith("rotary")
     assert not any("rotary" in k for k in report_no.swapped)
     ids = model_bench.batch("llama", "cpu", small=True)
     assert _op_counts(lambda: _step(stock, ids))["rotary"] == 0
     assert _op_counts(lambda: _step(no_rope, ids))["rotary"] == 0
-    assert _op_counts(lambda: _step(ours, ids))["rotary"] == 2
+    counts = _op_counts(lambda: _step(ours, ids))
+    assert counts["rotary"] == 2 and counts["rotary_backward"] == 2, counts
     for m in (stock, ours, no_rope):
         m.zero_grad()
     a, b, c = _step(stock, ids), _step(ours, ids), _step(no_rope, ids)
@@ -207,7 +208,7 @@ def test_attention_dropout_reported():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_compile_fullgraph(name):
-    _, ours, _ = _pair(name)
+    _, ours, _ = _pair(name, rotary=name != "gpt2")  # patched RoPE compiles as stock's (no graph break)
     ids = model_bench.batch(name, "cpu", small=True)
     eager = copy.deepcopy(ours)
     a = _step(eager, ids)
@@ -220,7 +221,7 @@ def test_compile_fullgraph(name):
     # Traced, transformers builds a causal mask even without padding; ours must still run.
     counts = _op_counts(lambda: _step(compiled, ids))
     assert counts["attention"] == 2 and counts["attention_backward"] == 2, counts
-    assert counts["cross_entropy"] == 1
+    assert counts["cross_entropy"] == 1 and counts["rotary"] == 0, counts  # compiled, RoPE is inductor's
 
 
 def test_compile_padding_mask_goes_to_sdpa():
@@ -530,7 +531,7 @@ def test_decoder_families(family):
     where our kernel can take it, and the loss on our ops; the report names each norm it swapped."""
     stock = _decoder(family)
     ours = copy.deepcopy(stock)
-    report = hf.patch(ours)
+    report = hf.patch(ours, rotary=True)  # the families' RoPE: Phi-3's partial, OLMo 2's cast back
     fam = DECODER_FAMILIES[family]
     assert report.model_type == family and "model.norm" in report.swapped
     assert ("attention" in report.swapped) == (fam.attention > 0), report
@@ -560,7 +561,7 @@ def test_decoder_families_bf16_parameters(family, device):
     ref = _decoder(family).to(device)
     stock = copy.deepcopy(ref).to(torch.bfloat16)
     ours = copy.deepcopy(stock)
-    hf.patch(ours)
+    hf.patch(ours, rotary=True)
     ids = model_bench.batch("llama", device, small=True)
     a, b, c = _step(ref, ids), _step(stock, ids), _step(ours, ids)
     err = lambda x, y: (x.float() - y.float()).abs().max().item()  # noqa: E731
@@ -577,7 +578,7 @@ def test_decoder_families_autocast_bf16(family, device):
     on the CPU and the GPU: loss, logits and gradients as close to the float32 model as stock's."""
     ref = _decoder(family).to(device)
     stock, ours = copy.deepcopy(ref), copy.deepcopy(ref)
-    hf.patch(ours)
+    hf.patch(ours, rotary=True)  # float32 tables with bf16 q/k (or float32 q/k after stock q/k norms)
     ids = model_bench.batch("llama", device, small=True)
     a = _step(ref, ids)
     b, c = _amp_step(stock, ids, device, torch.bfloat16), _amp_step(ours, ids, device, torch.bfloat16)
@@ -598,6 +599,7 @@ def test_decoder_families_autocast_bf16(family, device):
     fam = DECODER_FAMILIES[family]
     assert counts["attention_backward"] == fam.attention and counts["rms_norm_backward"] == fam.amp_alone, counts
     assert counts["fused_rmsnorm_linear_backward"] == fam.amp_fused, counts
+    assert counts["rotary_backward"] == 2, counts
 
 
 @pytest.mark.parametrize("family", ["olmo2", "phi3", "gemma", "gemma3_text"])
