@@ -445,10 +445,81 @@ def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     if not ours:
         return _sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    out = ops.attention(query, key, value, scale=scaling, causal=bool(causal),
-                        enable_gqa=key.shape[1] != query.shape[1])
+    gqa = key.shape[1] != query.shape[1]
+    bounds = _packed_bounds(kwargs.get("position_ids"), query.shape[2]) if causal else None
+    if bounds is not None:
+        return _attention_per_sequence(query, key, value, bounds, scaling, gqa), None
+    out = ops.attention(query, key, value, scale=scaling, causal=bool(causal), enable_gqa=gqa)
     # out has q's memory order: for q viewed out of a (B, S, H*D) projection this is a view.
     return out.transpose(1, 2), None
+
+
+# ---- packed sequences ----------------------------------------------------------------
+# Several sequences in one row (DataCollatorWithFlattening, TRL's padding_free): position_ids
+# restart at each sequence and no attention mask is given. Stock builds a mask that keeps the
+# sequences apart only without a KV cache (masking_utils skips the check when one exists,
+# use_cache=True being the config default), and otherwise attends across them. The patched
+# model applies stock's rule (a sequence starts wherever a position is not its predecessor's
+# + 1) once per forward (_PackedScope, one device sync, as stock's own check) and runs the
+# attention calls that reach our kernel without a mask one sequence at a time. Without a
+# cache, stock's mask sends them to SDPA (above), which keeps them apart as well.
+
+# (position_ids, its version, per-row bounds) of the latest packed forwards, newest last. The
+# references keep those tensors' memory from being reused, so a data pointer found here is
+# the very tensor (or a view of it: gradient checkpointing's recompute detaches its inputs).
+_PACKED: list = []
+_PACKED_KEEP = 8
+
+
+def _sequence_bounds(position_ids: torch.Tensor, batch: int) -> Optional[list]:
+    """Per row, [0, start of each later sequence..., S]; None where no row holds two."""
+    pos = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
+    starts = (pos[:, 1:] - pos[:, :-1] != 1).cpu()  # the one sync
+    if not bool(starts.any()):
+        return None
+    S = pos.shape[1]
+    return [[0] + [i + 1 for i in row.nonzero().flatten().tolist()] + [S] for row in starts]
+
+
+def _packed_bounds(position_ids: Optional[torch.Tensor], S: int) -> Optional[list]:
+    if position_ids is None or not _PACKED or torch.compiler.is_compiling():
+        return None
+    for t, version, bounds in reversed(_PACKED):
+        if t.data_ptr() == position_ids.data_ptr() and t.shape[-1] == position_ids.shape[-1] == S and \
+                position_ids._version == version:
+            return bounds
+    return None
+
+
+def _attention_per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list,
+                            scale: Optional[float], gqa: bool) -> torch.Tensor:
+    """Causal attention within each packed sequence: our kernel per sequence (a varlen kernel
+    is the fast path still to come)."""
+    rows = []
+    for b, cuts in enumerate(bounds):
+        parts = [ops.attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], scale=scale,
+                               causal=True, enable_gqa=gqa) for s, e in zip(cuts[:-1], cuts[1:])]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)).transpose(1, 2)
+
+
+class _PackedScope:
+    """A decoder's base model (``model.model``): finds packed rows in the position_ids it is
+    given, where stock would look for them (no attention mask, nothing in the cache yet)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        pos = kwargs.get("position_ids")
+        if pos is not None and not torch.compiler.is_compiling() and kwargs.get("attention_mask") is None \
+                and len(args) <= 1 and pos.dim() == 2 and pos.shape[-1] > 1:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            ref = args[0] if args else kwargs.get("input_ids")
+            ref = ref if ref is not None else kwargs.get("inputs_embeds")
+            if (cache is None or cache.get_seq_length() == 0) and ref is not None:
+                bounds = _sequence_bounds(pos, ref.shape[0])
+                if bounds is not None:
+                    _PACKED.append((pos, pos._version, bounds))
+                    del _PACKED[:-_PACKED_KEEP]
+        return super().forward(*args, **kwargs)
 
 
 # transformers' SDPA attention and mask, the fallbacks: looked up once, when the registry entry is made.
@@ -659,6 +730,14 @@ def _patch_gpt2(model: nn.Module, report: PatchReport, embeddings: bool, norms: 
     from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
     _patch_attention_and_loss(model, report, attention, loss, fused_loss, "attn_pdrop", "",
                               CausalLMOutputWithCrossAttentions)
+    _scope_packed(base, report)
+
+
+def _scope_packed(base: nn.Module, report: PatchReport) -> None:
+    """Where our attention runs: packed rows found once per forward of the base model."""
+    if report.swapped.get("attention", "").startswith("attention"):
+        _swap(base, _PackedScope)
+        report.swapped["attention"] += "; packed rows (position_ids restarting, no mask) one sequence at a time"
 
 
 def _half_offset(family: _Decoder, act: Optional[torch.Tensor]) -> Optional[str]:
@@ -741,6 +820,7 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
     from transformers.modeling_outputs import CausalLMOutputWithPast
     _patch_attention_and_loss(model, report, attention, loss, fused_loss, "attention_dropout", ", GQA",
                               CausalLMOutputWithPast)
+    _scope_packed(base, report)
 
 
 def _patch_attention_and_loss(model: nn.Module, report: PatchReport, attention: bool, loss: bool, fused_loss: bool,

@@ -119,6 +119,60 @@ def test_rotary_only_in_patched_models():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
+def _packed(seed=0):
+    """Two rows, each several sequences packed (position_ids restarting), as
+    DataCollatorWithFlattening hands them over, and the sequences on their own."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [[5, 9, 7], [21]]  # the second row holds one sequence: nothing to keep apart there
+    docs = [[torch.randint(0, 200, (1, n), generator=g) for n in row] for row in rows]
+    ids = torch.cat([torch.cat(d, 1) for d in docs], 0)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+    return ids, pos, docs
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
+@pytest.mark.parametrize("ckpt", [None, "nonreentrant"], ids=["no_ckpt", "ckpt"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_packed_rows_kept_apart(name, ckpt, use_cache):
+    """Packed rows: each sequence's logits and every gradient as if it ran alone, with a KV cache
+    too (stock then attends across the sequences: masking_utils looks for packing only without
+    one). Our kernel runs them one sequence at a time (no mask: cache) or SDPA with stock's mask."""
+    _, ours, report = _pair(name)
+    assert "packed rows" in report.swapped["attention"]
+    if ckpt:
+        ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, pos, docs = _packed()
+    out = ours(input_ids=ids, position_ids=pos, use_cache=use_cache).logits
+    ct = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * ct).sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in ours.named_parameters()}
+    ours.zero_grad()
+    alone, at = [], 0
+    for r, row in enumerate(docs):
+        at = 0
+        for d in row:
+            o = ours(input_ids=d, use_cache=use_cache).logits
+            (o * ct[r:r + 1, at:at + d.shape[1]]).sum().backward()
+            alone.append(o)
+            at += d.shape[1]
+    want = torch.cat([torch.cat(alone[:3], 1), alone[3]], 0)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for n, p in ours.named_parameters():
+        torch.testing.assert_close(packed_grads[n], p.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_packed_rows_counted_once_per_forward():
+    """Found once per forward (one device sync, as stock's own check), not per layer; a plain
+    forward (position_ids of the model's own making) finds nothing and keeps the dense kernel."""
+    _, ours, _ = _pair("llama")
+    ids, pos, _ = _packed()
+    with torch.no_grad():
+        counts = _op_counts(lambda: ours(input_ids=ids, position_ids=pos, use_cache=True))
+        assert counts["attention"] == 2 * 4, counts  # row 0: three sequences, row 1: one; 2 layers
+        counts = _op_counts(lambda: ours(input_ids=ids, use_cache=True))
+        assert counts["attention"] == 2, counts
+
+
 def test_attention_false_leaves_sdpa():
     _, ours, report = _pair("gpt2", attention=False)
     assert "attention" not in report.swapped
