@@ -118,7 +118,7 @@ def tour_check(device):
     """Max error of ours vs a float64 reference, forward and gradients, on fresh inputs."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     errs = {}
-    for cs in (dtype, torch.float32):
+    for cs in dict.fromkeys((dtype, torch.float32)):  # one pass where q is float32
         q, k, cos, sin = _inputs(2, 300, 4, 2, 64, dtype, cs, device, grad=True)
         oq, ok = gp.rotary(_heads(q, 4), _heads(k, 2), cos, sin)
         gq, gk = torch.randn_like(oq), torch.randn_like(ok)
