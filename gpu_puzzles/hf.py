@@ -14,9 +14,11 @@ Families and what they get:
 - GPT-2 (``model_type`` "gpt2"): token and position embeddings (``embedding``); ln_1 + c_attn
   and ln_2 + c_fc (``fused_layernorm_linear``, Conv1D's ``weight.t()`` taken as a view);
   ln_f (``layer_norm``); attention; the LM loss.
-- Llama-style decoders (``_DECODERS``: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3",
-  "gemma", "gemma2", "gemma3_text"; Gemma's ``1 + weight`` norms on float32 activations, its
-  scaled embedding stock, soft-capped attention stock and never fused with the loss):
+- Llama-style decoders (``_DECODERS``: "llama", "mistral", "qwen2", "qwen3", "olmo2", "olmo3",
+  "exaone4", "phi3", "granite", "smollm3", "seed_oss", "helium", "ernie4_5", "glm", "glm4",
+  "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3_text"; Gemma's ``1 + weight``
+  norms on float32 activations, its scaled embedding stock, soft-capped attention stock and never
+  fused with the loss; mixture-of-experts MLPs stock):
   token embedding; every RMSNorm (``rms_norm``): the layers' norms, final, and Qwen3's and
   OLMo 2's q/k norms; Phi-3's norms fused into the qkv_proj and gate_up_proj after them
   (``fused_rmsnorm_linear``), and the other families' norm before q/k/v into them under
@@ -72,7 +74,10 @@ class _Decoder:
     # all called on the norm's output: fused into them (_NormFeeds)
     fuse: tuple = ()
     weight_offset: float = 0.0  # Gemma's RMSNorm scales by 1 + weight
-    rope_cast_back: bool = False  # its apply_rotary_pos_emb returns q's and k's own dtypes (OLMo 2)
+    # Its apply_rotary_pos_emb: "half" (x * cos + rotate_half(x) * sin, partial rotary too), "half,
+    # cast back" (the same, returned in q's and k's dtypes: OLMo 2/3) or None (another rule, e.g.
+    # the interleaved tables of GLM and Helium: rotary stays stock).
+    rope: Optional[str] = "half"
 
 
 _PRE = ("input_layernorm", "post_attention_layernorm")
@@ -81,6 +86,8 @@ _PRE = ("input_layernorm", "post_attention_layernorm")
 # 155.3 ms eager with q/k/v fused, 159.6 with gate/up fused too (the concatenation's copy, and
 # the split's backward cat fused with SiLU's backward by inductor, cost more than they save).
 _PRE_FUSE = (("input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj")),)
+_GATE_UP_FUSE = ("post_attention_layernorm", "mlp", ("gate_up_proj",))  # one Linear: fused in any dtype
+_POST = ("post_attention_layernorm", "post_feedforward_layernorm")  # norms after attention and the MLP
 _GEMMA2_NORMS = _PRE + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 # model_type -> its patch: every family gpu_puzzles.hf knows, in one place.
 _DECODERS = {
@@ -89,11 +96,27 @@ _DECODERS = {
     "qwen2": _Decoder(_PRE, fuse=_PRE_FUSE),
     "qwen3": _Decoder(_PRE, ("q_norm", "k_norm"), fuse=_PRE_FUSE),  # per-head q/k RMSNorm before RoPE
     # Norms after attention and the MLP (and on q/k over all heads): none precedes a linear.
-    "olmo2": _Decoder(("post_attention_layernorm", "post_feedforward_layernorm"), ("q_norm", "k_norm"),
-                      rope_cast_back=True),
+    "olmo2": _Decoder(_POST, ("q_norm", "k_norm"), rope="half, cast back"),
+    "olmo3": _Decoder(_POST, ("q_norm", "k_norm"), rope="half, cast back"),
+    "exaone4": _Decoder(_POST, ("q_norm", "k_norm")),
     # q/k/v and gate/up are one Linear each.
-    "phi3": _Decoder(_PRE, fuse=(("input_layernorm", "self_attn", ("qkv_proj",)),
-                                 ("post_attention_layernorm", "mlp", ("gate_up_proj",)))),
+    "phi3": _Decoder(_PRE, fuse=(("input_layernorm", "self_attn", ("qkv_proj",)), _GATE_UP_FUSE)),
+    # Llama's layout: Granite (its multipliers stay in the stock forwards), SmolLM3 (layers without
+    # RoPE), Seed-OSS; Helium and ERNIE 4.5 with interleaved RoPE tables.
+    "granite": _Decoder(_PRE, fuse=_PRE_FUSE),
+    "smollm3": _Decoder(_PRE, fuse=_PRE_FUSE),
+    "seed_oss": _Decoder(_PRE, fuse=_PRE_FUSE),
+    "helium": _Decoder(_PRE, fuse=_PRE_FUSE, rope=None),
+    "ernie4_5": _Decoder(_PRE, fuse=_PRE_FUSE, rope=None),
+    # GLM: Phi-3's one gate_up projection, interleaved partial RoPE; GLM-4 adds norms after
+    # attention and the MLP.
+    "glm": _Decoder(_PRE, fuse=_PRE_FUSE + (_GATE_UP_FUSE,), rope=None),
+    "glm4": _Decoder(_PRE + ("post_self_attn_layernorm", "post_mlp_layernorm"), fuse=_PRE_FUSE + (_GATE_UP_FUSE,),
+                     rope=None),
+    # Mixture-of-experts MLPs stay stock (the report says so); the rest as Llama's (Qwen3's q/k norms).
+    "mixtral": _Decoder(_PRE, fuse=_PRE_FUSE),
+    "qwen2_moe": _Decoder(_PRE, fuse=_PRE_FUSE),
+    "qwen3_moe": _Decoder(_PRE, ("q_norm", "k_norm"), fuse=_PRE_FUSE),
     # (1 + weight) RMSNorm; its embedding scaled by sqrt(hidden) (its own module: stays stock).
     "gemma": _Decoder(_PRE, fuse=_PRE_FUSE, weight_offset=1.0),
     # Gemma 2 and 3: a norm after attention and around the MLP too; Gemma 3's q/k norms. Their
@@ -333,6 +356,9 @@ def _patch_mlp(mlp: nn.Module, where: str, report: PatchReport) -> None:
             _swap(mlp, _GatedMLP)
             report.swapped[where] = f"gated_act ({name}; compiled: stock, fused by inductor)"
             return
+    if hasattr(mlp, "experts"):
+        report.left[where] = "mixture of experts: its router and experts run stock"
+        return
     report.left[where] = "not a gated MLP gpu_puzzles knows (gate_proj/up_proj/down_proj or gate_up_proj/down_proj)"
 
 
@@ -403,7 +429,7 @@ def _patch_rotary(attn: nn.Module, where: str, family: _Decoder, report: PatchRe
                 "q", "k", "cos", "sin", "unsqueeze_dim"]:
             report.left[where] = f"{origin.__module__}.apply_rotary_pos_emb has a signature rotary does not know"
             return
-        mod.apply_rotary_pos_emb = _rope_fn(fn, family.rope_cast_back)
+        mod.apply_rotary_pos_emb = _rope_fn(fn, family.rope == "half, cast back")
     _swap(attn, _Rotary)
     report.swapped[where] = "rotary (compiled: stock, fused by inductor)"
 
@@ -785,7 +811,9 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
     base = getattr(model, "model", model)
     if embeddings:
         _patch_embedding(base.embed_tokens, "model.embed_tokens", report)
-    if rotary:
+    if rotary and family.rope is None:
+        report.left["rotary"] = f"{report.model_type}'s RoPE is not rotate_half's (interleaved tables): stock"
+    elif rotary:
         for i, layer in enumerate(base.layers):
             _patch_rotary(layer.self_attn, f"model.layers.{i}.self_attn.rotary", family, report)
     if mlp:  # before the norms: a norm fused into the MLP (Phi-3) wraps this swap (_NormFeeds)
