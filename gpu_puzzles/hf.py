@@ -867,12 +867,24 @@ def _patch_attention_and_loss(model: nn.Module, report: PatchReport, attention: 
     if loss:
         _set_loss(model, report)
     if loss and fused_loss:
-        if getattr(config, "final_logit_softcapping", None) is not None:
-            # The stock forward caps the logits before the loss; the fused op would skip it.
-            report.left["lm_head+loss"] = (f"final_logit_softcapping={config.final_logit_softcapping}: the fused LM "
-                                           "head + loss does not soft-cap yet (the loss runs on the capped logits)")
+        why = _head_not_plain(config)
+        if why:
+            report.left["lm_head+loss"] = why + " (the loss runs on the stock forward's logits)"
         else:
             _set_fused_loss(model, report, output_cls)
+
+
+def _head_not_plain(config: Any) -> Optional[str]:
+    """Why the stock forward's loss is more than cross_entropy(lm_head(hidden)), which the fused
+    LM head + loss computes, or None."""
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        cap = config.final_logit_softcapping
+        return f"final_logit_softcapping={cap}: the fused LM head + loss does not soft-cap yet"
+    if getattr(config, "logits_scaling", 1.0) not in (None, 1.0):
+        return f"logits_scaling={config.logits_scaling}: the fused LM head + loss does not scale the logits"
+    if hasattr(config, "router_aux_loss_coef"):
+        return "mixture of experts: the stock forward adds the router's load-balancing loss"
+    return None
 
 
 def _set_loss(model: nn.Module, report: PatchReport) -> None:

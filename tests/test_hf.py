@@ -567,7 +567,9 @@ DECODER_FAMILIES = {
                         13, 0, 1, 2, 3),
     # Llama's layout (Granite's multipliers, SmolLM3, Seed-OSS with its residual dropout off; Helium's
     # and ERNIE 4.5's interleaved RoPE stays stock under rotary=True).
-    "granite": _Fam("GraniteConfig", "GraniteForCausalLM", {}, 5, 0, 2, 2, 3),
+    "granite": _Fam("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                                                          "attention_multiplier": 0.3, "logits_scaling": 2.0},
+                    5, 0, 2, 2, 3),
     "smollm3": _Fam("SmolLM3Config", "SmolLM3ForCausalLM", {}, 5, 0, 2, 2, 3),
     "seed_oss": _Fam("SeedOssConfig", "SeedOssForCausalLM", {"residual_dropout": 0.0}, 5, 0, 2, 2, 3),
     "helium": _Fam("HeliumConfig", "HeliumForCausalLM", {"head_dim": 16}, 5, 0, 2, 2, 3),
@@ -633,6 +635,24 @@ def test_decoder_families(family):
     assert counts["rotary"] == rope and counts["rotary_backward"] == 0, counts  # (the profiled call is forward only)
     if fam.attention == 2:
         _assert_report_runs(report, counts, layers=2)
+
+
+@pytest.mark.parametrize("family", list(DECODER_FAMILIES))
+def test_decoder_families_fused_loss(family):
+    """fused_loss=True: the loss and every gradient as stock's in training, or the LM head left to
+    the stock forward where its loss is more than cross-entropy of lm_head(hidden) (Gemma 2's
+    final soft-cap, Granite's logits_scaling, MoE's router loss with output_router_logits: stock
+    transformers raises on the CPU there, so not run here), and the report says why."""
+    stock = _decoder(family)
+    ours = copy.deepcopy(stock)
+    report = hf.patch(ours, fused_loss=True)
+    ids = model_bench.batch("llama", "cpu", small=True)
+    a, b = _step(stock, ids), _step(ours, ids)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
+    for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    special = family in ("gemma2", "granite", "mixtral", "qwen2_moe", "qwen3_moe")
+    assert ("lm_head+loss" in report.left) == special and ("lm_head+loss" in report.swapped) != special, report
 
 
 @pytest.mark.parametrize("device", DEVICES)
