@@ -707,10 +707,11 @@ def test_decoder_families_autocast_bf16(family, device):
     assert counts["rotary_backward"] == (0 if family in _ROPE_STOCK else 2), counts
 
 
-@pytest.mark.parametrize("family", ["olmo2", "phi3", "gemma", "gemma3_text"])
+@pytest.mark.parametrize("family", ["olmo2", "phi3", "gemma", "gemma3_text", "granite", "glm4", "smollm3", "mixtral"])
 def test_decoder_families_compile_fullgraph(family):
-    """OLMo 2's q/k norms and Phi-3's fused norm + projections under torch.compile(fullgraph=True):
-    no graph break, eager's loss."""
+    """OLMo 2's q/k norms, Phi-3's and GLM-4's fused norm + projections, Granite's multipliers,
+    SmolLM3's layers without RoPE and Mixtral's experts under torch.compile(fullgraph=True): no
+    graph break, eager's loss."""
     model = _decoder(family)
     hf.patch(model)
     ids = model_bench.batch("llama", "cpu", small=True)
