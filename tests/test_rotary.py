@@ -4,6 +4,9 @@ input."""
 import pytest
 import torch
 from conftest import DEVICES, HAS_CUDA, assert_close_ref, assert_compiled_matches_eager, device_dtypes, poison_allocator
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import dtypes, extents, layouts, make_tensor, seeds
 
 import gpu_puzzles as gp
 from gpu_puzzles.bench.rotary import cos_sin, reference
@@ -257,3 +260,33 @@ def test_cuda_mixed_devices_named():
         gp.rotary(q, k, cos, sin)
     with pytest.raises(RuntimeError, match="k is on cpu"):
         gp.rotary(q, k.cpu(), cos.cuda(), sin.cuda())
+
+
+# ---- property test (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(data=st.data())
+def test_property_forward_backward(device, data):
+    """Random rank (1-4), extents, head counts, rotated width R <= D (odd pair counts, partial),
+    layouts of q, k, cos and sin (transposed, sliced, misaligned, cos/sin expanded), tables in
+    q's dtype or float32 for half q: forward and both gradients against float64."""
+    dtype = data.draw(dtypes(device), "dtype")
+    nd = data.draw(st.integers(1, 4), "rank")
+    D = 2 * data.draw(extents(40), "D/2")
+    R = 2 * data.draw(st.integers(1, D // 2), "R/2")
+    lead = [data.draw(extents(9), f"dim{i}") for i in range(nd - 1)]
+    heads_dim = data.draw(st.integers(0, nd - 2), "heads dim") if nd >= 2 else None
+    k_lead = list(lead)
+    if heads_dim is not None:
+        k_lead[heads_dim] = data.draw(extents(5), "k heads")
+    cs_lead = [1 if i == heads_dim else n for i, n in enumerate(lead)]  # cos/sin broadcast over the heads
+    cs_lead = cs_lead[data.draw(st.integers(0, len(cs_lead)), "cos drops"):]  # and maybe fewer leading dims
+    cs_dtype = data.draw(st.sampled_from([dtype, torch.float32] if dtype in (torch.float16, torch.bfloat16)
+                                         else [dtype]), "cos dtype")
+    seed = data.draw(seeds(), "seed")
+    lay = lambda n, exp=False: data.draw(layouts(n, allow_expanded=exp))  # noqa: E731
+    q = make_tensor((*lead, D), dtype, device, lay(nd), seed, requires_grad=True)
+    k = make_tensor((*k_lead, D), dtype, device, lay(nd), seed + 1, requires_grad=True)
+    cos = make_tensor((*cs_lead, R), cs_dtype, device, lay(len(cs_lead) + 1, True), seed + 2)
+    sin = make_tensor((*cs_lead, R), cs_dtype, device, lay(len(cs_lead) + 1, True), seed + 3)
+    _check(q, k, cos, sin, "property", out_dtype=torch.promote_types(dtype, cs_dtype))
