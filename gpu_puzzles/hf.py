@@ -469,6 +469,11 @@ def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor
             and kwargs.get("position_bias") is None and query.shape[2] == key.shape[2]
             and query.shape[-1] == value.shape[-1])
     if not ours:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool \
+                and attention_mask.dim() == 4 and query.shape[2] == key.shape[2]:
+            seq = _packed_ids(kwargs.get("position_ids"), query.shape[2])
+            if seq is not None:  # a sliding window's or padding's mask: the sequences kept apart as well
+                attention_mask = attention_mask & (seq[:, None, :, None] == seq[:, None, None, :])
         return _sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     gqa = key.shape[1] != query.shape[1]
@@ -497,24 +502,37 @@ _PACKED: list = []
 _PACKED_KEEP = 8
 
 
-def _sequence_bounds(position_ids: torch.Tensor, batch: int) -> Optional[list]:
-    """Per row, [0, start of each later sequence..., S]; None where no row holds two."""
+def _sequences(position_ids: torch.Tensor, batch: int) -> Optional[tuple]:
+    """(per row [0, start of each later sequence..., S], each token's sequence number (B, S) on
+    the device); None where no row holds two sequences."""
     pos = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
-    starts = (pos[:, 1:] - pos[:, :-1] != 1).cpu()  # the one sync
-    if not bool(starts.any()):
+    starts = pos[:, 1:] - pos[:, :-1] != 1
+    host = starts.cpu()  # the one sync
+    if not bool(host.any()):
         return None
     S = pos.shape[1]
-    return [[0] + [i + 1 for i in row.nonzero().flatten().tolist()] + [S] for row in starts]
+    bounds = [[0] + [i + 1 for i in row.nonzero().flatten().tolist()] + [S] for row in host]
+    return bounds, F.pad(starts.cumsum(-1), (1, 0))
+
+
+def _packed(position_ids: Optional[torch.Tensor], S: int) -> Optional[tuple]:
+    if position_ids is None or not _PACKED or torch.compiler.is_compiling():
+        return None
+    for t, version, found in reversed(_PACKED):
+        if t.data_ptr() == position_ids.data_ptr() and t.shape[-1] == position_ids.shape[-1] == S and \
+                position_ids._version == version:
+            return found
+    return None
 
 
 def _packed_bounds(position_ids: Optional[torch.Tensor], S: int) -> Optional[list]:
-    if position_ids is None or not _PACKED or torch.compiler.is_compiling():
-        return None
-    for t, version, bounds in reversed(_PACKED):
-        if t.data_ptr() == position_ids.data_ptr() and t.shape[-1] == position_ids.shape[-1] == S and \
-                position_ids._version == version:
-            return bounds
-    return None
+    found = _packed(position_ids, S)
+    return None if found is None else found[0]
+
+
+def _packed_ids(position_ids: Optional[torch.Tensor], S: int) -> Optional[torch.Tensor]:
+    found = _packed(position_ids, S)
+    return None if found is None else found[1]
 
 
 def _attention_per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list,
@@ -541,9 +559,9 @@ class _PackedScope:
             ref = args[0] if args else kwargs.get("input_ids")
             ref = ref if ref is not None else kwargs.get("inputs_embeds")
             if (cache is None or cache.get_seq_length() == 0) and ref is not None:
-                bounds = _sequence_bounds(pos, ref.shape[0])
-                if bounds is not None:
-                    _PACKED.append((pos, pos._version, bounds))
+                found = _sequences(pos, ref.shape[0])
+                if found is not None:
+                    _PACKED.append((pos, pos._version, found))
                     del _PACKED[:-_PACKED_KEEP]
         return super().forward(*args, **kwargs)
 

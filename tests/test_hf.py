@@ -141,6 +141,20 @@ def test_packed_rows_kept_apart(name, ckpt, use_cache):
     assert "packed rows" in report.swapped["attention"]
     if ckpt:
         ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _assert_packed_apart(ours, use_cache)
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
+def test_packed_rows_kept_apart_in_a_sliding_window(use_cache):
+    """A sliding window narrower than the sequences (its mask: SDPA): the packed sequences kept
+    apart in the mask as well (stock, with a cache, lets the window reach across them)."""
+    ours = _decoder("mistral")
+    ours.config.sliding_window = 4
+    hf.patch(ours)
+    _assert_packed_apart(ours, use_cache)
+
+
+def _assert_packed_apart(ours, use_cache):
     ids, pos, docs = _packed()
     out = ours(input_ids=ids, position_ids=pos, use_cache=use_cache).logits
     ct = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
