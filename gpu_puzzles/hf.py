@@ -17,8 +17,8 @@ Families and what they get:
 - Llama-style decoders (``_DECODERS``: "llama", "mistral", "qwen2", "qwen3", "olmo2", "olmo3",
   "exaone4", "phi3", "granite", "smollm3", "seed_oss", "helium", "ernie4_5", "glm", "glm4",
   "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3_text"; Gemma's ``1 + weight``
-  norms on float32 activations, its scaled embedding stock, soft-capped attention stock and never
-  fused with the loss; mixture-of-experts MLPs stock):
+  norms on float32 activations, its soft-capped attention stock and never fused with the loss;
+  mixture-of-experts MLPs stock):
   token embedding; every RMSNorm (``rms_norm``): the layers' norms, final, and Qwen3's and
   OLMo 2's q/k norms; Phi-3's norms fused into the qkv_proj and gate_up_proj after them
   (``fused_rmsnorm_linear``), and the other families' norm before q/k/v into them under
@@ -162,6 +162,17 @@ def _swap(module: nn.Module, mixin: type) -> None:
 class _Embedding:
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return ops.embedding(input, self.weight, padding_idx=self.padding_idx)
+
+
+class _ScaledEmbedding:
+    """Gemma's embedding: the lookup times sqrt(hidden) in the weight's dtype, as its forward."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return ops.embedding(input, self.weight, padding_idx=self.padding_idx) * self.embed_scale.to(self.weight.dtype)
+
+
+# Embeddings whose forward is the lookup times their embed_scale buffer (read from their source).
+_SCALED_EMBEDDINGS = ("GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding")
 
 
 class _LayerNorm:
@@ -731,17 +742,24 @@ def _set_fused_loss(model: nn.Module, report: PatchReport, output_cls: type) -> 
 def _embedding_ok(emb: nn.Module) -> Optional[str]:
     if not isinstance(emb, nn.Embedding):
         return f"not an nn.Embedding ({type(emb).__name__})"
-    if type(emb).forward is not nn.Embedding.forward:
-        return f"{type(emb).__name__} computes more than nn.Embedding's lookup (e.g. a scale): stock"
+    if type(emb).forward is not nn.Embedding.forward and not _scaled(emb):
+        return f"{type(emb).__name__} computes more than nn.Embedding's lookup: stock"
     if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
         return "max_norm / scale_grad_by_freq / sparse are not supported by gpu_puzzles.embedding"
     return None
+
+
+def _scaled(emb: nn.Module) -> bool:
+    return type(emb).__name__ in _SCALED_EMBEDDINGS and isinstance(getattr(emb, "embed_scale", None), torch.Tensor)
 
 
 def _patch_embedding(emb: nn.Module, name: str, report: PatchReport) -> None:
     why = _embedding_ok(emb)
     if why:
         report.left[name] = why
+    elif _scaled(emb):
+        _swap(emb, _ScaledEmbedding)
+        report.swapped[name] = "embedding (times its embed_scale, as stock)"
     else:
         _swap(emb, _Embedding)
         report.swapped[name] = "embedding"

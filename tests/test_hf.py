@@ -837,11 +837,10 @@ def test_ddp_and_fsdp2_on_cpu(tmp_path):
 
 
 def test_gemma_report():
-    """Gemma's scaled embedding stays stock (its forward multiplies by sqrt(hidden)); its (1 + weight)
+    """Gemma's scaled embedding runs our lookup times its scale (as its forward); its (1 + weight)
     norms run ours on float32 activations and stock on bf16 ones (stock forms 1 + w in float32)."""
     report = hf.patch(_decoder("gemma"))
-    assert "model.embed_tokens" not in report.swapped and "GemmaTextScaledWordEmbedding" in report.left[
-        "model.embed_tokens"]
+    assert report.swapped["model.embed_tokens"].startswith("embedding (times its embed_scale")
     assert report.swapped["model.norm"] .startswith("rms_norm")
     half = _decoder("gemma").to(torch.bfloat16)
     report = hf.patch(half)
