@@ -488,6 +488,14 @@ def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         return _sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     gqa = key.shape[1] != query.shape[1]
+    if causal and torch.compiler.is_compiling():
+        seq = _packed_ids(None, query.shape[2])
+        if seq is not None:  # traced with position_ids given: stock's packed mask, to SDPA
+            S = query.shape[2]
+            tril = torch.ones(S, S, dtype=torch.bool, device=query.device).tril()
+            mask = tril & (seq[:, None, :, None] == seq[:, None, None, :])
+            return _sdpa_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                 is_causal=False, **kwargs)
     bounds = _packed_bounds(kwargs.get("position_ids"), query.shape[2]) if causal else None
     if bounds is not None:
         return _attention_per_sequence(query, key, value, bounds, scaling, gqa), None
@@ -542,6 +550,9 @@ def _packed_bounds(position_ids: Optional[torch.Tensor], S: int) -> Optional[lis
 
 
 def _packed_ids(position_ids: Optional[torch.Tensor], S: int) -> Optional[torch.Tensor]:
+    if torch.compiler.is_compiling():
+        seq = _TRACED_SEQ[0]
+        return seq if seq is not None and seq.shape[-1] == S else None
     found = _packed(position_ids, S)
     return None if found is None else found[1]
 
@@ -564,17 +575,31 @@ class _PackedScope:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         pos = kwargs.get("position_ids")
-        if pos is not None and not torch.compiler.is_compiling() and kwargs.get("attention_mask") is None \
-                and len(args) <= 1 and pos.dim() == 2 and pos.shape[-1] > 1:
+        if pos is not None and kwargs.get("attention_mask") is None and len(args) <= 1 and pos.dim() == 2 \
+                and pos.shape[-1] > 1:
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             ref = args[0] if args else kwargs.get("input_ids")
             ref = ref if ref is not None else kwargs.get("inputs_embeds")
+            if cache is None and ref is not None and torch.compiler.is_compiling():
+                # Traced, no sync: every call given position_ids gets their sequence ids (the
+                # attention then runs SDPA with stock's packed mask, as stock's traced model does).
+                p = pos.expand(ref.shape[0], -1)
+                _TRACED_SEQ[0] = F.pad((p[:, 1:] - p[:, :-1] != 1).cumsum(-1), (1, 0))
+                try:
+                    return super().forward(*args, **kwargs)
+                finally:
+                    _TRACED_SEQ[0] = None
             if (cache is None or cache.get_seq_length() == 0) and ref is not None:
                 found = _sequences(pos, ref.shape[0])
                 if found is not None:
                     _PACKED.append((pos, pos._version, found))
                     del _PACKED[:-_PACKED_KEEP]
         return super().forward(*args, **kwargs)
+
+
+# The sequence ids while a traced base model's forward runs (a list: dynamo graph-breaks on a
+# dict mutated before transformers' signature binding reads a mappingproxy).
+_TRACED_SEQ: list = [None]
 
 
 # transformers' SDPA attention and mask, the fallbacks: looked up once, when the registry entry is made.
