@@ -26,6 +26,9 @@ Families and what they get:
   cast); the gated MLP's act(gate) * up (``gated_act``: SwiGLU, Gemma's GeGLU); with
   ``rotary=True``, RoPE on q and k (``rotary``, Phi-3's partial rotary too); attention (GQA);
   the LM loss.
+- Vision-language models whose language model (``model.model.language_model``) is one of the
+  above, or Qwen2-VL's / Qwen2.5-VL's (Qwen2's layout, multimodal RoPE stock): that language
+  model as its family, and the loss; the vision tower keeps its own attention.
 Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
 mask, attention dropout while training, Sq != Sk) is handed to SDPA; a model that soft-caps
@@ -124,6 +127,25 @@ _DECODERS = {
     "gemma2": _Decoder(_GEMMA2_NORMS, fuse=_PRE_FUSE, weight_offset=1.0),
     "gemma3_text": _Decoder(_GEMMA2_NORMS, ("q_norm", "k_norm"), fuse=_PRE_FUSE, weight_offset=1.0),
 }
+
+
+# Vision-language models: the language model inside (``model.model.language_model``) is patched
+# when its model_type is a family above or one of these; the vision tower stays stock.
+_VLM_TEXT = {
+    # Qwen2-VL / Qwen2.5-VL: Qwen2's layout; multimodal RoPE (3-D positions): rotary stays stock.
+    "qwen2_vl_text": _Decoder(_PRE, fuse=_PRE_FUSE, rope=None),
+    "qwen2_5_vl_text": _Decoder(_PRE, fuse=_PRE_FUSE, rope=None),
+}
+
+
+def _vlm_text(model: nn.Module) -> Optional[tuple]:
+    """(language model, its family) of a vision-language model gpu_puzzles knows, else None."""
+    text = getattr(getattr(model, "model", None), "language_model", None)
+    kind = getattr(getattr(text, "config", None), "model_type", None)
+    family = _DECODERS.get(kind) or _VLM_TEXT.get(kind)
+    if family is None or not hasattr(text, "layers") or not hasattr(model, "lm_head"):
+        return None
+    return text, family
 
 
 @dataclasses.dataclass
@@ -868,28 +890,33 @@ def _fuse_norms(layer: nn.Module, prefix: str, family: _Decoder, act: Optional[t
 
 
 def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embeddings: bool, norms: bool,
-                   attention: bool, loss: bool, fused_loss: bool, mlp: bool, rotary: bool) -> None:
-    base = getattr(model, "model", model)
+                   attention: bool, loss: bool, fused_loss: bool, mlp: bool, rotary: bool,
+                   base: Optional[nn.Module] = None, prefix: str = "model") -> None:
+    """``base``: the decoder (``model.model``, or a VLM's ``model.model.language_model`` at
+    ``prefix``); ``model``: what holds the LM head and the loss."""
+    vlm = base is not None
+    base = base if vlm else getattr(model, "model", model)
     if embeddings:
-        _patch_embedding(base.embed_tokens, "model.embed_tokens", report)
+        _patch_embedding(base.embed_tokens, f"{prefix}.embed_tokens", report)
     if rotary and family.rope is None:
-        report.left["rotary"] = f"{report.model_type}'s RoPE is not rotate_half's (interleaved tables): stock"
+        report.left["rotary"] = (f"{report.model_type}'s RoPE is not rotate_half's (interleaved or multimodal "
+                                 "tables): stock")
     elif rotary:
         for i, layer in enumerate(base.layers):
-            _patch_rotary(layer.self_attn, f"model.layers.{i}.self_attn.rotary", family, report)
+            _patch_rotary(layer.self_attn, f"{prefix}.layers.{i}.self_attn.rotary", family, report)
     if mlp:  # before the norms: a norm fused into the MLP (Phi-3) wraps this swap (_NormFeeds)
         for i, layer in enumerate(base.layers):
-            _patch_mlp(layer.mlp, f"model.layers.{i}.mlp", report)
+            _patch_mlp(layer.mlp, f"{prefix}.layers.{i}.mlp", report)
     if norms:
         act = getattr(getattr(base, "embed_tokens", None), "weight", None)  # the activations' dtype
         norms_found = []
         for i, layer in enumerate(base.layers):
-            fused = _fuse_norms(layer, f"model.layers.{i}", family, act, report)
-            norms_found += [(f"model.layers.{i}.{n}", getattr(layer, n)) for n in family.layer_norms
+            fused = _fuse_norms(layer, f"{prefix}.layers.{i}", family, act, report)
+            norms_found += [(f"{prefix}.layers.{i}.{n}", getattr(layer, n)) for n in family.layer_norms
                             if n not in fused]
-            norms_found += [(f"model.layers.{i}.self_attn.{n}", getattr(layer.self_attn, n))
+            norms_found += [(f"{prefix}.layers.{i}.self_attn.{n}", getattr(layer.self_attn, n))
                             for n in family.attn_norms]
-        norms_found.append(("model.norm", base.norm))
+        norms_found.append((f"{prefix}.norm", base.norm))
         for where, norm in norms_found:
             w = getattr(norm, "weight", None)
             if not isinstance(w, torch.Tensor) or w.dim() != 1:
@@ -907,15 +934,21 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
             else:
                 report.swapped[where] = "rms_norm"
     from transformers.modeling_outputs import CausalLMOutputWithPast
+    if vlm and loss and fused_loss:
+        report.left["lm_head+loss"] = "vision-language model: the fused LM head + loss is not wired to its forward"
+        fused_loss = False
     _patch_attention_and_loss(model, report, attention, loss, fused_loss, "attention_dropout", ", GQA",
-                              CausalLMOutputWithPast)
+                              CausalLMOutputWithPast, attn_model=base if vlm else None)
     _scope_packed(base, report)
 
 
 def _patch_attention_and_loss(model: nn.Module, report: PatchReport, attention: bool, loss: bool, fused_loss: bool,
-                              dropout_attr: str, note: str, output_cls: type) -> None:
+                              dropout_attr: str, note: str, output_cls: type,
+                              attn_model: Optional[nn.Module] = None) -> None:
     """What every family shares: attention through the registry (or SDPA's kernels with our mask),
-    the loss, and with ``fused_loss`` the LM head fused with it (``output_cls``: the model's output)."""
+    the loss, and with ``fused_loss`` the LM head fused with it (``output_cls``: the model's output).
+    ``attn_model``: whose attention is switched (a VLM's language model: its vision tower keeps its own)."""
+    loss_model, model = model, attn_model if attn_model is not None else model
     config = getattr(model, "config", None)
     if getattr(config, "attn_logit_softcapping", None) is not None:
         # Neither our kernels nor SDPA soft-cap: the model keeps its own (eager) attention.
@@ -926,13 +959,13 @@ def _patch_attention_and_loss(model: nn.Module, report: PatchReport, attention: 
     else:
         _set_sdpa_mask(model, report)
     if loss:
-        _set_loss(model, report)
+        _set_loss(loss_model, report)
     if loss and fused_loss:
         why = _head_not_plain(config)
         if why:
             report.left["lm_head+loss"] = why + " (the loss runs on the stock forward's logits)"
         else:
-            _set_fused_loss(model, report, output_cls)
+            _set_fused_loss(loss_model, report, output_cls)
 
 
 def _head_not_plain(config: Any) -> Optional[str]:
@@ -979,9 +1012,14 @@ def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, atte
     elif model_type in _DECODERS:
         _patch_decoder(model, report, _DECODERS[model_type], embeddings, norms, attention, loss, fused_loss, mlp,
                        rotary)
+    elif _vlm_text(model) is not None:
+        text, family = _vlm_text(model)
+        _patch_decoder(model, report, family, embeddings, norms, attention, loss, fused_loss, mlp, rotary,
+                       base=text, prefix="model.language_model")
     else:
         report.left["model"] = (f"architecture '{model_type}' is not one gpu_puzzles.hf knows "
-                                f"(known: {', '.join(_GPT2 + tuple(_DECODERS))})")
+                                f"(known: {', '.join(_GPT2 + tuple(_DECODERS) + tuple(_VLM_TEXT))}, and "
+                                "vision-language models whose language model is one of them)")
         return report
     object.__setattr__(model, "_gp_patched", report)
     return report

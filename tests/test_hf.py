@@ -855,6 +855,57 @@ def test_ddp_and_fsdp2_on_cpu(tmp_path):
             assert r["max_loss_diff_vs_stock"] < 2e-2, r
 
 
+def _vlm(kind):
+    """Tiny random-init vision-language models: Gemma 3 (its language model a gemma3_text family,
+    a sliding layer and a global one) and Qwen2.5-VL (multimodal RoPE)."""
+    text = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=300)
+    torch.manual_seed(0)
+    if kind == "gemma3":
+        cfg = transformers.Gemma3Config(
+            text_config=dict(text, head_dim=16, layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+            vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                               image_size=32, patch_size=8),
+            mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
+        return transformers.Gemma3ForConditionalGeneration(cfg).float()
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(text, bos_token_id=0, eos_token_id=0,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+        vision_config=dict(hidden_size=32, depth=1, num_heads=2, intermediate_size=64, out_hidden_size=64))
+    return transformers.Qwen2_5_VLForConditionalGeneration(cfg).float()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_5_vl"])
+def test_vision_language_models(kind):
+    """A VLM's language model is patched (norms, MLP, attention, embedding; Gemma 3's RoPE too), its
+    vision tower stays on its own attention; logits, loss and every gradient as stock's (Gemma 3
+    with an image in the prompt: bidirectional image tokens, their mask to SDPA)."""
+    stock = _vlm(kind)
+    ours = copy.deepcopy(stock)
+    report = hf.patch(ours, rotary=True, fused_loss=True)
+    assert report.swapped["model.language_model.norm"] == "rms_norm" and report.swapped["loss"].startswith("cross")
+    assert "vision-language" in report.left["lm_head+loss"]
+    assert ours.config.text_config._attn_implementation == hf.ATTENTION_NAME
+    assert ours.config.vision_config._attn_implementation == stock.config.vision_config._attn_implementation
+    ids = torch.randint(1, 250, (1, 16), generator=torch.Generator().manual_seed(3))
+    kw = {}
+    if kind == "gemma3":
+        ids[0, 3], ids[0, 4:8], ids[0, 8] = 297, 299, 298  # <boi>, four image tokens, <eoi>
+        kw = dict(pixel_values=torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(4)),
+                  token_type_ids=(ids == 299).long())
+    a, b = _step(stock, ids, **kw), _step(ours, ids, **kw)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
+    for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
+        if p.grad is not None or q.grad is not None:
+            # relative to the tensor's scale: the image projector's gradients reach ~2e3
+            err, scale = (q.grad - p.grad).abs().max().item(), p.grad.abs().max().item()
+            assert err <= 1e-5 * scale + 1e-6, f"{n}: {err:.2e} (scale {scale:.2e})"
+    counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
+    assert counts["rms_norm"] >= 5 and counts["gated_act"] == 2 and counts["attention"] >= 1, counts
+    assert counts["rotary"] == (2 if kind == "gemma3" else 0), counts
+
+
 def test_gemma_report():
     """Gemma's scaled embedding runs our lookup times its scale (as its forward); its (1 + weight)
     norms run ours on float32 activations and stock on bf16 ones (stock forms 1 + w in float32)."""
