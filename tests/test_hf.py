@@ -868,14 +868,21 @@ def _vlm(kind):
                                image_size=32, patch_size=8),
             mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
         return transformers.Gemma3ForConditionalGeneration(cfg).float()
-    cfg = transformers.Qwen2_5_VLConfig(
-        text_config=dict(text, bos_token_id=0, eos_token_id=0,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
-        vision_config=dict(hidden_size=32, depth=1, num_heads=2, intermediate_size=64, out_hidden_size=64))
+    text = dict(text, bos_token_id=0, eos_token_id=0,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
+    if kind == "qwen2_vl":
+        cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=dict(
+            embed_dim=32, depth=1, num_heads=2, hidden_size=64, mlp_ratio=2))
+        return transformers.Qwen2VLForConditionalGeneration(cfg).float()
+    cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(
+        hidden_size=32, depth=1, num_heads=2, intermediate_size=64, out_hidden_size=64))
     return transformers.Qwen2_5_VLForConditionalGeneration(cfg).float()
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen2_5_vl"])
+VLMS = ["gemma3", "qwen2_vl", "qwen2_5_vl"]
+
+
+@pytest.mark.parametrize("kind", VLMS)
 def test_vision_language_models(kind):
     """A VLM's language model is patched (norms, MLP, attention, embedding; Gemma 3's RoPE too), its
     vision tower stays on its own attention; logits, loss and every gradient as stock's (Gemma 3
@@ -904,6 +911,25 @@ def test_vision_language_models(kind):
     counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
     assert counts["rms_norm"] >= 5 and counts["gated_act"] == 2 and counts["attention"] >= 1, counts
     assert counts["rotary"] == (2 if kind == "gemma3" else 0), counts
+
+
+@pytest.mark.parametrize("kind", VLMS)
+def test_vision_language_models_autocast_bf16(kind):
+    """Float32 parameters under autocast bf16: loss and every gradient as close to the float32
+    model as stock's."""
+    ref = _vlm(kind)
+    stock, ours = copy.deepcopy(ref), copy.deepcopy(ref)
+    hf.patch(ours, rotary=True)
+    ids = torch.randint(1, 250, (2, 16), generator=torch.Generator().manual_seed(3))
+    a = _step(ref, ids)
+    b, c = _amp_step(stock, ids, "cpu", torch.bfloat16), _amp_step(ours, ids, "cpu", torch.bfloat16)
+    assert c.loss.dtype == torch.float32
+    assert abs(c.loss.item() - a.loss.item()) <= 2 * abs(b.loss.item() - a.loss.item()) + 2e-3
+    err = lambda x, y: (x.float() - y.float()).abs().max().item()  # noqa: E731
+    for (n, g0), g1, g2 in zip(_grads(ref).items(), _grads(stock).values(), _grads(ours).values()):
+        if g0 is None:
+            continue
+        assert err(g2, g0) <= 2 * err(g1, g0) + 2e-2 * (g0.abs().max().item() + 1e-6), n
 
 
 def test_gemma_report():
