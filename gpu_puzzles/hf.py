@@ -27,8 +27,9 @@ Families and what they get:
   ``rotary=True``, RoPE on q and k (``rotary``, Phi-3's partial rotary too); attention (GQA);
   the LM loss.
 - Vision-language models whose language model (``model.model.language_model``) is one of the
-  above, or Qwen2-VL's / Qwen2.5-VL's (Qwen2's layout, multimodal RoPE stock): that language
-  model as its family, and the loss; the vision tower keeps its own attention.
+  above (Gemma 3, PaliGemma, LLaVA, Mistral 3, ...), or Qwen2-VL's / Qwen2.5-VL's (Qwen2's layout,
+  multimodal RoPE stock): that language model as its family, and the loss; the vision tower keeps
+  its own attention.
 Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
 mask, attention dropout while training, Sq != Sk) is handed to SDPA; a model that soft-caps

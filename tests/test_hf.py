@@ -857,7 +857,8 @@ def test_ddp_and_fsdp2_on_cpu(tmp_path):
 
 def _vlm(kind):
     """Tiny random-init vision-language models: Gemma 3 (its language model a gemma3_text family,
-    a sliding layer and a global one) and Qwen2.5-VL (multimodal RoPE)."""
+    a sliding layer and a global one), Qwen2-VL and Qwen2.5-VL (multimodal RoPE), LLaVA, Mistral 3
+    and PaliGemma (Llama, Mistral and Gemma language models)."""
     text = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=300)
     torch.manual_seed(0)
@@ -868,6 +869,22 @@ def _vlm(kind):
                                image_size=32, patch_size=8),
             mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
         return transformers.Gemma3ForConditionalGeneration(cfg).float()
+    small_vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32,
+                        patch_size=8)
+    if kind == "llava":  # Llama text, CLIP vision
+        cfg = transformers.LlavaConfig(text_config=dict(text, model_type="llama"), image_token_index=299,
+                                       vision_config=dict(small_vision, model_type="clip_vision_model"))
+        return transformers.LlavaForConditionalGeneration(cfg).float()
+    if kind == "mistral3":  # Mistral text, Pixtral vision
+        cfg = transformers.Mistral3Config(text_config=dict(text, model_type="mistral", head_dim=16),
+                                          vision_config=dict(small_vision, model_type="pixtral", head_dim=16),
+                                          image_token_index=299)
+        return transformers.Mistral3ForConditionalGeneration(cfg).float()
+    if kind == "paligemma":  # Gemma text, SigLIP vision
+        cfg = transformers.PaliGemmaConfig(text_config=dict(text, model_type="gemma", head_dim=16),
+                                           vision_config=dict(small_vision, model_type="siglip_vision_model"),
+                                           image_token_index=299)
+        return transformers.PaliGemmaForConditionalGeneration(cfg).float()
     text = dict(text, bos_token_id=0, eos_token_id=0,
                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
     if kind == "qwen2_vl":
@@ -879,7 +896,7 @@ def _vlm(kind):
     return transformers.Qwen2_5_VLForConditionalGeneration(cfg).float()
 
 
-VLMS = ["gemma3", "qwen2_vl", "qwen2_5_vl"]
+VLMS = ["gemma3", "qwen2_vl", "qwen2_5_vl", "llava", "mistral3", "paligemma"]
 
 
 @pytest.mark.parametrize("kind", VLMS)
@@ -910,7 +927,7 @@ def test_vision_language_models(kind):
             assert err <= 1e-5 * scale + 1e-6, f"{n}: {err:.2e} (scale {scale:.2e})"
     counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
     assert counts["rms_norm"] >= 5 and counts["gated_act"] == 2 and counts["attention"] >= 1, counts
-    assert counts["rotary"] == (2 if kind == "gemma3" else 0), counts
+    assert counts["rotary"] == (0 if kind.startswith("qwen2") else 2), counts
 
 
 @pytest.mark.parametrize("kind", VLMS)
