@@ -27,9 +27,9 @@ Families and what they get:
   ``rotary=True``, RoPE on q and k (``rotary``, Phi-3's partial rotary too); attention (GQA);
   the LM loss.
 - Vision-language models whose language model (``model.model.language_model``) is one of the
-  above (Gemma 3, PaliGemma, LLaVA, Mistral 3, ...), or Qwen2-VL's / Qwen2.5-VL's (Qwen2's layout,
-  multimodal RoPE stock): that language model as its family, and the loss; the vision tower keeps
-  its own attention.
+  above (Gemma 3, PaliGemma, LLaVA, Mistral 3, ...), or Qwen2-VL's / Qwen2.5-VL's / Qwen3-VL's
+  (Qwen2's / Qwen3's layout, multimodal RoPE stock): that language model as its family, and the
+  loss; the vision tower keeps its own attention.
 Attention goes through transformers' attention registry (implementation name
 ``"gpu_puzzles"``, masks built as for SDPA): a call our kernel cannot express (a padding
 mask, attention dropout while training, Sq != Sk) is handed to SDPA; a model that soft-caps
@@ -136,6 +136,7 @@ _VLM_TEXT = {
     # Qwen2-VL / Qwen2.5-VL: Qwen2's layout; multimodal RoPE (3-D positions): rotary stays stock.
     "qwen2_vl_text": _Decoder(_PRE, fuse=_PRE_FUSE, rope=None),
     "qwen2_5_vl_text": _Decoder(_PRE, fuse=_PRE_FUSE, rope=None),
+    "qwen3_vl_text": _Decoder(_PRE, ("q_norm", "k_norm"), fuse=_PRE_FUSE, rope=None),  # and Qwen3's q/k norms
 }
 
 

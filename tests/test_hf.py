@@ -887,6 +887,12 @@ def _vlm(kind):
         return transformers.PaliGemmaForConditionalGeneration(cfg).float()
     text = dict(text, bos_token_id=0, eos_token_id=0,
                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
+    if kind == "qwen3_vl":  # Qwen3's q/k norms, interleaved multimodal RoPE, deepstack visual features
+        cfg = transformers.Qwen3VLConfig(
+            text_config=dict(text, head_dim=16, rope_parameters=dict(text["rope_parameters"], mrope_interleaved=True)),
+            vision_config=dict(hidden_size=32, depth=1, num_heads=2, intermediate_size=64, out_hidden_size=64,
+                               deepstack_visual_indexes=[0]))
+        return transformers.Qwen3VLForConditionalGeneration(cfg).float()
     if kind == "qwen2_vl":
         cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=dict(
             embed_dim=32, depth=1, num_heads=2, hidden_size=64, mlp_ratio=2))
@@ -896,7 +902,7 @@ def _vlm(kind):
     return transformers.Qwen2_5_VLForConditionalGeneration(cfg).float()
 
 
-VLMS = ["gemma3", "qwen2_vl", "qwen2_5_vl", "llava", "mistral3", "paligemma"]
+VLMS = ["gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "mistral3", "paligemma"]
 
 
 @pytest.mark.parametrize("kind", VLMS)
@@ -927,7 +933,7 @@ def test_vision_language_models(kind):
             assert err <= 1e-5 * scale + 1e-6, f"{n}: {err:.2e} (scale {scale:.2e})"
     counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
     assert counts["rms_norm"] >= 5 and counts["gated_act"] == 2 and counts["attention"] >= 1, counts
-    assert counts["rotary"] == (0 if kind.startswith("qwen2") else 2), counts
+    assert counts["rotary"] == (0 if kind.startswith("qwen") else 2), counts
 
 
 @pytest.mark.parametrize("kind", VLMS)
