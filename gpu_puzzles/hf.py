@@ -533,8 +533,8 @@ def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor
 # restart at each sequence and no attention mask is given. Stock builds a mask that keeps the
 # sequences apart only without a KV cache (masking_utils skips the check when one exists,
 # use_cache=True being the config default), and otherwise attends across them. The patched
-# model applies stock's rule (a sequence starts wherever a position is not its predecessor's
-# + 1) once per forward (_PackedScope, one device sync, as stock's own check) and runs the
+# model applies stock's own check (masking_utils' find_packed_sequence_indices: one device
+# sync; packed rows one more, for their bounds) once per forward (_PackedScope) and runs the
 # attention calls that reach our kernel without a mask one sequence at a time. Without a
 # cache, stock's mask sends them to SDPA (above), which keeps them apart as well.
 
@@ -545,17 +545,22 @@ _PACKED: list = []
 _PACKED_KEEP = 8
 
 
+def _sequence_ids(position_ids: torch.Tensor, batch: int) -> Optional[torch.Tensor]:
+    """Each token's sequence number (B, S) by stock's own rule (masking_utils), or None where no
+    row holds two sequences (eager only: one sync; traced, always the ids)."""
+    from transformers.masking_utils import find_packed_sequence_indices
+    return find_packed_sequence_indices(position_ids.expand(batch, -1))
+
+
 def _sequences(position_ids: torch.Tensor, batch: int) -> Optional[tuple]:
-    """(per row [0, start of each later sequence..., S], each token's sequence number (B, S) on
-    the device); None where no row holds two sequences."""
-    pos = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
-    starts = pos[:, 1:] - pos[:, :-1] != 1
-    host = starts.cpu()  # the one sync
-    if not bool(host.any()):
+    """(per row [0, start of each later sequence..., S], the sequence ids on the device), or None."""
+    ids = _sequence_ids(position_ids, batch)
+    if ids is None:
         return None
-    S = pos.shape[1]
-    bounds = [[0] + [i + 1 for i in row.nonzero().flatten().tolist()] + [S] for row in host]
-    return bounds, F.pad(starts.cumsum(-1), (1, 0))
+    host = ids.cpu()
+    S = host.shape[1]
+    bounds = [[0] + [i + 1 for i in (row[1:] != row[:-1]).nonzero().flatten().tolist()] + [S] for row in host]
+    return bounds, ids
 
 
 def _packed(position_ids: Optional[torch.Tensor], S: int) -> Optional[tuple]:
@@ -607,8 +612,7 @@ class _PackedScope:
             if cache is None and ref is not None and torch.compiler.is_compiling():
                 # Traced, no sync: every call given position_ids gets their sequence ids (the
                 # attention then runs SDPA with stock's packed mask, as stock's traced model does).
-                p = pos.expand(ref.shape[0], -1)
-                _TRACED_SEQ[0] = F.pad((p[:, 1:] - p[:, :-1] != 1).cumsum(-1), (1, 0))
+                _TRACED_SEQ[0] = _sequence_ids(pos, ref.shape[0])
                 try:
                     return super().forward(*args, **kwargs)
                 finally:
@@ -1014,8 +1018,8 @@ def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, atte
     elif model_type in _DECODERS:
         _patch_decoder(model, report, _DECODERS[model_type], embeddings, norms, attention, loss, fused_loss, mlp,
                        rotary)
-    elif _vlm_text(model) is not None:
-        text, family = _vlm_text(model)
+    elif (vlm := _vlm_text(model)) is not None:
+        text, family = vlm
         _patch_decoder(model, report, family, embeddings, norms, attention, loss, fused_loss, mlp, rotary,
                        base=text, prefix="model.language_model")
     else:
