@@ -136,20 +136,22 @@ TORCH_LIBRARY(gpu_puzzles, m) {
   // Both read strided logits rows in place, so inductor may hand over its padded layout of
   // an odd-V GEMM output as it is (the default, exact eager strides, costs a copy each way).
   // loss_dtype: the loss's dtype (None: the logits'); autocast sets float32, as for F.cross_entropy.
+  // softcap: the loss of softcap * tanh(logits / softcap) (Gemma 2's final logits), None: off.
   m.def(
       "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, str reduction=\"mean\", ScalarType? "
-      "loss_dtype=None) -> (Tensor, Tensor)",
+      "loss_dtype=None, float? softcap=None) -> (Tensor, Tensor)",
       {at::Tag::needs_fixed_stride_order});
   m.def(
       "cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, int ignore_index, str "
-      "reduction) -> Tensor",
+      "reduction, float? softcap=None) -> Tensor",
       {at::Tag::needs_fixed_stride_order});
   // cross_entropy(hidden @ weight.T + bias, target) without storing the logits (row chunks).
   // output_mask (hidden, weight, bias): the gradients computed in the forward, for a
   // loss of 1 (the backward scales them); unrequested ones are empty. reduction mean|sum.
-  // loss_dtype as cross_entropy's (None: hidden's dtype). -> (loss, grad_hidden, grad_weight, grad_bias)
+  // loss_dtype and softcap as cross_entropy's (None: hidden's dtype).
+  // -> (loss, grad_hidden, grad_weight, grad_bias)
   m.def(
       "fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, int "
       "ignore_index=-100, str reduction=\"mean\", bool[3] output_mask=[False, False, False], ScalarType? "
-      "loss_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)");
+      "loss_dtype=None, float? softcap=None) -> (Tensor, Tensor, Tensor, Tensor)");
 }

@@ -17,7 +17,8 @@ Families and what they get:
 - Llama-style decoders (``_DECODERS``: "llama", "mistral", "qwen2", "qwen3", "olmo2", "olmo3",
   "exaone4", "phi3", "granite", "smollm3", "seed_oss", "helium", "ernie4_5", "glm", "glm4",
   "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3_text"; Gemma's ``1 + weight``
-  norms on float32 activations, its soft-capped attention stock and never fused with the loss;
+  norms on float32 activations, its soft-capped attention stock, its final-logit soft-cap inside the
+  fused LM head + loss;
   mixture-of-experts MLPs stock):
   token embedding; every RMSNorm (``rms_norm``): the layers' norms, final, and Qwen3's and
   OLMo 2's q/k norms; Phi-3's norms fused into the qkv_proj and gate_up_proj after them
@@ -742,14 +743,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: Optional[torch.Tensor], vocab_s
 
 def _fused_lm_loss(hidden: torch.Tensor, lm_head: nn.Linear, labels: Optional[torch.Tensor],
                    shift_labels: Optional[torch.Tensor] = None, num_items_in_batch: Optional[Any] = None,
-                   ignore_index: int = -100) -> torch.Tensor:
-    """``causal_lm_loss(lm_head(hidden), labels)`` through ``fused_linear_cross_entropy``."""
+                   ignore_index: int = -100, softcap: Optional[float] = None) -> torch.Tensor:
+    """``causal_lm_loss(lm_head(hidden), labels)`` through ``fused_linear_cross_entropy``;
+    ``softcap``: the logits soft-capped first (Gemma 2's ``final_logit_softcapping``)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     bias = getattr(lm_head, "bias", None)
     dt = _loss_dtype(h)
     return _causal_loss(lambda t, r: ops.fused_linear_cross_entropy(h, lm_head.weight, t, bias,
                                                                     ignore_index=ignore_index, reduction=r,
-                                                                    loss_dtype=dt),
+                                                                    loss_dtype=dt, softcap=softcap),
                         labels, shift_labels, num_items_in_batch, ignore_index, hidden.device)
 
 
@@ -767,7 +769,8 @@ def _fused_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     inner = {k: v for k, v in bound.items() if k not in ("labels", "logits_to_keep")}
     out = getattr(self, self.base_model_prefix)(**inner)
     loss = _fused_lm_loss(out.last_hidden_state, self.lm_head, labels, bound.get("shift_labels"),
-                          bound.get("num_items_in_batch"), bound.get("ignore_index", -100))
+                          bound.get("num_items_in_batch"), bound.get("ignore_index", -100),
+                          getattr(self.config, "final_logit_softcapping", None))
     fields = dict(loss=loss, logits=None, past_key_values=out.past_key_values, hidden_states=out.hidden_states,
                   attentions=out.attentions)
     if "cross_attentions" in self._gp_output_cls.__dataclass_fields__:
@@ -977,9 +980,6 @@ def _patch_attention_and_loss(model: nn.Module, report: PatchReport, attention: 
 def _head_not_plain(config: Any) -> Optional[str]:
     """Why the stock forward's loss is more than cross_entropy(lm_head(hidden)), which the fused
     LM head + loss computes, or None."""
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        cap = config.final_logit_softcapping
-        return f"final_logit_softcapping={cap}: the fused LM head + loss does not soft-cap yet"
     if getattr(config, "logits_scaling", 1.0) not in (None, 1.0):
         return f"logits_scaling={config.logits_scaling}: the fused LM head + loss does not scale the logits"
     if hasattr(config, "router_aux_loss_coef"):

@@ -38,9 +38,13 @@ def _logits(shape, device, dtype, seed=0):
     return (torch.randn(shape, generator=g) * 3).to(device=device, dtype=dtype)
 
 
-def _ref(logits, target, reduction, ignore=-100):
-    """F.cross_entropy in float64 with the classes last."""
-    x = logits.double().reshape(-1, logits.shape[-1])
+def _cap(x, softcap):
+    return x if softcap is None else softcap * torch.tanh(x / softcap)
+
+
+def _ref(logits, target, reduction, ignore=-100, softcap=None):
+    """F.cross_entropy in float64 with the classes last (of the soft-capped logits)."""
+    x = _cap(logits.double().reshape(-1, logits.shape[-1]), softcap)
     out = F.cross_entropy(x, target.reshape(-1).long(), ignore_index=ignore, reduction=reduction)
     return out.reshape(target.shape) if reduction == "none" else out
 
@@ -351,12 +355,125 @@ def test_compiled_backward_inductor_matches_reference(device):
     assert_close_ref(g.double() * n, gr * n, x.dtype, "grad")
 
 
+# ---- soft-capped logits (softcap=c: the loss of c * tanh(x / c)) ---------------------
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("V,cap", [(7, 2.0), (4099, 2.0), (50257, 30.0)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_softcap_matches_reference(device, dtype, V, cap, reduction):
+    # Logits ~3 sigma: a cap of 2 saturates many, so a cap left out (or applied twice) shows.
+    rows = 5 if V > 10000 else 33
+    logits = _logits((rows, V), device, dtype, seed=V + 70)
+    if V == 50257:
+        logits = logits * 20  # past the cap of 30
+    target = _targets((rows,), V, device, seed=V + 71)
+    target[0] = V - 1
+    if device == "cuda":
+        poison_allocator(64 << 20)
+    x = logits.clone().requires_grad_()
+    loss = gp.cross_entropy(x, target, reduction=reduction, softcap=cap)
+    xr = logits.detach().double().requires_grad_()
+    ref = _ref(xr, target, reduction, softcap=cap)
+    assert_close_ref(loss, ref.detach(), dtype, "loss")
+    g = (_logits(loss.shape, device, dtype, seed=3) if reduction == "none"
+         else torch.tensor(1.7, device=device, dtype=dtype))
+    (gx,) = torch.autograd.grad(loss, x, g)
+    (gr,) = torch.autograd.grad(ref, xr, g.double())
+    scale = 1.0 / max(1, int((target != -100).sum())) if reduction == "mean" else 1.0
+    assert_close_ref(gx.double() / scale, gr / scale, dtype, "grad")
+    assert (gx[target == -100] == 0).all()
+    _, lse = OP(logits, target, -100, "none", None, cap)
+    keep = target != -100
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert_close_ref(lse[keep], torch.logsumexp(_cap(logits.double(), cap), -1)[keep], acc, "lse")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_gradcheck_and_weighted(device):
+    logits = (_logits((2, 3, 5), device, torch.float64, seed=72) * 2).requires_grad_()
+    target = torch.tensor([[0, 4, -100], [2, 2, 1]], device=device)
+    f = lambda x: gp.cross_entropy(x.transpose(1, 2), target, softcap=1.5)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (logits,))
+    # The backward differentiated again (create_graph=True) runs as ATen math through the cap.
+    assert torch.autograd.gradgradcheck(f, (logits,))
+    # Class weights and label smoothing weigh the capped logits' losses.
+    w = torch.rand(5, device=device, dtype=torch.float64) + 0.5
+    out = gp.cross_entropy(logits.transpose(1, 2), target, w, label_smoothing=0.2, softcap=1.5)
+    ref = F.cross_entropy(_cap(logits, 1.5).transpose(1, 2), target, w, label_smoothing=0.2)
+    torch.testing.assert_close(out, ref)
+    assert torch.autograd.gradcheck(
+        lambda x: gp.cross_entropy(x.transpose(1, 2), target, w, label_smoothing=0.2, softcap=1.5), (logits,))
+    h = _logits((5, 4), device, torch.float64, seed=73).requires_grad_()
+    wt = _logits((6, 4), device, torch.float64, seed=74).requires_grad_()
+    t = torch.tensor([0, 5, -100, 2, 2], device=device)
+    with tuning.override(cross_entropy_chunk="2"):
+        assert torch.autograd.gradcheck(lambda h, w: gp.fused_linear_cross_entropy(h, w, t, softcap=2.0), (h, wt))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_opcheck_and_compile(device):
+    logits = _logits((3, 4, 9), device, torch.float32, seed=75).requires_grad_()
+    target = _targets((3, 4), 9, device, seed=76)
+    for reduction in REDUCTIONS:
+        torch.library.opcheck(OP, (logits, target, -100, reduction, None, 2.0))
+    _, lse = OP(logits.detach(), target, -100, "mean", None, 2.0)
+    torch.library.opcheck(BWD_OP, (torch.tensor(0.5, device=device), logits.detach(), target, lse, -100, "mean", 2.0))
+    h = _logits((7, 6), device, torch.float32, seed=77).requires_grad_()
+    w = _logits((9, 6), device, torch.float32, seed=78).requires_grad_()
+    t = _targets((7,), 9, device, seed=79)
+    torch.library.opcheck(FUSED_OP, (h, w, t, None, -100, "mean", [False, False, False], None, 2.0))
+    # Compiled, with either backward (inductor's ATen math or our kernel), as eager.
+    for knob in ("inductor", "kernel"):
+        torch._dynamo.reset()
+
+        def f(x, t, h, w, t2):
+            return (gp.cross_entropy(x.transpose(1, 2), t, softcap=2.0)
+                    + gp.fused_linear_cross_entropy(h, w, t2, softcap=2.0))
+
+        with tuning.override(cross_entropy_compiled_backward=knob):
+            out = torch.compile(f, fullgraph=True)(logits, target, h, w, t)
+            grads = torch.autograd.grad(out, (logits, h, w))
+        ref = f(logits, target, h, w, t)
+        torch.testing.assert_close(out, ref)
+        for a, r in zip(grads, torch.autograd.grad(ref, (logits, h, w))):
+            torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("chunk", [None, "8"])
+def test_fused_softcap_matches_reference(device, dtype, chunk):
+    N, H, V = 37, 24, 301
+    h = _logits((N, H), device, torch.float32, seed=80).to(dtype).requires_grad_()
+    w = (_logits((V, H), device, torch.float32, seed=81) * 0.5).to(dtype).requires_grad_()
+    b = _logits((V,), device, dtype, seed=82).requires_grad_()
+    t = _targets((N,), V, device, seed=83)
+    with tuning.override(cross_entropy_chunk=chunk):
+        loss = gp.fused_linear_cross_entropy(h, w, t, b, softcap=3.0)
+    grads = torch.autograd.grad(loss, (h, w, b))
+    ref, rgrads = _fused_ref(h, w, t, b, "mean", softcap=3.0)
+    assert_close_ref(loss, ref, dtype, "loss")
+    norm = (t != -100).sum().item()
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads):
+        assert_close_ref(g.double() * norm, r * norm, dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), float("nan")])
+def test_softcap_bad_value(device, cap):
+    x = torch.randn(4, 5, device=device)
+    t = torch.tensor([0, 1, 2, 3], device=device)
+    with pytest.raises(RuntimeError, match="softcap must be a positive finite number"):
+        gp.cross_entropy(x, t, softcap=cap)
+    with pytest.raises(RuntimeError, match="softcap must be a positive finite number"):
+        gp.fused_linear_cross_entropy(x, torch.randn(7, 5, device=device), t, softcap=cap)
+
+
 # ---- fused linear cross-entropy ---------------------------------------------------
 
-def _fused_ref(h, w, t, b, reduction, ignore=-100):
+def _fused_ref(h, w, t, b, reduction, ignore=-100, softcap=None):
     hr, wr = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     br = b.detach().double().requires_grad_() if b is not None else None
-    logits = F.linear(hr, wr, br)
+    logits = _cap(F.linear(hr, wr, br), softcap)
     loss = F.cross_entropy(logits.reshape(-1, wr.shape[0]), t.reshape(-1).long(), ignore_index=ignore,
                            reduction=reduction)
     inputs = (hr, wr) + ((br,) if br is not None else ())

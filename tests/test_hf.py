@@ -672,10 +672,11 @@ def test_decoder_families(family):
 
 @pytest.mark.parametrize("family", list(DECODER_FAMILIES))
 def test_decoder_families_fused_loss(family):
-    """fused_loss=True: the loss and every gradient as stock's in training, or the LM head left to
-    the stock forward where its loss is more than cross-entropy of lm_head(hidden) (Gemma 2's
-    final soft-cap, Granite's logits_scaling, MoE's router loss with output_router_logits: stock
-    transformers raises on the CPU there, so not run here), and the report says why."""
+    """fused_loss=True: the loss and every gradient as stock's in training (Gemma 2's final
+    soft-cap inside the fused op), or the LM head left to the stock forward where its loss is
+    more than cross-entropy of the (soft-capped) lm_head(hidden) (Granite's logits_scaling, MoE's
+    router loss with output_router_logits: stock transformers raises on the CPU there, so not run
+    here), and the report says why."""
     stock = _decoder(family)
     ours = copy.deepcopy(stock)
     report = hf.patch(ours, fused_loss=True)
@@ -684,7 +685,7 @@ def test_decoder_families_fused_loss(family):
     torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
     for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
-    special = family in ("gemma2", "granite", "mixtral", "qwen2_moe", "qwen3_moe")
+    special = family in ("granite", "mixtral", "qwen2_moe", "qwen3_moe")
     assert ("lm_head+loss" in report.left) == special and ("lm_head+loss" in report.swapped) != special, report
 
 
@@ -969,19 +970,23 @@ def test_gemma_report():
     assert _op_counts(lambda: half(input_ids=ids))["rms_norm"] == 0
 
 
-def test_gemma2_soft_capping_stays_stock():
+@pytest.mark.parametrize("cap", [30.0, 0.5], ids=["cap30", "cap0.5"])
+def test_gemma2_soft_capping(cap):
     """Gemma 2 soft-caps attention logits and final logits: its attention stays the model's own,
-    and fused_loss=True leaves the LM head and loss unfused (the fused op would skip the cap), so
-    the loss is stock's."""
+    and fused_loss=True soft-caps inside the fused LM head + loss: loss and every gradient as
+    stock's (a cap of 0.5 saturates most logits, so a missing or misplaced cap would show)."""
     stock = _decoder("gemma2")
+    stock.config.final_logit_softcapping = cap
     ours = copy.deepcopy(stock)
     report = hf.patch(ours, fused_loss=True)
     assert "attn_logit_softcapping" in report.left["attention"]
-    assert "final_logit_softcapping" in report.left["lm_head+loss"] and "lm_head+loss" not in report.swapped
+    assert "lm_head+loss" in report.swapped
     ids = model_bench.batch("llama", "cpu", small=True)
     a, b = _step(stock, ids), _step(ours, ids)
-    assert b.logits is not None
-    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
+    assert b.logits is None
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
+    for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -75,6 +76,14 @@ void check_target_range(const Tensor& target, int64_t V, int64_t ignore, const c
     scan(t.const_data_ptr<int32_t>());
 }
 
+// softcap: None (0: off) or a positive finite number.
+double check_softcap(c10::optional<double> softcap, const char* op) {
+  if (!softcap.has_value()) return 0;
+  const double c = *softcap;
+  TORCH_CHECK(c > 0 && std::isfinite(c), op, ": softcap must be a positive finite number or None, got ", c);
+  return c;
+}
+
 void launch_forward(const CeFwdArgs& a, bool cpu) {
   if (a.rows == 0) return;
   if (cpu) {
@@ -104,8 +113,9 @@ void launch_backward(const CeBwdArgs& a, bool cpu) {
 // Per-row loss and lse (accumulate type, (rows,)) of logits (rows as (..., V)) into
 // `loss` and `lse` (contiguous). CPU half logits are computed in float. With
 // grad_scale (CUDA only) the kernel also overwrites the logits with their gradient.
+// softcap: 0 or the checked cap.
 void forward_rows(const Tensor& logits0, const Tensor& target, int64_t ignore, const Tensor& loss, const Tensor& lse,
-                  const Tensor& grad_scale = Tensor()) {
+                  double softcap, const Tensor& grad_scale = Tensor()) {
   const bool cpu = logits0.device().is_cpu();
   const Tensor logits = cpu && is_half(logits0.scalar_type()) ? logits0.to(at::kFloat) : logits0;
   const int64_t V = logits.size(-1), rows = loss.numel();
@@ -115,6 +125,7 @@ void forward_rows(const Tensor& logits0, const Tensor& target, int64_t ignore, c
   CeFwdArgs a{
       lt.data_ptr(), ls, tt.data_ptr(), tt.scalar_type() == at::kLong, ts,          loss.data_ptr(), lse.data_ptr(),
       rows,          V,  ignore,        to_dtype(lt.scalar_type()),    plan.threads};
+  a.softcap = softcap;
   if (grad_scale.defined()) {
     TORCH_CHECK(!cpu && lt.data_ptr() == logits0.data_ptr(), "gpu_puzzles: in-place gradient rows need CUDA logits");
     a.grad_in_place = true;
@@ -139,7 +150,7 @@ Tensor empty_grad_like(const Tensor& logits, const at::TensorOptions& opts) {
 
 // grad: rows evenly spaced (empty_grad_like), or the logits themselves (in place) when grad is logits.
 void backward_rows(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& scale, bool per_row,
-                   int64_t ignore, const Tensor& grad) {
+                   int64_t ignore, double softcap, const Tensor& grad) {
   const bool cpu = logits.device().is_cpu();
   const int64_t V = logits.size(-1), rows = lse.numel();
   const auto [lt, ls] = tensor_rows(logits, true);
@@ -149,21 +160,22 @@ void backward_rows(const Tensor& logits, const Tensor& target, const Tensor& lse
   TORCH_INTERNAL_ASSERT(levels <= 1 && grad.stride(-1) == 1, "cross_entropy: gradient rows must be evenly spaced");
   const int64_t grad_stride = levels == 1 ? gs.s0 : V;
   const CrossEntropyPlan plan = cross_entropy_plan(rows, V, logits.element_size());
-  const CeBwdArgs a{lt.data_ptr(),
-                    ls,
-                    tt.data_ptr(),
-                    tt.scalar_type() == at::kLong,
-                    ts,
-                    lse.data_ptr(),
-                    scale.data_ptr(),
-                    per_row,
-                    grad.data_ptr(),
-                    grad_stride,
-                    rows,
-                    V,
-                    ignore,
-                    to_dtype(lt.scalar_type()),
-                    plan.threads};
+  CeBwdArgs a{lt.data_ptr(),
+              ls,
+              tt.data_ptr(),
+              tt.scalar_type() == at::kLong,
+              ts,
+              lse.data_ptr(),
+              scale.data_ptr(),
+              per_row,
+              grad.data_ptr(),
+              grad_stride,
+              rows,
+              V,
+              ignore,
+              to_dtype(lt.scalar_type()),
+              plan.threads};
+  a.softcap = softcap;
   launch_backward(a, cpu);
 }
 
@@ -216,9 +228,10 @@ at::ScalarType loss_type(c10::optional<at::ScalarType> loss_dtype, at::ScalarTyp
 }
 
 Tensor2 cross_entropy_impl(const Tensor& logits, const Tensor& target, int64_t ignore, c10::string_view reduction,
-                           c10::optional<at::ScalarType> loss_dtype) {
+                           c10::optional<at::ScalarType> loss_dtype, c10::optional<double> softcap) {
   const char* op = "cross_entropy";
   check_logits(logits, op);
+  const double cap = check_softcap(softcap, op);
   const at::ScalarType out_type = loss_type(loss_dtype, logits.scalar_type(), op);
   const Reduction red = parse_reduction(reduction, op);
   const auto rows_shape = logits.sizes().slice(0, logits.dim() - 1);
@@ -232,14 +245,16 @@ Tensor2 cross_entropy_impl(const Tensor& logits, const Tensor& target, int64_t i
   const auto acc = acc_type(logits.scalar_type());
   const Tensor loss_rows = at::empty({target.numel()}, logits.options().dtype(acc));
   Tensor lse = at::empty(target.sizes(), logits.options().dtype(acc));
-  forward_rows(logits, target, ignore, loss_rows, lse);
+  forward_rows(logits, target, ignore, loss_rows, lse, cap);
   return {finalize(loss_rows, target, ignore, red, out_type), lse};
 }
 
 Tensor cross_entropy_backward_impl(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
-                                   const Tensor& lse, int64_t ignore, c10::string_view reduction) {
+                                   const Tensor& lse, int64_t ignore, c10::string_view reduction,
+                                   c10::optional<double> softcap) {
   const char* op = "cross_entropy_backward";
   check_logits(logits, op);
+  const double cap = check_softcap(softcap, op);
   const Reduction red = parse_reduction(reduction, op);
   const auto rows_shape = logits.sizes().slice(0, logits.dim() - 1);
   check_target(target, rows_shape, logits, op, "logits");
@@ -280,12 +295,12 @@ Tensor cross_entropy_backward_impl(const Tensor& grad_loss, const Tensor& logits
   const bool cpu_half = logits.device().is_cpu() && is_half(logits.scalar_type());
   Tensor grad = empty_grad_like(logits, logits.options());
   if (!cpu_half) {
-    backward_rows(logits, target, lse.contiguous(), scale, red == Reduction::None, ignore, grad);
+    backward_rows(logits, target, lse.contiguous(), scale, red == Reduction::None, ignore, cap, grad);
     return grad;
   }
   const Tensor lg = logits.to(at::kFloat);
   Tensor g32 = at::empty(lg.sizes(), lg.options());
-  backward_rows(lg, target, lse.contiguous(), scale, red == Reduction::None, ignore, g32);
+  backward_rows(lg, target, lse.contiguous(), scale, red == Reduction::None, ignore, cap, g32);
   grad.copy_(g32);
   return grad;
 }
@@ -313,9 +328,10 @@ void accumulate_mm(Tensor& acc, const Tensor& a, const Tensor& b) {
 
 Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& target, const c10::optional<Tensor>& bias,
                    int64_t ignore, c10::string_view reduction, std::array<bool, 3> mask,
-                   c10::optional<at::ScalarType> loss_dtype) {
+                   c10::optional<at::ScalarType> loss_dtype, c10::optional<double> softcap) {
   const char* op = "fused_linear_cross_entropy";
   check_float(hidden, "fused_linear_cross_entropy: hidden");
+  const double cap = check_softcap(softcap, op);
   const at::ScalarType out_type = loss_type(loss_dtype, hidden.scalar_type(), op);
   TORCH_CHECK(hidden.dim() >= 1, op, ": hidden must have at least 1 dimension (..., H), got a 0-d tensor");
   check_same_dtype(weight, hidden, "fused_linear_cross_entropy: weight", "hidden");
@@ -344,7 +360,7 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
   if (cpu && is_half(hidden.scalar_type())) {  // the CPU computes half types in float
     const auto f = [](const Tensor& t) { return t.to(at::kFloat); };
     auto [l, gh, gw, gb] = fused_impl(f(hidden), f(weight), target, has_bias ? c10::optional<Tensor>(f(*bias)) : bias,
-                                      ignore, reduction, mask, out_type);
+                                      ignore, reduction, mask, out_type, softcap);
     const auto dt = hidden.scalar_type();
     return {l, gh.to(dt), gw.to(dt), gb.to(dt)};
   }
@@ -412,9 +428,9 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
     const Tensor lse = at::empty({n}, hidden.options().dtype(acc));
     // d loss / d logits over the logits, in place: in the forward kernel on CUDA (the row
     // is still in L2), a second pass on the CPU.
-    forward_rows(logits, tc, ignore, loss_rows.narrow(0, s, n), lse, any && !cpu ? kernel_scale : Tensor());
+    forward_rows(logits, tc, ignore, loss_rows.narrow(0, s, n), lse, cap, any && !cpu ? kernel_scale : Tensor());
     if (!any) continue;
-    if (cpu) backward_rows(logits, tc, lse, kernel_scale, false, ignore, logits);
+    if (cpu) backward_rows(logits, tc, lse, kernel_scale, false, ignore, cap, logits);
     if (want_h) {
       Tensor ghc = gh.narrow(0, s, n);
       at::mm_out(ghc, full, wp);

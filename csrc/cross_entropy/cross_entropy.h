@@ -4,6 +4,9 @@
 // unit innermost stride (views such as logits[:, :-1, :] are read in place); targets
 // one per row, at row_offset(ts, r). Statistics are in the accumulate type A: float,
 // double for float64 logits.
+// softcap c > 0 (0: off) soft-caps every logit first, z = c * tanh(x / c) (Gemma 2's
+// final logits): the loss, lse and softmax are those of z, and the gradient carries
+// dz/dx = 1 - tanh(x / c)^2.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -32,9 +35,11 @@ struct CeFwdArgs {
   // op's chunks, whose logits are not needed afterwards; the row is re-read from L2.
   bool grad_in_place = false;
   const void* scale = nullptr;
+  double softcap = 0;
 };
 
-// grad[r, j] = (exp(logit[r, j] - lse[r]) - (j == target[r])) * scale[per_row ? r : 0]; zero rows
+// grad[r, j] = (exp(logit[r, j] - lse[r]) - (j == target[r])) * scale[per_row ? r : 0] (times dz/dx
+// with a softcap); zero rows
 // for ignored targets; a target outside [0, V) gets no one-hot term (never indexed).
 // grad may be the logits themselves (in place: same pointer, grad_stride matching a
 // one-level ls); otherwise row r of grad starts at r * grad_stride.
@@ -52,6 +57,7 @@ struct CeBwdArgs {
   int64_t rows, V, ignore_index;
   DType dtype;
   int threads;
+  double softcap = 0;
 };
 
 // One block, fixed order (deterministic), on CUDA: the count of non-ignored targets n and

@@ -18,49 +18,54 @@ using Tensor = at::Tensor;
 using Tensor2 = std::tuple<Tensor, Tensor>;
 using Tensor4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
+using OptCap = c10::optional<double>;
+using BackwardSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, c10::string_view,
+                           OptCap);
+
 struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target, int64_t ignore_index,
-                               c10::string_view reduction, c10::optional<at::ScalarType> loss_dtype) {
-    static const auto op =
-        typed_op<Tensor2(const Tensor&, const Tensor&, int64_t, c10::string_view, c10::optional<at::ScalarType>)>(
-            "gpu_puzzles::cross_entropy");
+                               c10::string_view reduction, c10::optional<at::ScalarType> loss_dtype, OptCap softcap) {
+    static const auto op = typed_op<Tensor2(const Tensor&, const Tensor&, int64_t, c10::string_view,
+                                            c10::optional<at::ScalarType>, OptCap)>("gpu_puzzles::cross_entropy");
     Tensor loss, lse;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(loss, lse) = op.call(logits, target, ignore_index, reduction, loss_dtype);
+      std::tie(loss, lse) = op.call(logits, target, ignore_index, reduction, loss_dtype, softcap);
     }
     ctx->save_for_backward({logits, target, lse});
     non_differentiable(ctx, {lse});
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["reduction"] = std::string(reduction);
+    ctx->saved_data["softcap"] = softcap.value_or(0.0);
     return {loss, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto op =
-        typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, c10::string_view)>(
-            "gpu_puzzles::cross_entropy_backward");
-    if (!grads[0].defined() || !ctx->needs_input_grad(0)) return variable_list(5);
+    static const auto op = typed_op<BackwardSig>("gpu_puzzles::cross_entropy_backward");
+    if (!grads[0].defined() || !ctx->needs_input_grad(0)) return variable_list(6);
     const auto s = ctx->get_saved_variables();
     const std::string reduction = ctx->saved_data["reduction"].toStringRef();
-    const Tensor g = op.call(grads[0], s[0], s[1], s[2], ctx->saved_data["ignore_index"].toInt(), reduction);
-    return {g, Tensor(), Tensor(), Tensor(), Tensor()};
+    const double cap = ctx->saved_data["softcap"].toDouble();
+    const Tensor g = op.call(grads[0], s[0], s[1], s[2], ctx->saved_data["ignore_index"].toInt(), reduction,
+                             cap > 0 ? OptCap(cap) : OptCap());
+    return {g, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 using FusedSig = Tensor4(const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&, int64_t,
-                         c10::string_view, std::array<bool, 3>, c10::optional<at::ScalarType>);
+                         c10::string_view, std::array<bool, 3>, c10::optional<at::ScalarType>, OptCap);
 
 struct FusedLinearCeFunction : public torch::autograd::Function<FusedLinearCeFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight, const Tensor& target,
                                const c10::optional<Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
-                               bool need_h, bool need_w, bool need_b, c10::optional<at::ScalarType> loss_dtype) {
+                               bool need_h, bool need_w, bool need_b, c10::optional<at::ScalarType> loss_dtype,
+                               OptCap softcap) {
     static const auto op = typed_op<FusedSig>("gpu_puzzles::fused_linear_cross_entropy");
     Tensor loss, gh, gw, gb;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       std::tie(loss, gh, gw, gb) = op.call(hidden, weight, target, bias, ignore_index, reduction,
-                                           std::array<bool, 3>{need_h, need_w, need_b}, loss_dtype);
+                                           std::array<bool, 3>{need_h, need_w, need_b}, loss_dtype, softcap);
     }
     ctx->save_for_backward({gh, gw, gb});
     non_differentiable(ctx, {gh, gw, gb});
@@ -71,7 +76,7 @@ struct FusedLinearCeFunction : public torch::autograd::Function<FusedLinearCeFun
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(10);
+    variable_list out(11);
     if (!grads[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
     // The saved gradients came from the forward, so differentiating these again would miss
@@ -115,7 +120,7 @@ struct FusedLinearCeFunction : public torch::autograd::Function<FusedLinearCeFun
 
 Tensor4 fused_autograd(const Tensor& hidden, const Tensor& weight, const Tensor& target,
                        const c10::optional<Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
-                       std::array<bool, 3> output_mask, c10::optional<at::ScalarType> loss_dtype) {
+                       std::array<bool, 3> output_mask, c10::optional<at::ScalarType> loss_dtype, OptCap softcap) {
   // Gradients only where autograd will ask for them (or the caller did).
   const bool grad = at::GradMode::is_enabled();
   const bool has_bias = bias.has_value() && bias->defined();
@@ -123,23 +128,25 @@ Tensor4 fused_autograd(const Tensor& hidden, const Tensor& weight, const Tensor&
   const bool need_w = output_mask[1] || (grad && weight.requires_grad());
   const bool need_b = output_mask[2] || (grad && has_bias && bias->requires_grad());
   auto r = FusedLinearCeFunction::apply(hidden, weight, target, bias, ignore_index, reduction, need_h, need_w, need_b,
-                                        loss_dtype);
+                                        loss_dtype, softcap);
   return {r[0], r[1], r[2], r[3]};
 }
 
 // The backward op. Differentiated again (create_graph=True) it runs as ATen math, which
-// autograd differentiates: (softmax(logits) - onehot(target)) * scale, the saved lse with its
-// dependence on the logits put back (straight through); otherwise our kernel, below autograd.
+// autograd differentiates: (softmax(z) - onehot(target)) * scale * dz/dx, z the (soft-capped)
+// logits, the saved lse with its dependence on them put back (straight through); otherwise
+// our kernel, below autograd.
 Tensor cross_entropy_backward_autograd(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
-                                       const Tensor& lse, int64_t ignore_index, c10::string_view reduction) {
-  static const auto op =
-      typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, c10::string_view)>(
-          "gpu_puzzles::cross_entropy_backward");
+                                       const Tensor& lse, int64_t ignore_index, c10::string_view reduction,
+                                       OptCap softcap) {
+  static const auto op = typed_op<BackwardSig>("gpu_puzzles::cross_entropy_backward");
   if (!differentiated(grad_loss, logits))
-    return below_autograd([&] { return op.call(grad_loss, logits, target, lse, ignore_index, reduction); });
+    return below_autograd([&] { return op.call(grad_loss, logits, target, lse, ignore_index, reduction, softcap); });
   const auto acc = acc_type(logits.scalar_type());
   const int64_t V = logits.size(-1);
-  const Tensor lf = logits.to(acc);
+  const bool capped = softcap.has_value();
+  const Tensor th = capped ? logits.to(acc).div(*softcap).tanh() : Tensor();
+  const Tensor lf = capped ? th.mul(*softcap) : logits.to(acc);
   const Tensor lse_c = lf.logsumexp(-1);
   const Tensor lse_d = lse.to(acc) + (lse_c - lse_c.detach());
   const Tensor valid = target.ne(ignore_index);
@@ -149,12 +156,14 @@ Tensor cross_entropy_backward_autograd(const Tensor& grad_loss, const Tensor& lo
   Tensor scale = grad_loss.to(acc);
   if (reduction == c10::string_view("mean")) scale = scale / valid.sum().to(acc);
   scale = at::where(valid, scale, at::zeros({}, scale.options()));
-  return ((lf - lse_d.unsqueeze(-1)).exp() - onehot).mul(scale.unsqueeze(-1)).to(logits.scalar_type());
+  Tensor g = ((lf - lse_d.unsqueeze(-1)).exp() - onehot).mul(scale.unsqueeze(-1));
+  if (capped) g = g.mul(1 - th.square());
+  return g.to(logits.scalar_type());
 }
 
 Tensor2 cross_entropy_autograd(const Tensor& logits, const Tensor& target, int64_t ignore_index,
-                               c10::string_view reduction, c10::optional<at::ScalarType> loss_dtype) {
-  auto r = CrossEntropyFunction::apply(logits, target, ignore_index, reduction, loss_dtype);
+                               c10::string_view reduction, c10::optional<at::ScalarType> loss_dtype, OptCap softcap) {
+  auto r = CrossEntropyFunction::apply(logits, target, ignore_index, reduction, loss_dtype, softcap);
   return {r[0], r[1]};
 }
 

@@ -1,7 +1,8 @@
 // Cross-entropy CPU kernels, compiled once per SIMD level (common/cpu_isa.h); float and
 // double logits (the host converts half types). Rows in parallel; each row is read
 // twice (max, then the exp sum) while it sits in cache, rather than once with the
-// running-max rescales the GPU kernel uses.
+// running-max rescales the GPU kernel uses. kCap: the logits soft-capped as they are
+// read (z = c * tanh(x / c); CeFwdArgs).
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -25,9 +26,23 @@ inline int64_t target_of(const void* t, bool t64, const RowStrides& ts, int64_t 
   return t64 ? static_cast<const int64_t*>(t)[off] : static_cast<int64_t>(static_cast<const int32_t*>(t)[off]);
 }
 
-template <typename S>
+// z = c * tanh(x / c) and dz/dx = 1 - tanh(x / c)^2, vector and scalar; the identity and 1
+// without a cap.
+template <typename S, bool kCap>
+struct Cap {
+  using Vv = Vectorized<S>;
+  S c, inv;
+  Vv vc, vinv;
+  explicit Cap(double softcap)
+      : c(S(softcap)), inv(kCap ? S(1.0 / softcap) : S(0)), vc(S(softcap)), vinv(kCap ? S(1.0 / softcap) : S(0)) {}
+  S operator()(S x) const { return kCap ? c * std::tanh(x * inv) : x; }
+  Vv operator()(const Vv& x) const { return kCap ? (x * vinv).tanh() * vc : x; }
+};
+
+template <typename S, bool kCap>
 void forward_rows(const CeFwdArgs& a) {
   using Vv = Vectorized<S>;
+  const Cap<S, kCap> cap(a.softcap);
   const S* logits = static_cast<const S*>(a.logits);
   S* loss = static_cast<S*>(a.loss);
   S* lse_out = static_cast<S*>(a.lse);
@@ -41,21 +56,24 @@ void forward_rows(const CeFwdArgs& a) {
         continue;
       }
       const S* x = logits + offset_of(a.ls, r);
-      const S m = row_max(x, V);
+      // The cap is monotonic: the capped max is the max's cap.
+      const S m = cap(row_max(x, V));
       // m = +-inf or NaN: x - m is NaN somewhere (or everywhere), so lse is NaN, as in PyTorch.
       const Vv vm(m);
       const double s = vsum<S>(
-          V, [&](int64_t i) { return (Vv::loadu(x + i) - vm).exp(); }, [&](int64_t i) { return std::exp(x[i] - m); });
+          V, [&](int64_t i) { return (cap(Vv::loadu(x + i)) - vm).exp(); },
+          [&](int64_t i) { return std::exp(cap(x[i]) - m); });
       const S l = m + static_cast<S>(std::log(s));
       lse_out[r] = l;
-      loss[r] = (t >= 0 && t < V) ? l - x[t] : std::numeric_limits<S>::quiet_NaN();
+      loss[r] = (t >= 0 && t < V) ? l - cap(x[t]) : std::numeric_limits<S>::quiet_NaN();
     }
   });
 }
 
-template <typename S>
+template <typename S, bool kCap>
 void backward_rows(const CeBwdArgs& a) {
   using Vv = Vectorized<S>;
+  const Cap<S, kCap> cap(a.softcap);
   const S* logits = static_cast<const S*>(a.logits);
   S* grad = static_cast<S*>(a.grad);
   const S* lse = static_cast<const S*>(a.lse);
@@ -72,7 +90,24 @@ void backward_rows(const CeBwdArgs& a) {
       const S* x = logits + offset_of(a.ls, r);
       const S l = lse[r], g = scale[a.scale_per_row ? r : 0];
       const S xt = (t >= 0 && t < V) ? x[t] : S(0);  // read before an in-place write
-      const Vv vl(l), vg(g);
+      const Vv vl(l), vg(g), one(S(1));
+      if (kCap) {  // z = c * th, dz/dx = 1 - th^2
+        vfor<S>(
+            V,
+            [&](int64_t i) {
+              const Vv th = (Vv::loadu(x + i) * cap.vinv).tanh();
+              ((th * cap.vc - vl).exp() * vg * (one - th * th)).store(y + i);
+            },
+            [&](int64_t i) {
+              const S th = std::tanh(x[i] * cap.inv);
+              y[i] = std::exp(cap.c * th - l) * g * (S(1) - th * th);
+            });
+        if (t >= 0 && t < V) {
+          const S th = std::tanh(xt * cap.inv);
+          y[t] = (std::exp(cap.c * th - l) - S(1)) * g * (S(1) - th * th);
+        }
+        continue;
+      }
       vfor<S>(
           V, [&](int64_t i) { ((Vv::loadu(x + i) - vl).exp() * vg).store(y + i); },
           [&](int64_t i) { y[i] = std::exp(x[i] - l) * g; });
@@ -84,17 +119,19 @@ void backward_rows(const CeBwdArgs& a) {
 }  // namespace
 
 void cross_entropy_forward_cpu(const CeFwdArgs& a) {
+  const bool cap = a.softcap > 0;
   if (a.dtype == DType::Float64)
-    forward_rows<double>(a);
+    cap ? forward_rows<double, true>(a) : forward_rows<double, false>(a);
   else
-    forward_rows<float>(a);
+    cap ? forward_rows<float, true>(a) : forward_rows<float, false>(a);
 }
 
 void cross_entropy_backward_cpu(const CeBwdArgs& a) {
+  const bool cap = a.softcap > 0;
   if (a.dtype == DType::Float64)
-    backward_rows<double>(a);
+    cap ? backward_rows<double, true>(a) : backward_rows<double, false>(a);
   else
-    backward_rows<float>(a);
+    cap ? backward_rows<float, true>(a) : backward_rows<float, false>(a);
 }
 
 }  // namespace GP_CPU_NS

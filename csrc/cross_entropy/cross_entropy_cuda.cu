@@ -7,6 +7,8 @@
 // the vector loads. The backward's vectors need the input and output rows at the same
 // offset within 16 bytes (always true in place and for contiguous logits); other
 // rows take a coalesced scalar loop.
+// A softcap (kCap) maps each logit to c * tanh(x / c) as it is read: the loss is over the
+// capped logits, and the gradient gains the factor 1 - tanh(x / c)^2.
 #include <cstdint>
 
 #include "common/device.cuh"
@@ -108,6 +110,24 @@ __device__ __forceinline__ void block_merge(Online<A>& o, A* sm, A* ss) {
   }
 }
 
+// The soft-cap of the logits (kCap) or the identity: z = c * tanh(x / c), and dz/dx.
+template <typename A>
+__device__ __forceinline__ A tanh_of(A x);
+template <>
+__device__ __forceinline__ float tanh_of<float>(float x) {
+  return tanhf(x);
+}
+template <>
+__device__ __forceinline__ double tanh_of<double>(double x) {
+  return tanh(x);
+}
+template <typename A, bool kCap>
+struct Cap {
+  A c, inv;  // c and 1 / c
+  __device__ explicit Cap(double softcap) : c(A(softcap)), inv(kCap ? A(1.0 / softcap) : A(0)) {}
+  __device__ __forceinline__ A operator()(A x) const { return kCap ? c * tanh_of(x * inv) : x; }
+};
+
 __device__ __forceinline__ int64_t target_at(const void* t, bool t64, const RowStrides& ts, int64_t r) {
   const int64_t off = row_offset(ts, r);
   return t64 ? static_cast<const int64_t*>(t)[off] : static_cast<int64_t>(static_cast<const int32_t*>(t)[off]);
@@ -121,31 +141,38 @@ __device__ __forceinline__ int64_t head_elems(const T* p, int64_t V) {
   return mis == 0 ? 0 : (VEC - mis < V ? VEC - mis : V);
 }
 
-template <typename T, typename A>
-__device__ __forceinline__ T grad_of(T xv, int64_t j, int64_t t, A lse_d, A g) {
-  const A p = Domain<A>::ex(Domain<A>::in(to_acc<A>(xv)) - lse_d);
+template <typename T, typename A, bool kCap>
+__device__ __forceinline__ T grad_of(T xv, int64_t j, int64_t t, A lse_d, A g, const Cap<A, kCap>& cap) {
+  A x = to_acc<A>(xv);
+  if constexpr (kCap) {  // z = c * th, dz/dx = 1 - th^2
+    const A th = tanh_of(x * cap.inv);
+    x = cap.c * th;
+    g *= A(1) - th * th;
+  }
+  const A p = Domain<A>::ex(Domain<A>::in(x)-lse_d);
   return from_acc<T>((j == t ? p - A(1) : p) * g);
 }
 
 // One row of the gradient by the whole block: y[j] = (exp(x[j] - lse) - (j == t)) * g, or
 // zeros for an ignored row. lse_d is the lse in the Domain. Plain loads, no __restrict__:
 // y may be x (each element is read, then written, by the same thread).
-template <typename T, typename A>
-__device__ __forceinline__ void grad_row(const T* x, T* y, int64_t V, int64_t t, bool ign, A lse_d, A g) {
+template <typename T, typename A, bool kCap>
+__device__ __forceinline__ void grad_row(const T* x, T* y, int64_t V, int64_t t, bool ign, A lse_d, A g,
+                                         const Cap<A, kCap>& cap) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int kUnroll = kUnrollOf<T>;
   const int nt = blockDim.x, tid = threadIdx.x;
   const T zero = from_acc<T>(A(0));
   const bool same = ((reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(y)) & 15u) == 0;
   if (!same) {  // coalesced scalar loop
-    for (int64_t j = tid; j < V; j += nt) y[j] = ign ? zero : grad_of<T, A>(x[j], j, t, lse_d, g);
+    for (int64_t j = tid; j < V; j += nt) y[j] = ign ? zero : grad_of<T, A>(x[j], j, t, lse_d, g, cap);
     return;
   }
   const int64_t head = head_elems(y, V);
   const int64_t nvec = (V - head) / VEC;
   const int64_t tail0 = head + nvec * VEC;
-  if (tid < head) y[tid] = ign ? zero : grad_of<T, A>(x[tid], tid, t, lse_d, g);
-  if (tail0 + tid < V) y[tail0 + tid] = ign ? zero : grad_of<T, A>(x[tail0 + tid], tail0 + tid, t, lse_d, g);
+  if (tid < head) y[tid] = ign ? zero : grad_of<T, A>(x[tid], tid, t, lse_d, g, cap);
+  if (tail0 + tid < V) y[tail0 + tid] = ign ? zero : grad_of<T, A>(x[tail0 + tid], tail0 + tid, t, lse_d, g, cap);
   const T* xb = x + head;
   T* yb = y + head;
   for (int64_t i = tid; i < nvec; i += int64_t(kUnroll) * nt) {
@@ -163,14 +190,14 @@ __device__ __forceinline__ void grad_row(const T* x, T* y, int64_t V, int64_t t,
         zero_vec(q[u]);
       } else {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) q[u].e[k] = grad_of<T, A>(q[u].e[k], head + iv * VEC + k, t, lse_d, g);
+        for (int k = 0; k < VEC; ++k) q[u].e[k] = grad_of<T, A>(q[u].e[k], head + iv * VEC + k, t, lse_d, g, cap);
       }
       store_vec(yb + iv * VEC, q[u]);
     }
   }
 }
 
-template <typename T>
+template <typename T, bool kCap>
 // At most 64 registers: two blocks of 512 threads per SM, so one block's reduction and
 // barrier overlap the other's loads.
 __global__ void __launch_bounds__(512, 2) ce_fwd_kernel(CeFwdArgs a) {
@@ -183,6 +210,7 @@ __global__ void __launch_bounds__(512, 2) ce_fwd_kernel(CeFwdArgs a) {
   A* loss = static_cast<A*>(a.loss);
   A* lse_out = static_cast<A*>(a.lse);
   const int nt = blockDim.x, tid = threadIdx.x;
+  const Cap<A, kCap> cap(a.softcap);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const int64_t t = target_at(a.target, a.target64, a.ts, row);
     const T* x = logits + row_offset(a.ls, row);
@@ -192,7 +220,7 @@ __global__ void __launch_bounds__(512, 2) ce_fwd_kernel(CeFwdArgs a) {
         loss[row] = A(0);
         lse_out[row] = A(0);
       }
-      if (a.grad_in_place) grad_row<T, A>(x, const_cast<T*>(x), V, t, true, A(0), A(0));
+      if (a.grad_in_place) grad_row<T, A>(x, const_cast<T*>(x), V, t, true, A(0), A(0), cap);
       continue;
     }
     const int64_t head = head_elems(x, V);
@@ -201,9 +229,9 @@ __global__ void __launch_bounds__(512, 2) ce_fwd_kernel(CeFwdArgs a) {
     Online<A> o;
     {  // head and tail: at most VEC - 1 elements each, one per thread
       A v[1];
-      v[0] = tid < head ? D::in(to_acc<A>(x[tid])) : neg_inf<A>();
+      v[0] = tid < head ? D::in(cap(to_acc<A>(x[tid]))) : neg_inf<A>();
       o.add(v);
-      v[0] = tail0 + tid < V ? D::in(to_acc<A>(x[tail0 + tid])) : neg_inf<A>();
+      v[0] = tail0 + tid < V ? D::in(cap(to_acc<A>(x[tail0 + tid]))) : neg_inf<A>();
       o.add(v);
     }
     const T* xb = x + head;
@@ -214,14 +242,15 @@ __global__ void __launch_bounds__(512, 2) ce_fwd_kernel(CeFwdArgs a) {
         if (i + int64_t(u) * nt < nvec) load_vec(q[u], xb + (i + int64_t(u) * nt) * VEC);
       // Max on the raw values (Domain::in is a positive scale), then one FFMA + exp per
       // element, converting from the loaded words twice instead of keeping kUnroll * VEC
-      // converted values live (register pressure: resident blocks per SM).
+      // converted values live (register pressure: resident blocks per SM). The cap is
+      // monotonic: the capped max is the max's cap.
       A mx = neg_inf<A>();
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
         if (i + int64_t(u) * nt < nvec)
 #pragma unroll
           for (int k = 0; k < VEC; ++k) mx = max_of(mx, to_acc<A>(q[u].e[k]));
-      const A mxd = D::in(mx);
+      const A mxd = D::in(cap(mx));
       if (mxd > o.m) {  // a new max: rescale (o.m = -inf: o.s is 0, ex(-inf) = 0)
         o.s *= D::ex(o.m - mxd);
         o.m = mxd;
@@ -230,29 +259,30 @@ __global__ void __launch_bounds__(512, 2) ce_fwd_kernel(CeFwdArgs a) {
       for (int u = 0; u < kUnroll; ++u)
         if (i + int64_t(u) * nt < nvec)
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) o.s += D::ex(D::in(to_acc<A>(q[u].e[k])) - o.m);
+          for (int k = 0; k < VEC; ++k) o.s += D::ex(D::in(cap(to_acc<A>(q[u].e[k]))) - o.m);
     }
     block_merge(o, sm, ss);
     if (tid == 0) {
       const A l = D::lse(o.m, o.s);
       lse_out[row] = l;
       // Out-of-range target: NaN, and no read outside the row.
-      loss[row] = (t >= 0 && t < V) ? l - to_acc<A>(x[t]) : A(NAN);
+      loss[row] = (t >= 0 && t < V) ? l - cap(to_acc<A>(x[t])) : A(NAN);
       row_lse = l;
     }
     __syncthreads();  // sm/ss/row_lse are reused by the next row
     if (a.grad_in_place) {
       // Every thread has read its loads of the row before the barrier above: in place is safe.
       const A g = *static_cast<const A*>(a.scale);
-      grad_row<T, A>(x, const_cast<T*>(x), V, t, false, D::in(row_lse), g);
+      grad_row<T, A>(x, const_cast<T*>(x), V, t, false, D::in(row_lse), g, cap);
       __syncthreads();  // row_lse is read above before the next row's thread 0 writes it
     }
   }
 }
 
-template <typename T>
+template <typename T, bool kCap>
 __global__ void __launch_bounds__(512) ce_bwd_kernel(CeBwdArgs a) {
   using A = acc_t<T>;
+  const Cap<A, kCap> cap(a.softcap);
   const T* logits = static_cast<const T*>(a.logits);
   T* grad = static_cast<T*>(a.grad);
   const A* lse = static_cast<const A*>(a.lse);
@@ -262,7 +292,7 @@ __global__ void __launch_bounds__(512) ce_bwd_kernel(CeBwdArgs a) {
     const bool ign = t == a.ignore_index;
     const A lse_d = ign ? A(0) : Domain<A>::in(lse[row]);
     const A g = ign ? A(0) : scale[a.scale_per_row ? row : 0];
-    grad_row<T, A>(logits + row_offset(a.ls, row), grad + row * a.grad_stride, a.V, t, ign, lse_d, g);
+    grad_row<T, A>(logits + row_offset(a.ls, row), grad + row * a.grad_stride, a.V, t, ign, lse_d, g, cap);
   }
 }
 
@@ -332,14 +362,22 @@ LaunchStatus launch_rows(const Args& a, F&& launch) {
 LaunchStatus cross_entropy_forward_cuda(const CeFwdArgs& a, cudaStream_t stream) {
   return launch_rows(a, [&](auto tag) {
     using T = decltype(tag);
-    ce_fwd_kernel<T><<<rows_grid<T>(a.rows), a.threads, 0, stream>>>(a);
+    const int grid = rows_grid<T>(a.rows);
+    if (a.softcap > 0)
+      ce_fwd_kernel<T, true><<<grid, a.threads, 0, stream>>>(a);
+    else
+      ce_fwd_kernel<T, false><<<grid, a.threads, 0, stream>>>(a);
   });
 }
 
 LaunchStatus cross_entropy_backward_cuda(const CeBwdArgs& a, cudaStream_t stream) {
   return launch_rows(a, [&](auto tag) {
     using T = decltype(tag);
-    ce_bwd_kernel<T><<<rows_grid<T>(a.rows), a.threads, 0, stream>>>(a);
+    const int grid = rows_grid<T>(a.rows);
+    if (a.softcap > 0)
+      ce_bwd_kernel<T, true><<<grid, a.threads, 0, stream>>>(a);
+    else
+      ce_bwd_kernel<T, false><<<grid, a.threads, 0, stream>>>(a);
   });
 }
 

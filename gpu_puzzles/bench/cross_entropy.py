@@ -20,6 +20,9 @@ OP = "cross_entropy"
 CE_SHAPES = [(8192, 50257), (8192, 128256)]
 # (rows, H, V): GPT-2's and a Llama-style model's LM head.
 FUSED_SHAPES = [(8192, 768, 50257), (8192, 2048, 128256)]
+# Gemma-2-2B's head, whose final logits are soft-capped at 30 (softcap=30.0).
+SOFTCAP_SHAPES = [(8192, 2304, 256000)]
+SOFTCAP = 30.0
 
 
 def _targets(n, V, device, frac=0.05):
@@ -68,9 +71,27 @@ def _linear_ce_fp32(h, w, t):
     return F.cross_entropy(F.linear(h, w).float(), t)
 
 
-def fused_impls(backward):
-    impls = {"ours": gp.fused_linear_cross_entropy, "eager": _linear_ce, "eager-fp32": _linear_ce_fp32,
-             "compile": torch.compile(_linear_ce, dynamic=False)}
+def _capped(z, cap=SOFTCAP):
+    return torch.tanh(z / cap) * cap  # as Gemma 2's forward caps its logits
+
+
+def _linear_capped_ce(h, w, t):
+    return F.cross_entropy(_capped(F.linear(h, w)), t)
+
+
+def _linear_capped_ce_fp32(h, w, t):
+    return F.cross_entropy(_capped(F.linear(h, w).float()), t)
+
+
+def fused_impls(backward, softcap=None):
+    if softcap is None:
+        impls = {"ours": gp.fused_linear_cross_entropy, "eager": _linear_ce, "eager-fp32": _linear_ce_fp32,
+                 "compile": torch.compile(_linear_ce, dynamic=False)}
+    else:
+        assert softcap == SOFTCAP
+        impls = {"ours": lambda h, w, t: gp.fused_linear_cross_entropy(h, w, t, softcap=softcap),
+                 "eager": _linear_capped_ce, "eager-fp32": _linear_capped_ce_fp32,
+                 "compile": torch.compile(_linear_capped_ce, dynamic=False)}
     return {k: backward_fn(f, 3) for k, f in impls.items()} if backward else impls
 
 
@@ -83,11 +104,15 @@ def _fused_inputs(device, N, H, V, dtype, backward):
     return h, w, t
 
 
-def fused_case(device, N, H, V, dtype, backward):
+def fused_case(device, N, H, V, dtype, backward, softcap=None):
     flops = 2 * N * H * V * (3 if backward else 1)
-    return Case(OP, f"linear+ce ({N}, {H}) -> {V}", "fwd+bwd" if backward else "fwd",
-                lambda: _fused_inputs(device, N, H, V, dtype, backward), fused_impls(backward), flops=flops,
-                params=dict(rows=N, H=H, V=V, dtype=str(dtype).replace("torch.", ""), fused=True))
+    cap = f", softcap {softcap:g}" if softcap is not None else ""
+    params = dict(rows=N, H=H, V=V, dtype=str(dtype).replace("torch.", ""), fused=True)
+    if softcap is not None:
+        params["softcap"] = softcap
+    return Case(OP, f"linear+ce ({N}, {H}) -> {V}{cap}", "fwd+bwd" if backward else "fwd",
+                lambda: _fused_inputs(device, N, H, V, dtype, backward), fused_impls(backward, softcap), flops=flops,
+                params=params)
 
 
 def bench_cases(device):
@@ -99,17 +124,21 @@ def bench_cases(device):
     cases = [ce_case(device, r, V, bf16, b) for r, V in CE_SHAPES for b in (False, True)]
     cases += [ce_case(device, 8192, 50257, bf16, b, view=True) for b in (False, True)]
     cases += [fused_case(device, N, H, V, bf16, b) for N, H, V in FUSED_SHAPES for b in (False, True)]
+    cases += [fused_case(device, N, H, V, bf16, True, SOFTCAP) for N, H, V in SOFTCAP_SHAPES]
     return cases
 
 
 def peak_memory(device, shapes=FUSED_SHAPES, dtype=torch.bfloat16):
-    """Peak memory above the live inputs (MiB) of one forward+backward of the LM head's loss, per implementation."""
+    """Peak memory above the live inputs (MiB) of one forward+backward of the LM head's loss, per
+    implementation (the soft-capped head too)."""
     if device.type != "cuda":
         return []
     rows = []
-    for N, H, V in shapes:
-        rows += peak_memory_rows(fused_impls(True), lambda N=N, H=H, V=V: _fused_inputs(device, N, H, V, dtype, True),
-                                 device, op=OP, case=f"linear+ce ({N}, {H}) -> {V}", direction="fwd+bwd",
+    for (N, H, V), cap in [(s, None) for s in shapes] + [(s, SOFTCAP) for s in SOFTCAP_SHAPES]:
+        name = f"linear+ce ({N}, {H}) -> {V}" + (f", softcap {cap:g}" if cap is not None else "")
+        rows += peak_memory_rows(fused_impls(True, cap),
+                                 lambda N=N, H=H, V=V: _fused_inputs(device, N, H, V, dtype, True),
+                                 device, op=OP, case=name, direction="fwd+bwd",
                                  logits_MiB=N * V * 2 / 2**20, dtype=str(dtype).replace("torch.", ""))
     return rows
 

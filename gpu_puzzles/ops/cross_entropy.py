@@ -6,7 +6,8 @@ row is one sample, loss_r = logsumexp(logits_r) - logits_r[target_r]; targets eq
 :func:`cross_entropy` is ``F.cross_entropy``'s signature and layout (classes on dim 1 of
 ``(N, C, d1, ...)``, class weights, label smoothing) on top of the op. Statistics in float32
 (float64 for float64 logits); half logits are read as they are. The forward keeps only each
-row's log-sum-exp for the backward.
+row's log-sum-exp for the backward. ``softcap=c`` gives the loss of the soft-capped logits
+``c * tanh(logits / c)`` (Gemma 2's and 3's final logits), capped as the kernels read them.
 
 The fused op never stores the (N, V) logits: it runs the GEMM, the loss and the
 gradients chunk by chunk (rows), in the forward; the backward only scales them.
@@ -35,7 +36,7 @@ def _acc(dtype):
 
 
 @register_fake("gpu_puzzles::cross_entropy")
-def _cross_entropy_fake(logits, target, ignore_index=-100, reduction="mean", loss_dtype=None):
+def _cross_entropy_fake(logits, target, ignore_index=-100, reduction="mean", loss_dtype=None, softcap=None):
     torch._check(logits.dim() >= 1, lambda: "cross_entropy: logits must have at least 1 dimension")
     loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=loss_dtype or logits.dtype)
     return loss, logits.new_empty(logits.shape[:-1], dtype=_acc(logits.dtype))
@@ -61,13 +62,13 @@ def _grad_like(logits):
 
 
 @register_fake("gpu_puzzles::cross_entropy_backward")
-def _cross_entropy_backward_fake(grad_loss, logits, target, lse, ignore_index, reduction):
+def _cross_entropy_backward_fake(grad_loss, logits, target, lse, ignore_index, reduction, softcap=None):
     return _grad_like(logits)
 
 
 @register_fake("gpu_puzzles::fused_linear_cross_entropy")
 def _fused_fake(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
-                output_mask=(False, False, False), loss_dtype=None):
+                output_mask=(False, False, False), loss_dtype=None, softcap=None):
     torch._check(reduction != "none", lambda: "fused_linear_cross_entropy: reduction must be 'mean' or 'sum'")
     gh = hidden.new_empty(hidden.shape if output_mask[0] else (0,))
     gw = weight.new_empty(weight.shape if output_mask[1] else (0,))
@@ -85,10 +86,10 @@ class _CrossEntropyTraced(torch.autograd.Function):
     """cross_entropy as torch.compile traces it: our forward op, the backward in ATen ops."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, loss_dtype):
-        loss, lse = _cross_entropy(logits, target, ignore_index, reduction, loss_dtype)
+    def forward(ctx, logits, target, ignore_index, reduction, loss_dtype, softcap):
+        loss, lse = _cross_entropy(logits, target, ignore_index, reduction, loss_dtype, softcap)
         ctx.save_for_backward(logits, target, lse)
-        ctx.ignore_index, ctx.reduction = ignore_index, reduction
+        ctx.ignore_index, ctx.reduction, ctx.softcap = ignore_index, reduction, softcap
         return loss
 
     @staticmethod
@@ -102,11 +103,15 @@ class _CrossEntropyTraced(torch.autograd.Function):
         # As the backward op: ignored rows 0; a target outside [0, V) has no one-hot term.
         scale = torch.where(valid, scale, 0.0).unsqueeze(-1)
         onehot = torch.arange(logits.shape[-1], device=logits.device) == target.unsqueeze(-1)
-        grad = (torch.exp(logits.to(acc) - lse.unsqueeze(-1)) - onehot.to(acc)) * scale
-        return grad.to(logits.dtype), None, None, None, None
+        z = logits.to(acc)
+        if ctx.softcap is not None:  # z = c * tanh(x / c), dz/dx = 1 - tanh(x / c)^2
+            th = torch.tanh(z / ctx.softcap)
+            z, scale = th * ctx.softcap, scale * (1 - th * th)
+        grad = (torch.exp(z - lse.unsqueeze(-1)) - onehot.to(acc)) * scale
+        return grad.to(logits.dtype), None, None, None, None, None
 
 
-def _weighted(logits, target, weight, ignore_index, reduction, label_smoothing, loss_dtype):
+def _weighted(logits, target, weight, ignore_index, reduction, label_smoothing, loss_dtype, softcap):
     """F.cross_entropy's class ``weight`` and ``label_smoothing`` (classes last here), from
     the op's per-row losses: ``loss_r = (1 - s) w[t_r] nll_r + s / V sum_c w_c (lse_r -
     x_rc)``, the mean over ``sum w[t_r]`` of the non-ignored rows (their count without
@@ -130,14 +135,14 @@ def _weighted(logits, target, weight, ignore_index, reduction, label_smoothing, 
         if not weight.is_floating_point() or weight.device != logits.device:
             raise ValueError(f"cross_entropy: weight must be a floating tensor on {logits.device}, got "
                              f"{weight.dtype} on {weight.device}")
-    nll = _rows(logits, target, ignore_index, "none", acc)  # 0 at ignored rows
+    nll = _rows(logits, target, ignore_index, "none", acc, softcap)  # 0 at ignored rows
     # The weighting and smoothing in the accumulate type, as the op's statistics (autocast
     # would run x @ w in half).
     with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
-        return _weigh(logits, target, nll, weight, ignore_index, reduction, label_smoothing, acc, out_dtype)
+        return _weigh(logits, target, nll, weight, ignore_index, reduction, label_smoothing, acc, out_dtype, softcap)
 
 
-def _weigh(logits, target, nll, weight, ignore_index, reduction, label_smoothing, acc, out_dtype):
+def _weigh(logits, target, nll, weight, ignore_index, reduction, label_smoothing, acc, out_dtype, softcap):
     V = logits.shape[-1]
     valid = target != ignore_index
     # Ignored (or, on CUDA, out-of-range) targets gather class 0; their rows are masked.
@@ -147,6 +152,8 @@ def _weigh(logits, target, nll, weight, ignore_index, reduction, label_smoothing
     loss = nll * w_rows if w is not None else nll
     if label_smoothing:
         x = logits.to(acc)
+        if softcap is not None:
+            x = softcap * torch.tanh(x / softcap)
         lse = nll + x.gather(-1, safe.unsqueeze(-1)).squeeze(-1)  # nll_r = lse_r - x[t_r]
         smooth = lse * w.sum() - x @ w if w is not None else lse * V - x.sum(-1)
         smooth = torch.where(valid, smooth, 0.0)
@@ -157,11 +164,11 @@ def _weigh(logits, target, nll, weight, ignore_index, reduction, label_smoothing
     return (total / w_rows.sum() if reduction == "mean" else total).to(out_dtype)
 
 
-def _rows(logits, target, ignore_index, reduction, loss_dtype):
+def _rows(logits, target, ignore_index, reduction, loss_dtype, softcap):
     """The op on classes-last logits (under torch.compile: with the ATen backward, as the knob says)."""
     if torch.compiler.is_compiling() and py_knob("cross_entropy_compiled_backward") == "inductor":
-        return _CrossEntropyTraced.apply(logits, target, ignore_index, reduction, loss_dtype)
-    return _cross_entropy(logits, target, ignore_index, reduction, loss_dtype)[0]
+        return _CrossEntropyTraced.apply(logits, target, ignore_index, reduction, loss_dtype, softcap)
+    return _cross_entropy(logits, target, ignore_index, reduction, loss_dtype, softcap)[0]
 
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -169,7 +176,8 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None, size_average: Optional[bool] = None,
                   ignore_index: int = -100, reduce: Optional[bool] = None, reduction: str = "mean",
-                  label_smoothing: float = 0.0, *, loss_dtype: Optional[torch.dtype] = None) -> Tensor:
+                  label_smoothing: float = 0.0, *, loss_dtype: Optional[torch.dtype] = None,
+                  softcap: Optional[float] = None) -> Tensor:
     """``F.cross_entropy`` with class-index targets, same arguments in the same order.
 
     Shapes as F's: ``input`` ``(C,)`` with a 0-d ``target``, ``(N, C)`` with ``(N,)``, or
@@ -188,6 +196,10 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     copied). A target outside ``[0, C)`` that is not ``ignore_index`` raises on the CPU; on
     CUDA it gives a NaN loss for its row (no out-of-bounds read, no host sync).
 
+    ``softcap=c`` (a positive number) is the loss of ``c * tanh(input / c)``, Gemma 2's and
+    3's final-logit soft-capping, computed as the logits are read (no capped copy) and
+    differentiated through the cap.
+
     The op underneath, ``torch.ops.gpu_puzzles.cross_entropy``, takes the classes on the
     **last** dim (logits ``(..., C)``, target ``(...)``); ``(N, C, d1, ...)`` input is handed
     to it as the view ``input.movedim(1, -1)``. The rows are read in place when the class dim
@@ -203,17 +215,17 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
                              f"(classes on dim 1), got {tuple(target.shape)}")
         input = input.movedim(1, -1)
     if weight is None and not label_smoothing:
-        return _rows(input, target, ignore_index, reduction, loss_dtype)
+        return _rows(input, target, ignore_index, reduction, loss_dtype, softcap)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"cross_entropy: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
-    return _weighted(input, target, weight, ignore_index, reduction, label_smoothing, loss_dtype)
+    return _weighted(input, target, weight, ignore_index, reduction, label_smoothing, loss_dtype, softcap)
 
 
 def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
                                ignore_index: int = -100, reduction: str = "mean", *,
-                               loss_dtype: Optional[torch.dtype] = None) -> Tensor:
+                               loss_dtype: Optional[torch.dtype] = None, softcap: Optional[float] = None) -> Tensor:
     """The loss of ``F.linear(hidden, weight, bias)`` without storing those logits: each row
     of ``hidden`` is one sample, so for 2-D ``hidden`` this is
     ``F.cross_entropy(F.linear(hidden, weight, bias), target, ignore_index=..., reduction=...)``
@@ -229,5 +241,6 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, b
     costs one scaling. ``reduction``: ``"mean"`` or ``"sum"``. The loss has ``hidden``'s
     dtype, or ``loss_dtype``. Under ``torch.autocast`` the GEMMs run in the autocast dtype
     and the loss is float32, as ``F.linear`` followed by ``F.cross_entropy`` there.
+    ``softcap=c`` soft-caps the logits first, as :func:`cross_entropy`'s.
     """
-    return _fused(hidden, weight, target, bias, ignore_index, reduction, _NO_MASK, loss_dtype)[0]
+    return _fused(hidden, weight, target, bias, ignore_index, reduction, _NO_MASK, loss_dtype, softcap)[0]
