@@ -38,7 +38,7 @@ const std::array<KnobSpec, static_cast<int>(Knob::Count)>& knob_table() {
       {"layernorm_linear_pdl", {"pdl", "plain"}},
       {"layernorm_linear_plan", {"fold", "normalize"}},
       {"cpu_simd", {"baseline", "avx2", "avx512"}},
-      {"cross_entropy_chunk", {"1", "2", "3", "5", "8", "16", "64", "256", "1024", "4096"}},
+      {"cross_entropy_chunk", {"1", "2", "3", "5", "8", "16", "64", "256", "1024", "2048", "4096", "8192"}},
   }};
   return t;
 }
