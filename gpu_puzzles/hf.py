@@ -182,6 +182,21 @@ def _swap(module: nn.Module, mixin: type) -> None:
         globals()[name] = cls
         _SUBCLASSES[key] = cls
     module.__class__ = cls
+    _register_outputs(module)
+
+
+def _register_outputs(module: nn.Module) -> None:
+    """Newer transformers find what a model records (hidden states, attentions, a MoE's router
+    logits: ``output_hidden_states=True`` and the like) by its class's name, registered when the
+    model is built: a swapped class is registered too, else those outputs would silently be
+    missing (and a MoE's router loss an int)."""
+    if not hasattr(module, "_can_record_outputs"):
+        return
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # older transformers read the class attribute, which the subclass inherits
+        return
+    _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
 class _Embedding:
@@ -743,10 +758,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: Optional[torch.Tensor], vocab_s
 
 def _fused_lm_loss(hidden: torch.Tensor, lm_head: nn.Linear, labels: Optional[torch.Tensor],
                    shift_labels: Optional[torch.Tensor] = None, num_items_in_batch: Optional[Any] = None,
-                   ignore_index: int = -100, softcap: Optional[float] = None) -> torch.Tensor:
+                   ignore_index: int = -100, softcap: Optional[float] = None,
+                   logits_scaling: Optional[float] = None) -> torch.Tensor:
     """``causal_lm_loss(lm_head(hidden), labels)`` through ``fused_linear_cross_entropy``;
-    ``softcap``: the logits soft-capped first (Gemma 2's ``final_logit_softcapping``)."""
+    ``softcap``: the logits soft-capped first (Gemma 2's ``final_logit_softcapping``);
+    ``logits_scaling``: the logits divided by it first (Granite's), as the hidden state is:
+    the head is linear."""
     h = hidden.reshape(-1, hidden.shape[-1])
+    if logits_scaling not in (None, 1, 1.0):
+        h = h / logits_scaling
     bias = getattr(lm_head, "bias", None)
     dt = _loss_dtype(h)
     return _causal_loss(lambda t, r: ops.fused_linear_cross_entropy(h, lm_head.weight, t, bias,
@@ -758,23 +778,31 @@ def _fused_lm_loss(hidden: torch.Tensor, lm_head: nn.Linear, labels: Optional[to
 def _fused_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A causal LM's forward (set on the instance by ``patch(fused_loss=True)``): in training
     with labels, the base model, then the LM head and the loss fused; otherwise the stock
-    forward. Arguments are named as the stock forward names them (``_gp_forward_params``)."""
+    forward, also where the stock loss adds a mixture of experts' router loss
+    (``output_router_logits``). Arguments are named as the stock forward names them
+    (``_gp_forward_params``)."""
     bound = dict(zip(self._gp_forward_params, args))
     bound.update(kwargs)
     labels, keep = bound.get("labels"), bound.get("logits_to_keep", 0)
+    router = bound.get("output_router_logits")
+    if router is None:
+        router = getattr(self.config, "output_router_logits", False)
     if (labels is None or not self.training or not (isinstance(keep, int) and keep == 0)
-            or bound.get("return_dict") is False):
+            or bound.get("return_dict") is False or router):
         return type(self).forward(self, *args, **kwargs)
     # The stock forward hands the base model every argument but these two (loss kwargs too).
     inner = {k: v for k, v in bound.items() if k not in ("labels", "logits_to_keep")}
     out = getattr(self, self.base_model_prefix)(**inner)
     loss = _fused_lm_loss(out.last_hidden_state, self.lm_head, labels, bound.get("shift_labels"),
                           bound.get("num_items_in_batch"), bound.get("ignore_index", -100),
-                          getattr(self.config, "final_logit_softcapping", None))
-    fields = dict(loss=loss, logits=None, past_key_values=out.past_key_values, hidden_states=out.hidden_states,
-                  attentions=out.attentions)
-    if "cross_attentions" in self._gp_output_cls.__dataclass_fields__:
-        fields["cross_attentions"] = getattr(out, "cross_attentions", None)
+                          getattr(self.config, "final_logit_softcapping", None),
+                          getattr(self.config, "logits_scaling", None))
+    # The base model's outputs under the output class's names (the cache is `past_key_values`
+    # or, in newer transformers, `cache`; a MoE's router_logits); no logits, no router loss.
+    fields = dict(loss=loss, logits=None)
+    for name in self._gp_output_cls.__dataclass_fields__:
+        if name not in fields and name != "aux_loss":
+            fields[name] = getattr(out, name, None)
     return self._gp_output_cls(**fields)
 
 
@@ -789,8 +817,11 @@ def _set_fused_loss(model: nn.Module, report: PatchReport, output_cls: type) -> 
     object.__setattr__(model, "_gp_output_cls", output_cls)
     # On the instance, not by a class swap: save_pretrained records the class name.
     object.__setattr__(model, "forward", _fused_loss_forward.__get__(model))
+    moe = hasattr(model.config, "router_aux_loss_coef")
     report.swapped["lm_head+loss"] = ("fused_linear_cross_entropy (training with labels: the logits are never "
-                                      "stored, outputs.logits is None)")
+                                      "stored, outputs.logits is None"
+                                      + ("; the stock forward with output_router_logits, whose router loss it adds)"
+                                         if moe else ")"))
 
 
 # ---- the families --------------------------------------------------------------------
@@ -942,12 +973,13 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
                                       "promoted dtype, rms_norm x's, so the stock RMSNorm runs")
             else:
                 report.swapped[where] = "rms_norm"
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
     if vlm and loss and fused_loss:
         report.left["lm_head+loss"] = "vision-language model: the fused LM head + loss is not wired to its forward"
         fused_loss = False
+    output_cls = MoeCausalLMOutputWithPast if hasattr(model.config, "router_aux_loss_coef") else CausalLMOutputWithPast
     _patch_attention_and_loss(model, report, attention, loss, fused_loss, "attention_dropout", ", GQA",
-                              CausalLMOutputWithPast, attn_model=base if vlm else None)
+                              output_cls, attn_model=base if vlm else None)
     _scope_packed(base, report)
 
 
@@ -970,21 +1002,7 @@ def _patch_attention_and_loss(model: nn.Module, report: PatchReport, attention: 
     if loss:
         _set_loss(loss_model, report)
     if loss and fused_loss:
-        why = _head_not_plain(config)
-        if why:
-            report.left["lm_head+loss"] = why + " (the loss runs on the stock forward's logits)"
-        else:
-            _set_fused_loss(loss_model, report, output_cls)
-
-
-def _head_not_plain(config: Any) -> Optional[str]:
-    """Why the stock forward's loss is more than cross_entropy(lm_head(hidden)), which the fused
-    LM head + loss computes, or None."""
-    if getattr(config, "logits_scaling", 1.0) not in (None, 1.0):
-        return f"logits_scaling={config.logits_scaling}: the fused LM head + loss does not scale the logits"
-    if hasattr(config, "router_aux_loss_coef"):
-        return "mixture of experts: the stock forward adds the router's load-balancing loss"
-    return None
+        _set_fused_loss(loss_model, report, output_cls)
 
 
 def _set_loss(model: nn.Module, report: PatchReport) -> None:

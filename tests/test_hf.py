@@ -4,6 +4,7 @@ report says, our ops counted under the profiler, torch.compile(fullgraph=True)."
 import collections
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -672,11 +673,9 @@ def test_decoder_families(family):
 
 @pytest.mark.parametrize("family", list(DECODER_FAMILIES))
 def test_decoder_families_fused_loss(family):
-    """fused_loss=True: the loss and every gradient as stock's in training (Gemma 2's final
-    soft-cap inside the fused op), or the LM head left to the stock forward where its loss is
-    more than cross-entropy of the (soft-capped) lm_head(hidden) (Granite's logits_scaling, MoE's
-    router loss with output_router_logits: stock transformers raises on the CPU there, so not run
-    here), and the report says why."""
+    """fused_loss=True: the loss and every gradient as stock's in training, for every family: Gemma
+    2's final soft-cap inside the fused op, Granite's logits_scaling on the hidden state, MoE's
+    without output_router_logits (the config default; with it, test_fused_loss_moe_router_loss)."""
     stock = _decoder(family)
     ours = copy.deepcopy(stock)
     report = hf.patch(ours, fused_loss=True)
@@ -685,8 +684,8 @@ def test_decoder_families_fused_loss(family):
     torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
     for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
-    special = family in ("granite", "mixtral", "qwen2_moe", "qwen3_moe")
-    assert ("lm_head+loss" in report.left) == special and ("lm_head+loss" in report.swapped) != special, report
+    assert "lm_head+loss" in report.swapped and "lm_head+loss" not in report.left, report
+    assert b.logits is None
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -968,6 +967,57 @@ def test_gemma_report():
     assert "1 + weight" in report.left["model.layers.0.input_layernorm+self_attn.q_proj/k_proj/v_proj"]
     ids = model_bench.batch("llama", "cpu", small=True)
     assert _op_counts(lambda: half(input_ids=ids))["rms_norm"] == 0
+
+
+@pytest.mark.parametrize("family", ["mistral", "olmo2", "mixtral", "qwen2_moe"])
+def test_recorded_outputs_as_stock(family):
+    """output_hidden_states (and a MoE's router logits, output_router_logits) come back from a
+    patched model as from stock: newer transformers find what a model records by its class's
+    name, and patch swaps the base model's class."""
+    stock = _decoder(family)
+    ours = copy.deepcopy(stock)
+    hf.patch(ours)
+    ids = model_bench.batch("llama", "cpu", small=True)
+    kw = dict(output_hidden_states=True)
+    if "router_aux_loss_coef" in stock.config:
+        kw["output_router_logits"] = True
+    with torch.no_grad():
+        a, b = stock(input_ids=ids, **kw), ours(input_ids=ids, **kw)
+    assert a.hidden_states is not None and len(b.hidden_states) == len(a.hidden_states)
+    for x, y in zip(b.hidden_states, a.hidden_states):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    if "output_router_logits" in kw:
+        assert b.router_logits is not None and len(b.router_logits) == len(a.router_logits)
+        for x, y in zip(b.router_logits, a.router_logits):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.aux_loss, a.aux_loss)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_fused_loss_moe_router_loss(family):
+    """With output_router_logits (the call's or the config's), a MoE's stock loss adds the router's
+    load-balancing loss: the fused forward hands such calls to the stock forward, whose outputs
+    (loss, aux_loss, logits) ours then equal -- or whose error ours raises too (some transformers
+    versions fail there on the CPU: the router logits are not collected, the router loss is an int)."""
+    stock = _decoder(family)
+    ours = copy.deepcopy(stock)
+    hf.patch(ours, fused_loss=True)
+    ids = model_bench.batch("llama", "cpu", small=True)
+    for kw, cfg in (({"output_router_logits": True}, False), ({}, True)):
+        stock.config.output_router_logits = ours.config.output_router_logits = cfg
+        try:
+            a = _step(stock, ids, **kw)
+        except Exception as e:  # noqa: BLE001 -- stock's own failure, which ours must share
+            with pytest.raises(type(e), match=re.escape(str(e))):
+                _step(ours, ids, **kw)
+            continue
+        b = _step(ours, ids, **kw)
+        assert a.aux_loss is not None and b.logits is not None
+        torch.testing.assert_close(b.aux_loss, a.aux_loss)
+        torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
+    stock.config.output_router_logits = ours.config.output_router_logits = False
+    b = _step(ours, ids)
+    assert b.logits is None and b.aux_loss is None and type(b).__name__ == "MoeCausalLMOutputWithPast"
 
 
 @pytest.mark.parametrize("cap", [30.0, 0.5], ids=["cap30", "cap0.5"])
