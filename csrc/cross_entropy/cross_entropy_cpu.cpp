@@ -26,8 +26,7 @@ inline int64_t target_of(const void* t, bool t64, const RowStrides& ts, int64_t 
   return t64 ? static_cast<const int64_t*>(t)[off] : static_cast<int64_t>(static_cast<const int32_t*>(t)[off]);
 }
 
-// z = c * tanh(x / c) and dz/dx = 1 - tanh(x / c)^2, vector and scalar; the identity and 1
-// without a cap.
+// z = c * tanh(x / c), vector and scalar; the identity without a cap.
 template <typename S, bool kCap>
 struct Cap {
   using Vv = Vectorized<S>;

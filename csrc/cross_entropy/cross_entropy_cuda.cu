@@ -149,7 +149,8 @@ __device__ __forceinline__ T grad_of(T xv, int64_t j, int64_t t, A lse_d, A g, c
     x = cap.c * th;
     g *= A(1) - th * th;
   }
-  const A p = Domain<A>::ex(Domain<A>::in(x)-lse_d);
+  const A xd = Domain<A>::in(x);
+  const A p = Domain<A>::ex(xd - lse_d);
   return from_acc<T>((j == t ? p - A(1) : p) * g);
 }
 
