@@ -817,11 +817,15 @@ def _set_fused_loss(model: nn.Module, report: PatchReport, output_cls: type) -> 
     object.__setattr__(model, "_gp_output_cls", output_cls)
     # On the instance, not by a class swap: save_pretrained records the class name.
     object.__setattr__(model, "forward", _fused_loss_forward.__get__(model))
-    moe = hasattr(model.config, "router_aux_loss_coef")
-    report.swapped["lm_head+loss"] = ("fused_linear_cross_entropy (training with labels: the logits are never "
-                                      "stored, outputs.logits is None"
-                                      + ("; the stock forward with output_router_logits, whose router loss it adds)"
-                                         if moe else ")"))
+    cfg = model.config
+    notes = ["training with labels: the logits are never stored, outputs.logits is None"]
+    if getattr(cfg, "final_logit_softcapping", None) is not None:
+        notes.append(f"final_logit_softcapping={cfg.final_logit_softcapping} inside the op")
+    if getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0):
+        notes.append(f"logits_scaling={cfg.logits_scaling} applied to the hidden state")
+    if hasattr(cfg, "router_aux_loss_coef"):
+        notes.append("the stock forward with output_router_logits, whose router loss it adds")
+    report.swapped["lm_head+loss"] = f"fused_linear_cross_entropy ({'; '.join(notes)})"
 
 
 # ---- the families --------------------------------------------------------------------

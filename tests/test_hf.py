@@ -1050,7 +1050,7 @@ def test_gemma2_soft_capping(cap):
     ours = copy.deepcopy(stock)
     report = hf.patch(ours, fused_loss=True)
     assert "attn_logit_softcapping" in report.left["attention"]
-    assert "lm_head+loss" in report.swapped
+    assert f"final_logit_softcapping={cap}" in report.swapped["lm_head+loss"]
     ids = model_bench.batch("llama", "cpu", small=True)
     a, b = _step(stock, ids), _step(ours, ids)
     assert b.logits is None
