@@ -71,28 +71,25 @@ def _linear_ce_fp32(h, w, t):
     return F.cross_entropy(F.linear(h, w).float(), t)
 
 
-def _capped(z, cap=SOFTCAP):
-    return torch.tanh(z / cap) * cap  # as Gemma 2's forward caps its logits
-
-
-def _linear_capped_ce(h, w, t):
-    return F.cross_entropy(_capped(F.linear(h, w)), t)
-
-
-def _linear_capped_ce_fp32(h, w, t):
-    return F.cross_entropy(_capped(F.linear(h, w).float()), t)
-
-
 def fused_impls(backward, softcap=None):
     if softcap is None:
         impls = {"ours": gp.fused_linear_cross_entropy, "eager": _linear_ce, "eager-fp32": _linear_ce_fp32,
                  "compile": torch.compile(_linear_ce, dynamic=False)}
     else:
-        assert softcap == SOFTCAP
+        def capped_ce(h, w, t):  # as Gemma 2's forward caps its logits
+            return F.cross_entropy(torch.tanh(F.linear(h, w) / softcap) * softcap, t)
+
+        def capped_ce_fp32(h, w, t):
+            return F.cross_entropy(torch.tanh(F.linear(h, w).float() / softcap) * softcap, t)
+
         impls = {"ours": lambda h, w, t: gp.fused_linear_cross_entropy(h, w, t, softcap=softcap),
-                 "eager": _linear_capped_ce, "eager-fp32": _linear_capped_ce_fp32,
-                 "compile": torch.compile(_linear_capped_ce, dynamic=False)}
+                 "eager": capped_ce, "eager-fp32": capped_ce_fp32,
+                 "compile": torch.compile(capped_ce, dynamic=False)}
     return {k: backward_fn(f, 3) for k, f in impls.items()} if backward else impls
+
+
+def _fused_name(N, H, V, softcap=None):
+    return f"linear+ce ({N}, {H}) -> {V}" + (f", softcap {softcap:g}" if softcap is not None else "")
 
 
 def _fused_inputs(device, N, H, V, dtype, backward):
@@ -106,11 +103,10 @@ def _fused_inputs(device, N, H, V, dtype, backward):
 
 def fused_case(device, N, H, V, dtype, backward, softcap=None):
     flops = 2 * N * H * V * (3 if backward else 1)
-    cap = f", softcap {softcap:g}" if softcap is not None else ""
     params = dict(rows=N, H=H, V=V, dtype=str(dtype).replace("torch.", ""), fused=True)
     if softcap is not None:
         params["softcap"] = softcap
-    return Case(OP, f"linear+ce ({N}, {H}) -> {V}{cap}", "fwd+bwd" if backward else "fwd",
+    return Case(OP, _fused_name(N, H, V, softcap), "fwd+bwd" if backward else "fwd",
                 lambda: _fused_inputs(device, N, H, V, dtype, backward), fused_impls(backward, softcap), flops=flops,
                 params=params)
 
@@ -135,10 +131,9 @@ def peak_memory(device, shapes=FUSED_SHAPES, dtype=torch.bfloat16):
         return []
     rows = []
     for (N, H, V), cap in [(s, None) for s in shapes] + [(s, SOFTCAP) for s in SOFTCAP_SHAPES]:
-        name = f"linear+ce ({N}, {H}) -> {V}" + (f", softcap {cap:g}" if cap is not None else "")
         rows += peak_memory_rows(fused_impls(True, cap),
                                  lambda N=N, H=H, V=V: _fused_inputs(device, N, H, V, dtype, True),
-                                 device, op=OP, case=name, direction="fwd+bwd",
+                                 device, op=OP, case=_fused_name(N, H, V, cap), direction="fwd+bwd",
                                  logits_MiB=N * V * 2 / 2**20, dtype=str(dtype).replace("torch.", ""))
     return rows
 
