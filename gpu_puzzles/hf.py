@@ -765,7 +765,7 @@ def _fused_lm_loss(hidden: torch.Tensor, lm_head: nn.Linear, labels: Optional[to
     ``logits_scaling``: the logits divided by it first (Granite's), as the hidden state is:
     the head is linear."""
     h = hidden.reshape(-1, hidden.shape[-1])
-    if logits_scaling not in (None, 1, 1.0):
+    if logits_scaling is not None:
         h = h / logits_scaling
     bias = getattr(lm_head, "bias", None)
     dt = _loss_dtype(h)
@@ -773,6 +773,13 @@ def _fused_lm_loss(hidden: torch.Tensor, lm_head: nn.Linear, labels: Optional[to
                                                                     ignore_index=ignore_index, reduction=r,
                                                                     loss_dtype=dt, softcap=softcap),
                         labels, shift_labels, num_items_in_batch, ignore_index, hidden.device)
+
+
+def _head_transform(config: Any) -> tuple:
+    """What a family's forward does to the LM head's logits before the loss: (final-logit
+    soft-cap, divisor), each None where it does nothing (Gemma 2's cap; Granite's scaling)."""
+    scaling = getattr(config, "logits_scaling", None)
+    return getattr(config, "final_logit_softcapping", None), None if scaling in (None, 1) else scaling
 
 
 def _fused_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -795,8 +802,7 @@ def _fused_loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     out = getattr(self, self.base_model_prefix)(**inner)
     loss = _fused_lm_loss(out.last_hidden_state, self.lm_head, labels, bound.get("shift_labels"),
                           bound.get("num_items_in_batch"), bound.get("ignore_index", -100),
-                          getattr(self.config, "final_logit_softcapping", None),
-                          getattr(self.config, "logits_scaling", None))
+                          *_head_transform(self.config))
     # The base model's outputs under the output class's names (the cache is `past_key_values`
     # or, in newer transformers, `cache`; a MoE's router_logits); no logits, no router loss.
     fields = dict(loss=loss, logits=None)
@@ -817,13 +823,13 @@ def _set_fused_loss(model: nn.Module, report: PatchReport, output_cls: type) -> 
     object.__setattr__(model, "_gp_output_cls", output_cls)
     # On the instance, not by a class swap: save_pretrained records the class name.
     object.__setattr__(model, "forward", _fused_loss_forward.__get__(model))
-    cfg = model.config
     notes = ["training with labels: the logits are never stored, outputs.logits is None"]
-    if getattr(cfg, "final_logit_softcapping", None) is not None:
-        notes.append(f"final_logit_softcapping={cfg.final_logit_softcapping} inside the op")
-    if getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0):
-        notes.append(f"logits_scaling={cfg.logits_scaling} applied to the hidden state")
-    if hasattr(cfg, "router_aux_loss_coef"):
+    cap, scaling = _head_transform(model.config)
+    if cap is not None:
+        notes.append(f"final_logit_softcapping={cap} inside the op")
+    if scaling is not None:
+        notes.append(f"logits_scaling={scaling} applied to the hidden state")
+    if hasattr(model.config, "router_aux_loss_coef"):
         notes.append("the stock forward with output_router_logits, whose router loss it adds")
     report.swapped["lm_head+loss"] = f"fused_linear_cross_entropy ({'; '.join(notes)})"
 
