@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from .ops.attention import TC_HEAD_DIMS
 
 ATTENTION_NAME = "gpu_puzzles"
 SDPA_ATTENTION_NAME = "gpu_puzzles_sdpa"  # patch(attention=False): SDPA with our mask function
@@ -508,6 +509,12 @@ def _defer_into(norm: nn.Module, consumer: nn.Module, mixin: type, span: tuple, 
 
 # ---- attention through the registry ----------------------------------------------------
 
+def _kernels_take(query: torch.Tensor) -> bool:
+    """Whether our fast kernels take this head dim: on CUDA, others (Gemma's 256) would run the
+    portable SIMT kernels, and SDPA's flash kernels run those calls instead."""
+    return not query.is_cuda or query.shape[-1] in TC_HEAD_DIMS
+
+
 def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                        is_causal: Optional[bool] = None, **kwargs: Any) -> tuple:
@@ -516,26 +523,29 @@ def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         # SDPA, the fallback, would ignore it; patch() leaves a soft-capping model's attention stock.
         raise NotImplementedError("gpu_puzzles.hf attention: soft-capping (softcap=...) is not supported")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    ours = (attention_mask is None and dropout == 0.0
+    fits = (attention_mask is None and dropout == 0.0
             and kwargs.get("position_bias") is None and query.shape[2] == key.shape[2]
             and query.shape[-1] == value.shape[-1])
+    ours = fits and _kernels_take(query)
     if not ours:
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool \
                 and attention_mask.dim() == 4 and query.shape[2] == key.shape[2]:
             seq = _packed_ids(kwargs.get("position_ids"), query.shape[2])
             if seq is not None:  # a sliding window's or padding's mask: the sequences kept apart as well
                 attention_mask = attention_mask & (seq[:, None, :, None] == seq[:, None, None, :])
+        elif fits and causal:
+            seq = _packed_ids(kwargs.get("position_ids"), query.shape[2])
+            if seq is not None:  # packed rows without a mask: stock's packed mask
+                return _sdpa_forward(module, query, key, value, _packed_causal_mask(seq), dropout=dropout,
+                                     scaling=scaling, is_causal=False, **kwargs)
         return _sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+                             is_causal=is_causal, **kwargs)
     gqa = key.shape[1] != query.shape[1]
     if causal and torch.compiler.is_compiling():
         seq = _packed_ids(None, query.shape[2])
         if seq is not None:  # traced with position_ids given: stock's packed mask, to SDPA
-            S = query.shape[2]
-            tril = torch.ones(S, S, dtype=torch.bool, device=query.device).tril()
-            mask = tril & (seq[:, None, :, None] == seq[:, None, None, :])
-            return _sdpa_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
-                                 is_causal=False, **kwargs)
+            return _sdpa_forward(module, query, key, value, _packed_causal_mask(seq), dropout=dropout,
+                                 scaling=scaling, is_causal=False, **kwargs)
     bounds = _packed_bounds(kwargs.get("position_ids"), query.shape[2]) if causal else None
     if bounds is not None:
         return _attention_per_sequence(query, key, value, bounds, scaling, gqa), None
@@ -600,6 +610,13 @@ def _packed_ids(position_ids: Optional[torch.Tensor], S: int) -> Optional[torch.
         return seq if seq is not None and seq.shape[-1] == S else None
     found = _packed(position_ids, S)
     return None if found is None else found[1]
+
+
+def _packed_causal_mask(seq: torch.Tensor) -> torch.Tensor:
+    """(B, 1, S, S) bool: causal within each packed sequence, from the sequence ids (B, S)."""
+    S = seq.shape[-1]
+    tril = torch.ones(S, S, dtype=torch.bool, device=seq.device).tril()
+    return tril & (seq[:, None, :, None] == seq[:, None, None, :])
 
 
 def _attention_per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list,
@@ -708,11 +725,22 @@ def _use_attention(model: nn.Module, name: str) -> None:
         model.config._attn_implementation = name
 
 
+def _head_dim(config: Any) -> Optional[int]:
+    d = getattr(config, "head_dim", None)
+    if d is None and getattr(config, "num_attention_heads", None):
+        d = getattr(config, "hidden_size", 0) // config.num_attention_heads
+    return d
+
+
 def _set_attention(model: nn.Module, report: "PatchReport", dropout_attr: str, note: str) -> None:
     _use_attention(model, ATTENTION_NAME)
     # What _attention_forward hands to SDPA, call by call.
     report.swapped["attention"] = (f"attention (registry '{ATTENTION_NAME}'{note}); SDPA runs calls with a padding "
                                    "mask or Sq != Sk (generation with a KV cache)")
+    d = _head_dim(model.config)
+    if d is not None and d not in TC_HEAD_DIMS:
+        report.swapped["attention"] += (f"; on CUDA SDPA runs every call: head_dim {d} (our tensor-core kernels take "
+                                        f"{' and '.join(map(str, TC_HEAD_DIMS))})")
     p = getattr(model.config, dropout_attr, 0.0)
     if p:
         report.left["attention while training"] = (f"{dropout_attr}={p}: dropout in attention is not supported "

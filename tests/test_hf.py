@@ -174,6 +174,34 @@ def test_packed_rows_kept_apart_compiled(use_cache):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
+def test_head_dims_our_kernels_do_not_take_go_to_sdpa(monkeypatch, use_cache):
+    """On CUDA a head dim our tensor-core kernels do not take (Gemma's 256) goes to SDPA, not to
+    the SIMT kernels (the rule, _kernels_take, is forced here on the CPU): no call of ours,
+    stock's logits and gradients, and packed rows still kept apart (SDPA with the packed mask)."""
+    monkeypatch.setattr(hf, "_kernels_take", lambda q: False)
+    stock, ours, _ = _pair("llama")
+    ids = model_bench.batch("llama", "cpu", small=True)
+    counts = _op_counts(lambda: _step(ours, ids))
+    assert counts["attention"] == 0 and counts["attention_backward"] == 0, counts
+    for m in (stock, ours):
+        m.zero_grad()
+    a, b = _step(stock, ids), _step(ours, ids)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+    for (n, p), q in zip(stock.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    ours.zero_grad()
+    _assert_packed_apart(ours, use_cache)
+
+
+def test_head_dim_report():
+    """The report says where SDPA runs every CUDA call: a head dim our kernels do not take."""
+    for d, said in ((64, False), (128, False), (256, True), (16, True)):
+        m = model_bench.build("llama", "cpu", small=True)
+        m.config.head_dim = d  # read by the report only
+        assert ("on CUDA SDPA runs every call: head_dim" in hf.patch(m).swapped["attention"]) == said, d
+
+
 def _assert_packed_apart(ours, use_cache):
     ids, pos, docs = _packed()
     out = ours(input_ids=ids, position_ids=pos, use_cache=use_cache).logits

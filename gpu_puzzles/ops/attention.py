@@ -20,6 +20,9 @@ from torch import Tensor
 from ._common import check_float, check_same, register_fake, schema_default
 
 _ALGORITHMS = ("auto", "unfused")
+# Head dims (D == Dv) of the tensor-core kernels (attention_plan.cu: tc_head_dims); on CUDA other
+# head dims run the portable SIMT kernels.
+TC_HEAD_DIMS = (64, 128)
 
 
 def _lse_dtype(dtype):
