@@ -1051,6 +1051,15 @@ def _set_loss(model: nn.Module, report: PatchReport) -> None:
     report.swapped["loss"] = "cross_entropy (ForCausalLMLoss)"
 
 
+def _peft_inner(model: nn.Module) -> Optional[nn.Module]:
+    """The transformers model inside a PEFT wrapper (PeftModel.get_base_model), else None."""
+    get = getattr(model, "get_base_model", None)
+    if not callable(get) or getattr(model, "peft_config", None) is None:
+        return None
+    inner = get()
+    return inner if isinstance(inner, nn.Module) and inner is not model else None
+
+
 def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, attention: bool = True,
           loss: bool = True, fused_loss: bool = False, mlp: bool = True, rotary: bool = False) -> PatchReport:
     """Route ``model``'s compute through gpu_puzzles ops in place; returns a :class:`PatchReport`.
@@ -1061,8 +1070,13 @@ def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, atte
     ``loss``): in training with labels, the LM head and the loss run fused and
     ``outputs.logits`` is None (the logits are never stored).
     An architecture it does not know is left untouched (the report says so). Patching a
-    model twice is a no-op for what is already patched.
+    model twice is a no-op for what is already patched. A PEFT model (LoRA applied first) is
+    patched inside: the adapters keep reading what their layers read.
     """
+    inner = _peft_inner(model)
+    if inner is not None:  # LoRA applied first: the transformers model inside is patched
+        return patch(inner, embeddings=embeddings, norms=norms, attention=attention, loss=loss,
+                     fused_loss=fused_loss, mlp=mlp, rotary=rotary)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None) or type(model).__name__
     report = PatchReport(model_type)

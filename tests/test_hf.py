@@ -1146,20 +1146,28 @@ def test_bench_gemma2_config():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("order", ["lora_after_patch", "lora_before_patch"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
 @pytest.mark.parametrize("name, targets", [("llama", ["q_proj", "v_proj"]), ("llama", ["gate_proj", "up_proj"]),
                                            ("gpt2", ["c_attn"])])
-def test_lora_after_patch(name, targets, autocast):
+def test_lora_and_patch(name, targets, autocast, order):
     """PEFT's LoRA applied after patch() wraps Linears that a norm was fused into: the adapter must
-    read the normalised input (the fusion steps aside), so loss and the adapters' gradients are
+    read the normalised input (the fusion steps aside); applied before, patch() takes the PEFT
+    model and patches the model inside. Either way loss and the adapters' gradients are
     stock + LoRA's."""
     peft = pytest.importorskip("peft")
     base = model_bench.build(name, "cpu", dtype=torch.float32, small=True)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
     stock = peft.get_peft_model(copy.deepcopy(base), cfg)
-    ours = copy.deepcopy(base)
-    hf.patch(ours)
-    ours = peft.get_peft_model(ours, cfg)
+    if order == "lora_after_patch":
+        ours = copy.deepcopy(base)
+        hf.patch(ours)
+        ours = peft.get_peft_model(ours, cfg)
+    else:
+        ours = peft.get_peft_model(copy.deepcopy(base), cfg)
+        report = hf.patch(ours)
+        assert report.swapped and "model" not in report.left, report
+        assert hf.patch(ours).left["model"].startswith("already patched")
     ours.load_state_dict(stock.state_dict())
     ids = model_bench.batch(name, "cpu", small=True)
     losses = []
