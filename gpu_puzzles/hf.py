@@ -1051,8 +1051,11 @@ def _set_loss(model: nn.Module, report: PatchReport) -> None:
     report.swapped["loss"] = "cross_entropy (ForCausalLMLoss)"
 
 
-def _peft_inner(model: nn.Module) -> Optional[nn.Module]:
-    """The transformers model inside a PEFT wrapper (PeftModel.get_base_model), else None."""
+def _wrapped(model: nn.Module) -> Optional[nn.Module]:
+    """The model inside a wrapper that hides its config: PEFT's (PeftModel.get_base_model), DDP's
+    or DataParallel's (``.module``, as accelerate's ``prepare`` returns it); else None."""
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return model.module
     get = getattr(model, "get_base_model", None)
     if not callable(get) or getattr(model, "peft_config", None) is None:
         return None
@@ -1070,11 +1073,12 @@ def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, atte
     ``loss``): in training with labels, the LM head and the loss run fused and
     ``outputs.logits`` is None (the logits are never stored).
     An architecture it does not know is left untouched (the report says so). Patching a
-    model twice is a no-op for what is already patched. A PEFT model (LoRA applied first) is
-    patched inside: the adapters keep reading what their layers read.
+    model twice is a no-op for what is already patched. A PEFT model (LoRA applied first) and a
+    DDP / DataParallel wrapper are patched inside (parameters stay the same objects, so the
+    wrapper's hooks keep working); LoRA adapters keep reading what their layers read.
     """
-    inner = _peft_inner(model)
-    if inner is not None:  # LoRA applied first: the transformers model inside is patched
+    inner = _wrapped(model)
+    if inner is not None:  # LoRA applied first, or DDP's wrapper: the transformers model inside is patched
         return patch(inner, embeddings=embeddings, norms=norms, attention=attention, loss=loss,
                      fused_loss=fused_loss, mlp=mlp, rotary=rotary)
     config = getattr(model, "config", None)

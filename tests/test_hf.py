@@ -1185,6 +1185,25 @@ def test_lora_and_patch(name, targets, autocast, order):
                                    * g.abs().max().item(), msg=lambda m: f"{n}: {m}")
 
 
+def test_patch_through_a_data_parallel_wrapper():
+    """A model already wrapped (DataParallel here, DDP alike: accelerate's prepare returns one) is
+    patched inside; loss and gradients as stock's."""
+    stock = model_bench.build("llama", "cpu", dtype=torch.float32, small=True)
+    wrapped = torch.nn.DataParallel(copy.deepcopy(stock))
+    report = hf.patch(wrapped)
+    assert report.swapped and "model" not in report.left, report
+    assert getattr(wrapped.module, "_gp_patched", None) is report
+    ids = model_bench.batch("llama", "cpu", small=True)
+    counts = _op_counts(lambda: _step(wrapped.module, ids))
+    assert counts["attention"] > 0 and counts["rms_norm"] > 0, counts
+    wrapped.zero_grad()
+    a, b = _step(stock, ids), wrapped(input_ids=ids, labels=ids)
+    b.loss.backward()
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
+    for (n, p), q in zip(stock.named_parameters(), wrapped.module.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
 @pytest.mark.parametrize("name", FAMILIES + ["gemma3_text"])
 def test_generate_matches_stock(name, autocast):
