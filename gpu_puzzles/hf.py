@@ -14,9 +14,8 @@ Families and what they get:
 - GPT-2 (``model_type`` "gpt2"): token and position embeddings (``embedding``); ln_1 + c_attn
   and ln_2 + c_fc (``fused_layernorm_linear``, Conv1D's ``weight.t()`` taken as a view);
   ln_f (``layer_norm``); attention; the LM loss.
-- Llama-style decoders (``_DECODERS``: "llama", "mistral", "qwen2", "qwen3", "olmo2", "olmo3",
-  "exaone4", "phi3", "granite", "smollm3", "seed_oss", "helium", "ernie4_5", "glm", "glm4",
-  "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3_text"; Gemma's ``1 + weight``
+- Llama-style decoders (``_DECODERS``, 34 ``model_type``s: Llama, Mistral, Qwen2-3, OLMo 2-3,
+  Phi-3, Granite, GLM-4, Hunyuan, ERNIE 4.5, Gemma 1-3 and more, their MoE variants; Gemma's ``1 + weight``
   norms on float32 activations, its soft-capped attention stock, its final-logit soft-cap inside the
   fused LM head + loss;
   mixture-of-experts MLPs stock):
@@ -84,6 +83,7 @@ class _Decoder:
     # cast back" (the same, returned in q's and k's dtypes: OLMo 2/3) or None (another rule, e.g.
     # the interleaved tables of GLM and Helium: rotary stays stock).
     rope: Optional[str] = "half"
+    mlp: str = "mlp"  # the layer's MLP (Granite MoE: block_sparse_moe)
 
 
 _PRE = ("input_layernorm", "post_attention_layernorm")
@@ -123,12 +123,31 @@ _DECODERS = {
     "mixtral": _Decoder(_PRE, fuse=_PRE_FUSE),
     "qwen2_moe": _Decoder(_PRE, fuse=_PRE_FUSE),
     "qwen3_moe": _Decoder(_PRE, ("q_norm", "k_norm"), fuse=_PRE_FUSE),
+    # Llama's layout: Ministral (sliding layers: SDPA), Arcee (its ReLU^2 MLP stays stock); Hunyuan's
+    # per-head q/k norms under other names; OLMoE, Dots1, GLM-4.5 (q/k norms optional) and Granite MoE
+    # (its MoE block under another name) with Qwen3-MoE's or Mixtral's layout; ERNIE 4.5 MoE's RoPE
+    # interleaved; FlexOlmo as OLMo 2; Apertus's norms under other names (its xIELU MLP stays stock).
+    "ministral": _Decoder(_PRE, fuse=_PRE_FUSE),
+    "arcee": _Decoder(_PRE, fuse=_PRE_FUSE),
+    "hunyuan_v1_dense": _Decoder(_PRE, ("query_layernorm", "key_layernorm"), fuse=_PRE_FUSE),
+    "hunyuan_v1_moe": _Decoder(_PRE, ("query_layernorm", "key_layernorm"), fuse=_PRE_FUSE),
+    "olmoe": _Decoder(_PRE, ("q_norm", "k_norm"), fuse=_PRE_FUSE),
+    "dots1": _Decoder(_PRE, ("q_norm", "k_norm"), fuse=_PRE_FUSE),
+    "glm4_moe": _Decoder(_PRE, ("q_norm", "k_norm"), fuse=_PRE_FUSE),
+    "granitemoe": _Decoder(_PRE, fuse=_PRE_FUSE, mlp="block_sparse_moe"),
+    "granitemoeshared": _Decoder(_PRE, fuse=_PRE_FUSE, mlp="block_sparse_moe"),
+    "ernie4_5_moe": _Decoder(_PRE, fuse=_PRE_FUSE, rope=None),
+    "flex_olmo": _Decoder(_POST, ("q_norm", "k_norm"), rope="half, cast back"),
+    "apertus": _Decoder(("attention_layernorm", "feedforward_layernorm"), ("q_norm", "k_norm"),
+                        fuse=(("attention_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj")),)),
     # (1 + weight) RMSNorm; its embedding scaled by sqrt(hidden) (its own module: stays stock).
     "gemma": _Decoder(_PRE, fuse=_PRE_FUSE, weight_offset=1.0),
     # Gemma 2 and 3: a norm after attention and around the MLP too; Gemma 3's q/k norms. Their
     # sliding-window layers' attention goes to SDPA (the mask), soft-capping stays stock (below).
     "gemma2": _Decoder(_GEMMA2_NORMS, fuse=_PRE_FUSE, weight_offset=1.0),
     "gemma3_text": _Decoder(_GEMMA2_NORMS, ("q_norm", "k_norm"), fuse=_PRE_FUSE, weight_offset=1.0),
+    # VaultGemma: Gemma 2 with a norm before attention and one before the MLP only.
+    "vaultgemma": _Decoder(("input_layernorm", "pre_feedforward_layernorm"), fuse=_PRE_FUSE, weight_offset=1.0),
 }
 
 
@@ -984,7 +1003,7 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
             _patch_rotary(layer.self_attn, f"{prefix}.layers.{i}.self_attn.rotary", family, report)
     if mlp:  # before the norms: a norm fused into the MLP (Phi-3) wraps this swap (_NormFeeds)
         for i, layer in enumerate(base.layers):
-            _patch_mlp(layer.mlp, f"{prefix}.layers.{i}.mlp", report)
+            _patch_mlp(getattr(layer, family.mlp), f"{prefix}.layers.{i}.{family.mlp}", report)
     if norms:
         act = getattr(getattr(base, "embed_tokens", None), "weight", None)  # the activations' dtype
         norms_found = []
@@ -993,7 +1012,7 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
             norms_found += [(f"{prefix}.layers.{i}.{n}", getattr(layer, n)) for n in family.layer_norms
                             if n not in fused]
             norms_found += [(f"{prefix}.layers.{i}.self_attn.{n}", getattr(layer.self_attn, n))
-                            for n in family.attn_norms]
+                            for n in family.attn_norms if hasattr(layer.self_attn, n)]  # GLM-4.5's are optional
         norms_found.append((f"{prefix}.norm", base.norm))
         for where, norm in norms_found:
             w = getattr(norm, "weight", None)
