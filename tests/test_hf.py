@@ -620,12 +620,12 @@ DECODER_FAMILIES = {
     "qwen2": _Fam("Qwen2Config", "Qwen2ForCausalLM", {}, 5, 0, 2, 2, 3),
     "olmo2": _Fam("Olmo2Config", "Olmo2ForCausalLM", {}, 9, 0, 2, 0, 1),
     "phi3": _Fam("Phi3Config", "Phi3ForCausalLM", {}, 1, 4, 2, 4, 1),
-    "gemma": _Fam("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}, 5, 0, 2, 2, 3),
+    "gemma": _Fam("GemmaConfig", "GemmaForCausalLM", {}, 5, 0, 2, 2, 3),
     # Soft-capped attention (the default) stays the model's own; four norms a layer.
-    "gemma2": _Fam("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16}, 9, 0, 0, 2, 3),
+    "gemma2": _Fam("Gemma2Config", "Gemma2ForCausalLM", {}, 9, 0, 0, 2, 3),
     # A sliding-window layer (its mask: SDPA) and a global one (ours); q/k norms.
     "gemma3_text": _Fam("Gemma3TextConfig", "Gemma3ForCausalLM",
-                        {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+                        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
                         13, 0, 1, 2, 3),
     # Llama's layout (Granite's multipliers, SmolLM3, Seed-OSS with its residual dropout off; Helium's
     # and ERNIE 4.5's interleaved RoPE stays stock under rotary=True).
@@ -634,7 +634,7 @@ DECODER_FAMILIES = {
                     5, 0, 2, 2, 3),
     "smollm3": _Fam("SmolLM3Config", "SmolLM3ForCausalLM", {}, 5, 0, 2, 2, 3),
     "seed_oss": _Fam("SeedOssConfig", "SeedOssForCausalLM", {"residual_dropout": 0.0}, 5, 0, 2, 2, 3),
-    "helium": _Fam("HeliumConfig", "HeliumForCausalLM", {"head_dim": 16}, 5, 0, 2, 2, 3),
+    "helium": _Fam("HeliumConfig", "HeliumForCausalLM", {"hidden_size": 256}, 5, 0, 2, 2, 3),
     "ernie4_5": _Fam("Ernie4_5Config", "Ernie4_5ForCausalLM", {}, 5, 0, 2, 2, 3),
     # GLM's gate_up_proj fuses with the norm before it in any dtype; GLM-4's two more norms a layer.
     "glm": _Fam("GlmConfig", "GlmForCausalLM", {}, 3, 2, 2, 4, 1),
@@ -651,13 +651,13 @@ DECODER_FAMILIES = {
     # MoE, FlexOlmo; VaultGemma (soft-capped attention: its own). Hunyuan's q/k norms come after RoPE, on
     # float32 q/k under autocast (ours runs them); FlexOlmo's read float32 too.
     "ministral": _Fam("MinistralConfig", "MinistralForCausalLM",
-                      {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+                      {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
                       5, 0, 1, 2, 3),
     "arcee": _Fam("ArceeConfig", "ArceeForCausalLM", {}, 5, 0, 2, 2, 3, 0),
     "apertus": _Fam("ApertusConfig", "ApertusForCausalLM", {}, 9, 0, 2, 2, 3, 0),
-    "hunyuan_v1_dense": _Fam("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 16}, 9, 0, 2, 2, 7),
-    "hunyuan_v1_moe": _Fam("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {"head_dim": 16}, 9, 0, 2, 2, 7, 0),
-    "olmoe": _Fam("OlmoeConfig", "OlmoeForCausalLM", {}, 9, 0, 2, 2, 3, 0),
+    "hunyuan_v1_dense": _Fam("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}, 9, 0, 2, 2, 7),
+    "hunyuan_v1_moe": _Fam("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {}, 9, 0, 2, 2, 7, 0),
+    "olmoe": _Fam("OlmoeConfig", "OlmoeForCausalLM", {"hidden_size": 256}, 9, 0, 2, 2, 3, 0),
     "dots1": _Fam("Dots1Config", "Dots1ForCausalLM",
                   {"first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1, "n_shared_experts": 1},
@@ -669,7 +669,7 @@ DECODER_FAMILIES = {
     "ernie4_5_moe": _Fam("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", {}, 5, 0, 2, 2, 3, 1),
     "flex_olmo": _Fam("FlexOlmoConfig", "FlexOlmoForCausalLM", {}, 9, 0, 2, 0, 3, 0),
     "vaultgemma": _Fam("VaultGemmaConfig", "VaultGemmaForCausalLM",
-                       {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+                       {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
                        5, 0, 0, 2, 3),
 }
 _ROPE_STOCK = {f for f, d in hf._DECODERS.items() if d.rope is None}  # rotary=True leaves their RoPE stock
@@ -789,7 +789,9 @@ def test_decoder_families_autocast_bf16(family, device):
             continue  # routing is discrete: bf16 moves a few tokens to other experts (3 of 64 a layer, stock and
             # ours alike, on qwen3_moe); the float32 test above compares these gradients with stock's
         assert g2 is not None and g2.dtype == torch.float32, n
-        assert err(g2, g0) <= 2 * err(g1, g0) + 2e-2 * (g0.abs().max().item() + 1e-6), n
+        # MoE: a flipped route moves the gradients upstream of the router too
+        floor = 2e-2 if DECODER_FAMILIES[family].gated == 2 else 5e-2
+        assert err(g2, g0) <= 2 * err(g1, g0) + floor * (g0.abs().max().item() + 1e-6), n
     # A norm whose input comes from a bf16 linear (q/k norms, OLMo 2's post-norms) meets its float32
     # weight in two dtypes: it runs stock (_RMSNorm), whose output dtype rule differs per family.
     # The norms on the float32 residual stream run ours; OLMo 2's post-norms read bf16 linears and
@@ -1239,6 +1241,24 @@ def test_patch_through_a_data_parallel_wrapper():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
+def _assert_same_tokens_but_near_ties(stock, prompt, want, got):
+    """Greedy tokens under autocast bf16: ours are stock's up to the first that differs in a row, and
+    there the float32 model's logits of the two tokens are closer than stock's own bf16 logit error
+    at that step (a near-tie, which bf16 rounding decides either way); later tokens follow from it."""
+    for r in range(want.shape[0]):
+        diff = (want[r, prompt:] != got[r, prompt:]).nonzero()
+        if len(diff) == 0:
+            continue
+        p = prompt + diff[0].item()
+        with torch.no_grad():
+            ref = stock(input_ids=want[r:r + 1, :p]).logits[0, -1].float()
+            with torch.autocast("cpu", torch.bfloat16):
+                amp = stock(input_ids=want[r:r + 1, :p]).logits[0, -1].float()
+        gap = (ref[want[r, p]] - ref[got[r, p]]).abs().item()
+        noise = (amp - ref).abs().max().item()
+        assert gap <= 2 * noise, (r, p, gap, noise, want, got)
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
 @pytest.mark.parametrize("name", FAMILIES + ["gemma3_text"])
 def test_generate_matches_stock(name, autocast):
@@ -1258,7 +1278,10 @@ def test_generate_matches_stock(name, autocast):
             outs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
                                        do_sample=False, pad_token_id=0))
     assert outs[0].shape == (ids.shape[0], ids.shape[1] + 8)
-    assert torch.equal(outs[1], outs[0]), (outs[0], outs[1])
+    if autocast:
+        _assert_same_tokens_but_near_ties(stock, ids.shape[1], outs[0], outs[1])
+    else:
+        assert torch.equal(outs[1], outs[0]), (outs[0], outs[1])
     with torch.no_grad():  # the prefill ran on our kernel (once a layer; Gemma 3's sliding layer on SDPA)
         counts = _op_counts(lambda: ours.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                                   max_new_tokens=2, do_sample=False, pad_token_id=0))

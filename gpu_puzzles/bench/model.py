@@ -49,8 +49,10 @@ MODELS = {
 }
 # kind -> the transformers class name's prefix (<Prefix>Config, <Prefix>ForCausalLM).
 _CLASSES = {"llama": "Llama", "qwen3": "Qwen3", "gemma2": "Gemma2"}
+# head_dim 64: a head dim our tensor-core attention kernels take, so the CUDA tests run our
+# attention inside the models (other head dims go to SDPA on CUDA: hf._kernels_take).
 _SMALL_DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=211, max_position_embeddings=64)
+                      head_dim=64, intermediate_size=128, vocab_size=211, max_position_embeddings=64)
 VARIANTS = {
     "stock": None,
     "ours, SDPA attention": dict(attention=False),
@@ -76,9 +78,9 @@ def build(name: str, device, dtype=torch.bfloat16, seed: int = 0, small: bool = 
     spec = MODELS[name]
     cfg = dict(spec["config"])
     if small:
-        cfg.update({"gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=64),
-                    "llama": _SMALL_DECODER, "qwen3": dict(_SMALL_DECODER, head_dim=16),
-                    "gemma2": dict(_SMALL_DECODER, head_dim=16, sliding_window=16)}[name])
+        cfg.update({"gpt2": dict(n_layer=2, n_embd=128, n_head=2, vocab_size=211, n_positions=64),
+                    "llama": _SMALL_DECODER, "qwen3": _SMALL_DECODER,
+                    "gemma2": dict(_SMALL_DECODER, sliding_window=16)}[name])
     torch.manual_seed(seed)
     if spec["kind"] == "gpt2":
         config = transformers.GPT2Config(**cfg, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
