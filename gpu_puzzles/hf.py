@@ -14,8 +14,9 @@ Families and what they get:
 - GPT-2 (``model_type`` "gpt2"): token and position embeddings (``embedding``); ln_1 + c_attn
   and ln_2 + c_fc (``fused_layernorm_linear``, Conv1D's ``weight.t()`` taken as a view);
   ln_f (``layer_norm``); attention; the LM loss.
-- Llama-style decoders (``_DECODERS``, 34 ``model_type``s: Llama, Mistral, Qwen2-3, OLMo 2-3,
-  Phi-3, Granite, GLM-4, Hunyuan, ERNIE 4.5, Gemma 1-3 and more, their MoE variants; Gemma's ``1 + weight``
+- Llama-style decoders (``_DECODERS``, 36 ``model_type``s: Llama, Mistral, Qwen2-3, OLMo 2-3,
+  Phi-3, Granite, GLM-4, Hunyuan, ERNIE 4.5, Gemma 1-3, StarCoder2 and more, their MoE variants
+  (StarCoder2's and StableLM's LayerNorms: ``layer_norm``); Gemma's ``1 + weight``
   norms on float32 activations, its soft-capped attention stock, its final-logit soft-cap inside the
   fused LM head + loss;
   mixture-of-experts MLPs stock):
@@ -84,6 +85,7 @@ class _Decoder:
     # the interleaved tables of GLM and Helium: rotary stays stock).
     rope: Optional[str] = "half"
     mlp: str = "mlp"  # the layer's MLP (Granite MoE: block_sparse_moe)
+    norm: str = "rms"  # its norms: "rms" (RMSNorm), or "layer" (nn.LayerNorm: layer_norm, not fused)
 
 
 _PRE = ("input_layernorm", "post_attention_layernorm")
@@ -140,6 +142,10 @@ _DECODERS = {
     "flex_olmo": _Decoder(_POST, ("q_norm", "k_norm"), rope="half, cast back"),
     "apertus": _Decoder(("attention_layernorm", "feedforward_layernorm"), ("q_norm", "k_norm"),
                         fuse=(("attention_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj")),)),
+    # LayerNorm decoders in Llama's layout (their norms layer_norm, not fused): StarCoder2 (a GELU
+    # MLP, stock), StableLM (partial RoPE; its optional per-head q/k LayerNorms stay stock).
+    "starcoder2": _Decoder(_PRE, norm="layer"),
+    "stablelm": _Decoder(_PRE, norm="layer"),
     # (1 + weight) RMSNorm; its embedding scaled by sqrt(hidden) (its own module: stays stock).
     "gemma": _Decoder(_PRE, fuse=_PRE_FUSE, weight_offset=1.0),
     # Gemma 2 and 3: a norm after attention and around the MLP too; Gemma 3's q/k norms. Their
@@ -1015,6 +1021,15 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
                             for n in family.attn_norms if hasattr(layer.self_attn, n)]  # GLM-4.5's are optional
         norms_found.append((f"{prefix}.norm", base.norm))
         for where, norm in norms_found:
+            if norm is None:  # StableLM's parallel blocks have no norm after attention
+                continue
+            if family.norm == "layer":
+                if type(norm) is not nn.LayerNorm or norm.weight is None or norm.weight.dim() != 1:
+                    report.left[where] = "not an nn.LayerNorm over the last dim with a weight"
+                    continue
+                _swap(norm, _LayerNorm)
+                report.swapped[where] = "layer_norm"
+                continue
             w = getattr(norm, "weight", None)
             if not isinstance(w, torch.Tensor) or w.dim() != 1:
                 report.left[where] = "no 1-D weight: not an RMSNorm gpu_puzzles knows"

@@ -668,11 +668,19 @@ DECODER_FAMILIES = {
     "granitemoeshared": _Fam("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", {}, 5, 0, 2, 2, 3, 0),
     "ernie4_5_moe": _Fam("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", {}, 5, 0, 2, 2, 3, 1),
     "flex_olmo": _Fam("FlexOlmoConfig", "FlexOlmoForCausalLM", {}, 9, 0, 2, 0, 3, 0),
+    # LayerNorm decoders: StarCoder2 (a GELU MLP, stock), StableLM (partial RoPE, a gated MLP).
+    "starcoder2": _Fam("Starcoder2Config", "Starcoder2ForCausalLM", {}, 5, 0, 2, 0, 5, 0),
+    "stablelm": _Fam("StableLmConfig", "StableLmForCausalLM", {"hidden_size": 256}, 5, 0, 2, 0, 5),
     "vaultgemma": _Fam("VaultGemmaConfig", "VaultGemmaForCausalLM",
                        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
                        5, 0, 0, 2, 3),
 }
 _ROPE_STOCK = {f for f, d in hf._DECODERS.items() if d.rope is None}  # rotary=True leaves their RoPE stock
+
+
+def _norm_op(family):
+    """The op a family's norms run: rms_norm, or layer_norm (StarCoder2, StableLM)."""
+    return "layer_norm" if hf._DECODERS[family].norm == "layer" else "rms_norm"
 
 
 def _routed(name):
@@ -715,8 +723,9 @@ def test_decoder_families(family):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
     counts = _op_counts(lambda: ours(input_ids=ids, labels=ids))
     assert counts["attention"] == fam.attention and counts["cross_entropy"] == 1, counts
-    assert counts["rms_norm"] == fam.norms and counts["fused_rmsnorm_linear"] == fam.fused, counts
-    assert sum(v.split(" ", 1)[0] == "rms_norm" for v in report.swapped.values()) == fam.norms
+    norm = _norm_op(family)
+    assert counts[norm] == fam.norms and counts["fused_rmsnorm_linear"] == fam.fused, counts
+    assert sum(v.split(" ", 1)[0] == norm for v in report.swapped.values()) == fam.norms
     # A gated MLP: SwiGLU, or Gemma's GeGLU (Phi-3's gate and up: one projection's halves); else
     # mixture-of-experts (the last layer's) or a non-gated MLP (Arcee, Apertus), left stock.
     act = "gelu_tanh" if "gemma" in family else "silu"
@@ -800,7 +809,8 @@ def test_decoder_families_autocast_bf16(family, device):
     # before q/k/v, their float32 weights cast and concatenated. (Llama, Qwen3: FAMILIES' tests.)
     counts = _op_counts(lambda: _amp_step(ours, ids, device, torch.bfloat16))
     fam = DECODER_FAMILIES[family]
-    assert counts["attention_backward"] == fam.attention and counts["rms_norm_backward"] == fam.amp_alone, counts
+    assert counts["attention_backward"] == fam.attention, counts
+    assert counts[_norm_op(family) + "_backward"] == fam.amp_alone, counts
     assert counts["fused_rmsnorm_linear_backward"] == fam.amp_fused, counts
     assert counts["rotary_backward"] == (0 if family in _ROPE_STOCK else 2), counts
 
