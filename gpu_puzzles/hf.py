@@ -14,9 +14,9 @@ Families and what they get:
 - GPT-2 (``model_type`` "gpt2"): token and position embeddings (``embedding``); ln_1 + c_attn
   and ln_2 + c_fc (``fused_layernorm_linear``, Conv1D's ``weight.t()`` taken as a view);
   ln_f (``layer_norm``); attention; the LM loss.
-- Llama-style decoders (``_DECODERS``, 36 ``model_type``s: Llama, Mistral, Qwen2-3, OLMo 2-3,
+- Llama-style decoders (``_DECODERS``, 37 ``model_type``s: Llama, Mistral, Qwen2-3, OLMo 2-3,
   Phi-3, Granite, GLM-4, Hunyuan, ERNIE 4.5, Gemma 1-3, StarCoder2 and more, their MoE variants
-  (StarCoder2's and StableLM's LayerNorms: ``layer_norm``); Gemma's ``1 + weight``
+  (StarCoder2's, StableLM's and Phi's LayerNorms: ``layer_norm``); Gemma's ``1 + weight``
   norms on float32 activations, its soft-capped attention stock, its final-logit soft-cap inside the
   fused LM head + loss;
   mixture-of-experts MLPs stock):
@@ -86,6 +86,7 @@ class _Decoder:
     rope: Optional[str] = "half"
     mlp: str = "mlp"  # the layer's MLP (Granite MoE: block_sparse_moe)
     norm: str = "rms"  # its norms: "rms" (RMSNorm), or "layer" (nn.LayerNorm: layer_norm, not fused)
+    final_norm: str = "norm"  # the decoder's last norm (Phi: final_layernorm)
 
 
 _PRE = ("input_layernorm", "post_attention_layernorm")
@@ -146,6 +147,8 @@ _DECODERS = {
     # MLP, stock), StableLM (partial RoPE; its optional per-head q/k LayerNorms stay stock).
     "starcoder2": _Decoder(_PRE, norm="layer"),
     "stablelm": _Decoder(_PRE, norm="layer"),
+    # Phi (1, 1.5, 2): one LayerNorm a layer, read by attention and the MLP in parallel.
+    "phi": _Decoder(("input_layernorm",), norm="layer", final_norm="final_layernorm"),
     # (1 + weight) RMSNorm; its embedding scaled by sqrt(hidden) (its own module: stays stock).
     "gemma": _Decoder(_PRE, fuse=_PRE_FUSE, weight_offset=1.0),
     # Gemma 2 and 3: a norm after attention and around the MLP too; Gemma 3's q/k norms. Their
@@ -1019,7 +1022,7 @@ def _patch_decoder(model: nn.Module, report: PatchReport, family: _Decoder, embe
                             if n not in fused]
             norms_found += [(f"{prefix}.layers.{i}.self_attn.{n}", getattr(layer.self_attn, n))
                             for n in family.attn_norms if hasattr(layer.self_attn, n)]  # GLM-4.5's are optional
-        norms_found.append((f"{prefix}.norm", base.norm))
+        norms_found.append((f"{prefix}.{family.final_norm}", getattr(base, family.final_norm)))
         for where, norm in norms_found:
             if norm is None:  # StableLM's parallel blocks have no norm after attention
                 continue

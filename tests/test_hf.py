@@ -668,9 +668,11 @@ DECODER_FAMILIES = {
     "granitemoeshared": _Fam("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", {}, 5, 0, 2, 2, 3, 0),
     "ernie4_5_moe": _Fam("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", {}, 5, 0, 2, 2, 3, 1),
     "flex_olmo": _Fam("FlexOlmoConfig", "FlexOlmoForCausalLM", {}, 9, 0, 2, 0, 3, 0),
-    # LayerNorm decoders: StarCoder2 (a GELU MLP, stock), StableLM (partial RoPE, a gated MLP).
+    # LayerNorm decoders: StarCoder2 (a GELU MLP, stock), StableLM (partial RoPE, a gated MLP), Phi.
     "starcoder2": _Fam("Starcoder2Config", "Starcoder2ForCausalLM", {}, 5, 0, 2, 0, 5, 0),
     "stablelm": _Fam("StableLmConfig", "StableLmForCausalLM", {"hidden_size": 256}, 5, 0, 2, 0, 5),
+    "phi": _Fam("PhiConfig", "PhiForCausalLM", {"hidden_size": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+                3, 0, 2, 0, 3, 0),
     "vaultgemma": _Fam("VaultGemmaConfig", "VaultGemmaForCausalLM",
                        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
                        5, 0, 0, 2, 3),
@@ -713,7 +715,7 @@ def test_decoder_families(family):
     ours = copy.deepcopy(stock)
     report = hf.patch(ours, rotary=True)  # the families' RoPE: Phi-3's partial, OLMo 2's cast back
     fam = DECODER_FAMILIES[family]
-    assert report.model_type == family and "model.norm" in report.swapped
+    assert report.model_type == family and f"model.{hf._DECODERS[family].final_norm}" in report.swapped
     assert ("attention" in report.swapped) == (fam.attention > 0), report
     ids = model_bench.batch("llama", "cpu", small=True)
     a, b = _step(stock, ids), _step(ours, ids)
