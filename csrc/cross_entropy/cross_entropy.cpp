@@ -1,7 +1,8 @@
 // cross_entropy and fused_linear_cross_entropy host side: argument checks, the plan,
 // the CPU/CUDA calls and their registrations (kernels: cross_entropy_cpu.cpp,
 // cross_entropy_cuda.cu). Logits are (..., V) with the classes last, target (...).
-// The reductions across rows run on ATen's fixed-order sum (deterministic, no float atomics).
+// The reductions across rows run in a fixed order (deterministic, no float atomics): the CPU
+// sums in double, CUDA in one block (cross_entropy_reduce_cuda).
 // Out-of-range targets (not ignore_index): a RuntimeError on the CPU; on CUDA the
 // kernels never index with them, the row's loss is NaN (so is a mean or sum) and its
 // gradient carries no one-hot term: no host synchronisation to check them.
@@ -179,8 +180,38 @@ void backward_rows(const Tensor& logits, const Tensor& target, const Tensor& lse
   launch_backward(a, cpu);
 }
 
-// int64 on the device; dividing a float by it casts inside the division kernel (no copy kernel).
-Tensor count_of(const Tensor& target, int64_t ignore) { return target.ne(ignore).sum(); }
+// CPU: the targets that are not ignore_index, counted in one pass (ne + sum cost two
+// ATen calls). CUDA counts inside its reduce kernel.
+double kept_cpu(const Tensor& target, int64_t ignore) {
+  const Tensor t = target.contiguous();
+  const auto count = [&](const auto* p) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < t.numel(); ++i) n += p[i] != ignore;
+    return n;
+  };
+  return static_cast<double>(t.scalar_type() == at::kLong ? count(t.const_data_ptr<int64_t>())
+                                                          : count(t.const_data_ptr<int32_t>()));
+}
+
+// CPU: a tensor of `shape` (0-d or (1,)) holding v, written in place: the loss's few
+// scalar steps as ATen ops (sum, div by a wrapped scalar, cast) cost ~4 us each, several
+// times the kernel at a small batch.
+Tensor cpu_scalar(double v, at::IntArrayRef shape, const at::TensorOptions& opts) {
+  Tensor r = at::empty(shape, opts);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.scalar_type(), "cpu_scalar",
+                                  [&] { *r.data_ptr<scalar_t>() = static_cast<scalar_t>(v); });
+  return r;
+}
+
+// CPU: the per-row losses (float or double, contiguous) summed in double, in order.
+double sum_cpu(const Tensor& loss_rows) {
+  double s = 0;
+  AT_DISPATCH_FLOATING_TYPES(loss_rows.scalar_type(), "sum_cpu", [&] {
+    const scalar_t* p = loss_rows.const_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < loss_rows.numel(); ++i) s += p[i];
+  });
+  return s;
+}
 
 #ifdef WITH_CUDA
 // The single-block count/sum kernel (CeReduceArgs): the loss (loss_rows defined) or the
@@ -212,9 +243,9 @@ Tensor finalize(const Tensor& loss_rows, const Tensor& target, int64_t ignore, R
     return reduce_cuda(loss_rows, target, ignore, red == Reduction::Mean, Tensor(), loss_rows.options().dtype(out),
                        out);
 #endif
-  const Tensor s = loss_rows.sum();
-  if (red == Reduction::Sum) return s.to(out);
-  return s.div(count_of(target, ignore)).to(out);  // 0 targets: 0 / 0 = nan
+  const double s = sum_cpu(loss_rows);
+  // 0 targets: 0 / 0 = nan, as PyTorch.
+  return cpu_scalar(red == Reduction::Mean ? s / kept_cpu(target, ignore) : s, {}, loss_rows.options().dtype(out));
 }
 
 // ---- cross_entropy ---------------------------------------------------------------
@@ -289,8 +320,8 @@ Tensor cross_entropy_backward_impl(const Tensor& grad_loss, const Tensor& logits
             .reshape({1});
 #endif
   } else {
-    const Tensor g = grad_loss.to(acc);
-    scale = red == Reduction::Sum ? g.reshape({1}) : g.div(count_of(target, ignore)).reshape({1});
+    const double g = grad_loss.item<double>();  // on the CPU: no sync
+    scale = cpu_scalar(red == Reduction::Sum ? g : g / kept_cpu(target, ignore), {1}, logits.options().dtype(acc));
   }
   const bool cpu_half = logits.device().is_cpu() && is_half(logits.scalar_type());
   Tensor grad = empty_grad_like(logits, logits.options());
@@ -384,8 +415,7 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
                   .reshape({1});
 #endif
     if (cpu) {
-      scale = at::ones({1}, hidden.options().dtype(acc));
-      if (red == Reduction::Mean) scale.div_(count_of(t1, ignore));
+      scale = cpu_scalar(red == Reduction::Mean ? 1.0 / kept_cpu(t1, ignore) : 1.0, {1}, hidden.options().dtype(acc));
     }
   }
   // fp16: the per-element gradient (p - onehot) / count falls below fp16's range at large
