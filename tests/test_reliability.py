@@ -798,6 +798,74 @@ def test_double_backward_refused_by_name(device, op):
         penalty.backward()
 
 
+# Every op's C++ Autograd kernel calls the kernel directly when nothing is differentiated
+# (no_grad, eval, frozen inputs), skipping Function::apply's node and saved data; with an
+# input that requires grad it builds the node. fn(device, g) -> (call, float inputs).
+
+
+def _rotary_call(d, g):
+    cos, sin = (torch.randn(2, 5, 8, generator=g, dtype=torch.float64).to(d) for _ in range(2))
+    return (lambda q, k: torch.cat(gp.rotary(q, k, cos, sin), 0),
+            (_dd(2, 5, 8, device=d, g=g), _dd(2, 5, 8, device=d, g=g)))
+
+
+AUTOGRAD_CALLS = {
+    "softmax": lambda d, g: (lambda x: gp.softmax(x, -1), (_dd(4, 7, device=d, g=g),)),
+    "log_softmax": lambda d, g: (lambda x: gp.log_softmax(x, 0), (_dd(4, 7, device=d, g=g),)),
+    "layer_norm": lambda d, g: (gp.layer_norm, (_dd(3, 8, device=d, g=g), _dd(8, device=d, g=g),
+                                                _dd(8, device=d, g=g))),
+    "rms_norm": lambda d, g: (gp.rms_norm, (_dd(3, 8, device=d, g=g), _dd(8, device=d, g=g))),
+    "fused_layernorm_linear": lambda d, g: (gp.fused_layernorm_linear,
+                                            (_dd(3, 8, device=d, g=g), _dd(8, device=d, g=g), _dd(8, device=d, g=g),
+                                             _dd(5, 8, device=d, g=g), _dd(5, device=d, g=g))),
+    "fused_rmsnorm_linear": lambda d, g: (gp.fused_rmsnorm_linear,
+                                          (_dd(3, 8, device=d, g=g), _dd(8, device=d, g=g), _dd(5, 8, device=d, g=g),
+                                           _dd(5, device=d, g=g))),
+    "attention": lambda d, g: (lambda q, k, v: gp.attention(q, k, v, causal=True),
+                               tuple(_dd(2, 5, 8, device=d, g=g) for _ in range(3))),
+    "cross_entropy": lambda d, g: (lambda x: gp.cross_entropy(x, torch.tensor(_TARGET, device=d)),
+                                   (_dd(4, 7, device=d, g=g),)),
+    "fused_linear_cross_entropy": lambda d, g: (
+        lambda h, w: gp.fused_linear_cross_entropy(h, w, torch.tensor(_TARGET, device=d)),
+        (_dd(4, 8, device=d, g=g), _dd(7, 8, device=d, g=g))),
+    "conv1d": lambda d, g: (lambda x, w, b: gp.conv1d(x, w, b, causal=True),
+                            (_dd(2, 3, 9, device=d, g=g), _dd(3, 4, device=d, g=g), _dd(3, device=d, g=g))),
+    "embedding": lambda d, g: (lambda w: gp.embedding(torch.tensor([[1, 4], [0, 4]], device=d), w),
+                               (_dd(6, 8, device=d, g=g),)),
+    "gated_act": lambda d, g: (gp.gated_act, (_dd(3, 8, device=d, g=g), _dd(3, 8, device=d, g=g))),
+    "rotary": _rotary_call,
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(AUTOGRAD_CALLS))
+def test_undifferentiated_call_equals_the_differentiated_one(device, name):
+    fn, inputs = AUTOGRAD_CALLS[name](device, torch.Generator().manual_seed(6))
+    graphed = fn(*inputs)
+    assert graphed.requires_grad and graphed.grad_fn is not None
+    with torch.no_grad():
+        plain = fn(*inputs)
+    frozen = fn(*[t.detach() for t in inputs])  # grad mode on, nothing requires grad
+    for out in (plain, frozen):
+        assert not out.requires_grad and out.grad_fn is None
+        assert torch.equal(out, graphed.detach()), name
+    torch.autograd.grad(graphed.sum(), inputs, allow_unused=True)  # the node still differentiates
+
+
+@pytest.mark.parametrize("name", list(AUTOGRAD_CALLS))
+def test_forward_mode_ad_is_refused_not_dropped(name):
+    """A tangent on an input (torch.func.jvp, forward-mode AD) raises: the ops have no forward
+    derivative, and returning the primal without its tangent would be silently wrong."""
+    import torch.autograd.forward_ad as fwAD
+
+    fn, inputs = AUTOGRAD_CALLS[name]("cpu", torch.Generator().manual_seed(7))
+    inputs = [t.detach() for t in inputs]
+    with fwAD.dual_level():
+        dual = [fwAD.make_dual(t, torch.ones_like(t)) for t in inputs]
+        with pytest.raises(RuntimeError, match="jvp"):
+            fn(*dual)
+
+
 def test_naive_kernel_is_forward_only_through_the_op():
     args = [torch.randn(3, 8, dtype=torch.float64, requires_grad=True) if i == 0 else
             torch.randn(*s, dtype=torch.float64) for i, s in enumerate([(3, 8), (8,), (8,), (5, 8), (5,)])]

@@ -9,17 +9,16 @@ using Tensor = at::Tensor;
 using Tensor2 = std::tuple<Tensor, Tensor>;
 using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
 
+using ForwardSig = Tensor2(const Tensor&, const Tensor&, const Tensor&, c10::optional<double>, bool, bool);
+const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
+  static const auto op = typed_op<ForwardSig>("gpu_puzzles::attention");
+  return op;
+}
+
 struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                c10::optional<double> scale, bool causal, bool enable_gqa) {
-    static const auto op =
-        typed_op<Tensor2(const Tensor&, const Tensor&, const Tensor&, c10::optional<double>, bool, bool)>(
-            "gpu_puzzles::attention");
-    Tensor out, lse;
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(out, lse) = op.call(q, k, v, scale, causal, enable_gqa);
-    }
+    auto [out, lse] = below_autograd([&] { return forward_op().call(q, k, v, scale, causal, enable_gqa); });
     // The backward recomputes the probabilities from lse: nothing S x S is kept.
     ctx->save_for_backward({q, k, v, out, lse});
     non_differentiable(ctx, {lse});
@@ -86,6 +85,8 @@ struct MatmulFunction : public torch::autograd::Function<MatmulFunction> {
 
 Tensor2 attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, c10::optional<double> scale, bool causal,
                            bool enable_gqa) {
+  if (!needs_autograd(q, k, v))
+    return below_autograd([&] { return forward_op().call(q, k, v, scale, causal, enable_gqa); });
   auto r = AttentionFunction::apply(q, k, v, scale, causal, enable_gqa);
   return {r[0], r[1]};
 }

@@ -51,6 +51,21 @@ bool differentiated(Args&&... inputs) {
   return torch::autograd::compute_requires_grad(std::forward<Args>(inputs)...);
 }
 
+namespace detail {
+inline bool has_tangent(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
+inline bool has_tangent(const c10::optional<at::Tensor>& t) { return t.has_value() && has_tangent(*t); }
+}  // namespace detail
+
+// The call needs an autograd node: some input is being differentiated, or carries a
+// forward-mode tangent (which Function::apply refuses, naming jvp, where the kernel alone
+// would drop it). Otherwise (inference, eval, no_grad, frozen inputs) the op's kernel is
+// called below autograd directly: Function::apply would still build a node, its saved
+// data and the outputs' wrapping for nothing, ~2 us a call. Pass the tensor arguments.
+template <typename... Args>
+bool needs_autograd(const Args&... inputs) {
+  return differentiated(inputs...) || (detail::has_tangent(inputs) || ...);
+}
+
 // Outputs computed below autograd that have no derivative here: they take a node whose
 // backward raises `msg`, as ATen's not-implemented derivatives do. `inputs`: the edges to the
 // arguments (torch::autograd::collect_next_edges).

@@ -11,17 +11,21 @@ using ForwardSig = Tensor(const Tensor&, const Tensor&, const c10::optional<Tens
 using BackwardSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, bool,
                                                        c10::string_view);
 
+const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
+  static const auto op = typed_op<ForwardSig>("gpu_puzzles::conv1d");
+  return op;
+}
+
 struct Conv1dFunction : public torch::autograd::Function<Conv1dFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
                         bool causal, c10::string_view algorithm) {
-    static const auto op = typed_op<ForwardSig>("gpu_puzzles::conv1d");
     ctx->save_for_backward({x, weight});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["algorithm"] = std::string(algorithm);
     // The bias gradient comes back as (C,); a 0-d bias (1-D x) wants it 0-d.
     ctx->saved_data["bias_dim"] = bias.has_value() ? bias->dim() : int64_t(-1);
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, weight, bias, causal, algorithm);
+    return forward_op().call(x, weight, bias, causal, algorithm);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -38,6 +42,8 @@ struct Conv1dFunction : public torch::autograd::Function<Conv1dFunction> {
 
 Tensor conv1d_autograd(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias, bool causal,
                        c10::string_view algorithm) {
+  if (!needs_autograd(x, weight, bias))
+    return below_autograd([&] { return forward_op().call(x, weight, bias, causal, algorithm); });
   return Conv1dFunction::apply(x, weight, bias, causal, algorithm);
 }
 

@@ -22,16 +22,18 @@ using OptCap = c10::optional<double>;
 using BackwardSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, c10::string_view,
                            OptCap);
 
+using ForwardSig = Tensor2(const Tensor&, const Tensor&, int64_t, c10::string_view, c10::optional<at::ScalarType>,
+                           OptCap);
+const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
+  static const auto op = typed_op<ForwardSig>("gpu_puzzles::cross_entropy");
+  return op;
+}
+
 struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target, int64_t ignore_index,
                                c10::string_view reduction, c10::optional<at::ScalarType> loss_dtype, OptCap softcap) {
-    static const auto op = typed_op<Tensor2(const Tensor&, const Tensor&, int64_t, c10::string_view,
-                                            c10::optional<at::ScalarType>, OptCap)>("gpu_puzzles::cross_entropy");
-    Tensor loss, lse;
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(loss, lse) = op.call(logits, target, ignore_index, reduction, loss_dtype, softcap);
-    }
+    auto [loss, lse] =
+        below_autograd([&] { return forward_op().call(logits, target, ignore_index, reduction, loss_dtype, softcap); });
     ctx->save_for_backward({logits, target, lse});
     non_differentiable(ctx, {lse});
     ctx->saved_data["ignore_index"] = ignore_index;
@@ -55,18 +57,20 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
 using FusedSig = Tensor4(const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&, int64_t,
                          c10::string_view, std::array<bool, 3>, c10::optional<at::ScalarType>, OptCap);
 
+const c10::TypedOperatorHandle<FusedSig>& fused_op() {
+  static const auto op = typed_op<FusedSig>("gpu_puzzles::fused_linear_cross_entropy");
+  return op;
+}
+
 struct FusedLinearCeFunction : public torch::autograd::Function<FusedLinearCeFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight, const Tensor& target,
                                const c10::optional<Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
                                bool need_h, bool need_w, bool need_b, c10::optional<at::ScalarType> loss_dtype,
                                OptCap softcap) {
-    static const auto op = typed_op<FusedSig>("gpu_puzzles::fused_linear_cross_entropy");
-    Tensor loss, gh, gw, gb;
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(loss, gh, gw, gb) = op.call(hidden, weight, target, bias, ignore_index, reduction,
-                                           std::array<bool, 3>{need_h, need_w, need_b}, loss_dtype, softcap);
-    }
+    auto [loss, gh, gw, gb] = below_autograd([&] {
+      return fused_op().call(hidden, weight, target, bias, ignore_index, reduction,
+                             std::array<bool, 3>{need_h, need_w, need_b}, loss_dtype, softcap);
+    });
     ctx->save_for_backward({gh, gw, gb});
     non_differentiable(ctx, {gh, gw, gb});
     ctx->saved_data["need_h"] = need_h;
@@ -121,6 +125,11 @@ struct FusedLinearCeFunction : public torch::autograd::Function<FusedLinearCeFun
 Tensor4 fused_autograd(const Tensor& hidden, const Tensor& weight, const Tensor& target,
                        const c10::optional<Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
                        std::array<bool, 3> output_mask, c10::optional<at::ScalarType> loss_dtype, OptCap softcap) {
+  // Nothing to differentiate: the gradients the caller asked for (output_mask) only.
+  if (!needs_autograd(hidden, weight, bias))
+    return below_autograd([&] {
+      return fused_op().call(hidden, weight, target, bias, ignore_index, reduction, output_mask, loss_dtype, softcap);
+    });
   // Gradients only where autograd will ask for them (or the caller did).
   const bool grad = at::GradMode::is_enabled();
   const bool has_bias = bias.has_value() && bias->defined();
@@ -163,6 +172,9 @@ Tensor cross_entropy_backward_autograd(const Tensor& grad_loss, const Tensor& lo
 
 Tensor2 cross_entropy_autograd(const Tensor& logits, const Tensor& target, int64_t ignore_index,
                                c10::string_view reduction, c10::optional<at::ScalarType> loss_dtype, OptCap softcap) {
+  if (!needs_autograd(logits))
+    return below_autograd(
+        [&] { return forward_op().call(logits, target, ignore_index, reduction, loss_dtype, softcap); });
   auto r = CrossEntropyFunction::apply(logits, target, ignore_index, reduction, loss_dtype, softcap);
   return {r[0], r[1]};
 }

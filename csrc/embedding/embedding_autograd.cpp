@@ -10,16 +10,20 @@ using ForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, c10::optiona
 using BackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymInt, c10::optional<int64_t>, bool,
                                c10::string_view);
 
+const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
+  static const auto op = typed_op<ForwardSig>("gpu_puzzles::embedding");
+  return op;
+}
+
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& indices, const at::Tensor& weight,
                             c10::optional<int64_t> padding_idx, c10::string_view algorithm) {
-    static const auto op = typed_op<ForwardSig>("gpu_puzzles::embedding");
     ctx->save_for_backward({indices});
     ctx->saved_data["num_weights"] = weight.sym_size(0);
     ctx->saved_data["padding_idx"] = padding_idx;
     ctx->saved_data["algorithm"] = std::string(algorithm);
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(indices, weight, padding_idx, algorithm);
+    return forward_op().call(indices, weight, padding_idx, algorithm);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -36,6 +40,8 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
 
 at::Tensor embedding_autograd(const at::Tensor& indices, const at::Tensor& weight, c10::optional<int64_t> padding_idx,
                               c10::string_view algorithm) {
+  if (!needs_autograd(weight))
+    return below_autograd([&] { return forward_op().call(indices, weight, padding_idx, algorithm); });
   return EmbeddingFunction::apply(indices, weight, padding_idx, algorithm);
 }
 

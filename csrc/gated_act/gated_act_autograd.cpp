@@ -18,13 +18,17 @@ const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
   return op;
 }
 
+const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
+  static const auto op = typed_op<ForwardSig>("gpu_puzzles::gated_act");
+  return op;
+}
+
 struct GatedActFunction : public torch::autograd::Function<GatedActFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up, c10::string_view activation) {
-    static const auto op = typed_op<ForwardSig>("gpu_puzzles::gated_act");
     ctx->save_for_backward({gate, up});
     ctx->saved_data["activation"] = std::string(activation);
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(gate, up, activation);
+    return forward_op().call(gate, up, activation);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -38,6 +42,7 @@ struct GatedActFunction : public torch::autograd::Function<GatedActFunction> {
 // again, it raises naming the op).
 TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
   m.impl("gated_act", [](const Tensor& gate, const Tensor& up, c10::string_view activation) {
+    if (!needs_autograd(gate, up)) return below_autograd([&] { return forward_op().call(gate, up, activation); });
     return GatedActFunction::apply(gate, up, activation);
   });
   m.impl("gated_act_backward", [](const Tensor& g, const Tensor& gate, const Tensor& up, c10::string_view activation) {

@@ -15,14 +15,18 @@ using Tensor4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 using Tensor5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
+  static const auto& forward_op() {
+    static const auto handle =
+        typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, double)>("gpu_puzzles::layer_norm");
+    return handle;
+  }
+
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const Tensor& bias,
                                double eps) {
-    static const auto op =
-        typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, double)>("gpu_puzzles::layer_norm");
     Tensor y, mean, rstd;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(y, mean, rstd) = op.call(x, weight, bias, eps);
+      std::tie(y, mean, rstd) = forward_op().call(x, weight, bias, eps);
     }
     ctx->save_for_backward({x, weight, mean, rstd});
     non_differentiable(ctx, {mean, rstd});
@@ -40,15 +44,19 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
 };
 
 struct FusedFunction : public torch::autograd::Function<FusedFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& ln_weight, const Tensor& ln_bias,
-                               const Tensor& linear_weight, const c10::optional<Tensor>& linear_bias, double eps) {
-    static const auto op =
+  static const auto& forward_op() {
+    static const auto handle =
         typed_op<Tensor3(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&,
                          double)>("gpu_puzzles::fused_layernorm_linear");
+    return handle;
+  }
+
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& ln_weight, const Tensor& ln_bias,
+                               const Tensor& linear_weight, const c10::optional<Tensor>& linear_bias, double eps) {
     Tensor y, mean, rstd;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(y, mean, rstd) = op.call(x, ln_weight, ln_bias, linear_weight, linear_bias, eps);
+      std::tie(y, mean, rstd) = forward_op().call(x, ln_weight, ln_bias, linear_weight, linear_bias, eps);
     }
     ctx->save_for_backward({x, ln_weight, ln_bias, linear_weight, mean, rstd});
     non_differentiable(ctx, {mean, rstd});
@@ -74,12 +82,16 @@ struct FusedFunction : public torch::autograd::Function<FusedFunction> {
 };
 
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+  static const auto& forward_op() {
+    static const auto handle = typed_op<Tensor2(const Tensor&, const Tensor&, double)>("gpu_puzzles::rms_norm");
+    return handle;
+  }
+
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps) {
-    static const auto op = typed_op<Tensor2(const Tensor&, const Tensor&, double)>("gpu_puzzles::rms_norm");
     Tensor y, rstd;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(y, rstd) = op.call(x, weight, eps);
+      std::tie(y, rstd) = forward_op().call(x, weight, eps);
     }
     ctx->save_for_backward({x, weight, rstd});
     non_differentiable(ctx, {rstd});
@@ -97,15 +109,19 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 };
 
 struct FusedRmsFunction : public torch::autograd::Function<FusedRmsFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& norm_weight,
-                               const Tensor& linear_weight, const c10::optional<Tensor>& linear_bias, double eps) {
-    static const auto op =
+  static const auto& forward_op() {
+    static const auto handle =
         typed_op<Tensor2(const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&, double)>(
             "gpu_puzzles::fused_rmsnorm_linear");
+    return handle;
+  }
+
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& norm_weight,
+                               const Tensor& linear_weight, const c10::optional<Tensor>& linear_bias, double eps) {
     Tensor y, rstd;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(y, rstd) = op.call(x, norm_weight, linear_weight, linear_bias, eps);
+      std::tie(y, rstd) = forward_op().call(x, norm_weight, linear_weight, linear_bias, eps);
     }
     ctx->save_for_backward({x, norm_weight, linear_weight, rstd});
     non_differentiable(ctx, {rstd});
@@ -211,24 +227,35 @@ Tensor naive_autograd(const Tensor& x, const Tensor& lw, const Tensor& lb, const
 }
 
 Tensor2 rms_norm_autograd(const Tensor& x, const Tensor& weight, double eps) {
-  auto r = RmsNormFunction::apply(x, weight, eps);
+  using F = RmsNormFunction;
+  if (!needs_autograd(x, weight)) return below_autograd([&] { return F::forward_op().call(x, weight, eps); });
+  auto r = F::apply(x, weight, eps);
   return {r[0], r[1]};
 }
 
 Tensor2 fused_rms_autograd(const Tensor& x, const Tensor& norm_weight, const Tensor& linear_weight,
                            const c10::optional<Tensor>& linear_bias, double eps) {
-  auto r = FusedRmsFunction::apply(x, norm_weight, linear_weight, linear_bias, eps);
+  using F = FusedRmsFunction;
+  if (!needs_autograd(x, norm_weight, linear_weight, linear_bias))
+    return below_autograd([&] { return F::forward_op().call(x, norm_weight, linear_weight, linear_bias, eps); });
+  auto r = F::apply(x, norm_weight, linear_weight, linear_bias, eps);
   return {r[0], r[1]};
 }
 
 Tensor3 layer_norm_autograd(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
-  auto r = LayerNormFunction::apply(x, weight, bias, eps);
+  using F = LayerNormFunction;
+  if (!needs_autograd(x, weight, bias))
+    return below_autograd([&] { return F::forward_op().call(x, weight, bias, eps); });
+  auto r = F::apply(x, weight, bias, eps);
   return {r[0], r[1], r[2]};
 }
 
 Tensor3 fused_autograd(const Tensor& x, const Tensor& ln_weight, const Tensor& ln_bias, const Tensor& linear_weight,
                        const c10::optional<Tensor>& linear_bias, double eps) {
-  auto r = FusedFunction::apply(x, ln_weight, ln_bias, linear_weight, linear_bias, eps);
+  using F = FusedFunction;
+  if (!needs_autograd(x, ln_weight, ln_bias, linear_weight, linear_bias))
+    return below_autograd([&] { return F::forward_op().call(x, ln_weight, ln_bias, linear_weight, linear_bias, eps); });
+  auto r = F::apply(x, ln_weight, ln_bias, linear_weight, linear_bias, eps);
   return {r[0], r[1], r[2]};
 }
 

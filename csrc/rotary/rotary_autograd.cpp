@@ -17,14 +17,18 @@ const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
   return op;
 }
 
+const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
+  static const auto op = typed_op<ForwardSig>("gpu_puzzles::rotary");
+  return op;
+}
+
 struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
                                const Tensor& sin) {
-    static const auto op = typed_op<ForwardSig>("gpu_puzzles::rotary");
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["dtype"] = q.scalar_type();
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [qo, ko] = op.call(q, k, cos, sin);
+    auto [qo, ko] = forward_op().call(q, k, cos, sin);
     return {qo, ko};
   }
 
@@ -41,6 +45,7 @@ TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
     // (Checked here: Function::forward runs with grad mode off.)
     TORCH_CHECK(!at::GradMode::is_enabled() || (!cos.requires_grad() && !sin.requires_grad()),
                 "rotary: cos and sin must not require grad (the op gives no gradient for them); pass them detached");
+    if (!needs_autograd(q, k, cos, sin)) return below_autograd([&] { return forward_op().call(q, k, cos, sin); });
     auto out = RotaryFunction::apply(q, k, cos, sin);
     return {out[0], out[1]};
   });

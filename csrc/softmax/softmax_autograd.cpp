@@ -14,13 +14,13 @@ template <bool Log>
 struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction<Log>> {
   static constexpr const char* kName = Log ? "gpu_puzzles::log_softmax" : "gpu_puzzles::softmax";
 
+  static const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
+    static const auto handle = typed_op<ForwardSig>(kName);
+    return handle;
+  }
+
   static Tensor forward(AutogradContext* ctx, const Tensor& x, int64_t dim, c10::string_view algorithm) {
-    static const auto op = typed_op<ForwardSig>(kName);
-    Tensor y;
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      y = op.call(x, dim, algorithm);
-    }
+    const Tensor y = below_autograd([&] { return forward_op().call(x, dim, algorithm); });
     ctx->save_for_backward({y});  // the output, not the input: all the backward needs
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["algorithm"] = std::string(algorithm);
@@ -54,18 +54,18 @@ Tensor softmax_backward_autograd(const Tensor& g, const Tensor& y, int64_t dim, 
   return below_autograd([&] { return op.call(g, y, dim, algorithm); });
 }
 
+template <bool Log>
 Tensor softmax_autograd(const Tensor& x, int64_t dim, c10::string_view algorithm) {
-  return SoftmaxFunction<false>::apply(x, dim, algorithm);
-}
-Tensor log_softmax_autograd(const Tensor& x, int64_t dim, c10::string_view algorithm) {
-  return SoftmaxFunction<true>::apply(x, dim, algorithm);
+  using F = SoftmaxFunction<Log>;
+  if (!needs_autograd(x)) return below_autograd([&] { return F::forward_op().call(x, dim, algorithm); });
+  return F::apply(x, dim, algorithm);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gpu_puzzles, Autograd, m) {
-  m.impl("softmax", &softmax_autograd);
-  m.impl("log_softmax", &log_softmax_autograd);
+  m.impl("softmax", &softmax_autograd<false>);
+  m.impl("log_softmax", &softmax_autograd<true>);
   m.impl("softmax_backward", &softmax_backward_autograd<false>);
   m.impl("log_softmax_backward", &softmax_backward_autograd<true>);
 }
