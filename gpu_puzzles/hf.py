@@ -24,8 +24,8 @@ Families and what they get:
   OLMo 2's q/k norms; Phi-3's norms fused into the qkv_proj and gate_up_proj after them
   (``fused_rmsnorm_linear``), and the other families' norm before q/k/v into them under
   autocast with float32 weights (one GEMM over the weights' cast copies, concatenated in the
-  cast); the gated MLP's act(gate) * up (``gated_act``: SwiGLU, Gemma's GeGLU); with
-  ``rotary=True``, RoPE on q and k (``rotary``, Phi-3's partial rotary too); attention (GQA);
+  cast); the gated MLP's act(gate) * up (``gated_act``: SwiGLU, Gemma's GeGLU); RoPE on q and
+  k (``rotary``, Phi-3's partial rotary too); attention (GQA);
   the LM loss.
 - Vision-language models whose language model (``model.model.language_model``) is one of the
   above (Gemma 3, PaliGemma, LLaVA, Mistral 3, ...), or Qwen2-VL's / Qwen2.5-VL's / Qwen3-VL's
@@ -1101,12 +1101,12 @@ def _wrapped(model: nn.Module) -> Optional[nn.Module]:
 
 
 def patch(model: nn.Module, *, embeddings: bool = True, norms: bool = True, attention: bool = True,
-          loss: bool = True, fused_loss: bool = False, mlp: bool = True, rotary: bool = False) -> PatchReport:
+          loss: bool = True, fused_loss: bool = False, mlp: bool = True, rotary: bool = True) -> PatchReport:
     """Route ``model``'s compute through gpu_puzzles ops in place; returns a :class:`PatchReport`.
 
     ``embeddings``, ``norms`` (norms and the norm+linear fusions), ``attention``, ``loss``,
-    ``mlp`` (a decoder's gated MLP: ``gated_act``) and ``rotary`` (a decoder's RoPE; opt-in until
-    its CUDA kernel has been run and timed on the GPU) pick what is patched. ``fused_loss`` (with
+    ``mlp`` (a decoder's gated MLP: ``gated_act``) and ``rotary`` (a decoder's RoPE in eager;
+    compiled, inductor fuses stock's) pick what is patched. ``fused_loss`` (with
     ``loss``): in training with labels, the LM head and the loss run fused and
     ``outputs.logits`` is None (the logits are never stored).
     An architecture it does not know is left untouched (the report says so). Patching a

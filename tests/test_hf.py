@@ -95,15 +95,15 @@ def test_our_ops_run(name):
     else:
         qk_norms = 2 * layers if name == "qwen3" else 0
         assert counts["rms_norm"] == 2 * layers + 1 + qk_norms and counts["embedding"] == 1
-        assert counts["rotary"] == 0, counts  # opt-in (patch(rotary=True))
+        assert counts["rotary"] == layers and counts["rotary_backward"] == layers, counts
 
 
 def test_rotary_only_in_patched_models():
     """The family's apply_rotary_pos_emb is replaced module-wide, but runs ``rotary`` only inside a
-    model patched with rotary=True: an unpatched Llama in the same process, and one patched
-    without it, keep the stock function's path and its numbers."""
-    stock, ours, report = _pair("llama", rotary=True)
-    _, no_rope, report_no = _pair("llama")
+    model patched with it (the default): an unpatched Llama in the same process, and one patched
+    with rotary=False, keep the stock function's path and its numbers."""
+    stock, ours, report = _pair("llama")
+    _, no_rope, report_no = _pair("llama", rotary=False)
     assert report.swapped["model.layers.0.self_attn.rotary"].startswith("rotary")
     assert not any("rotary" in k for k in report_no.swapped)
     ids = model_bench.batch("llama", "cpu", small=True)
