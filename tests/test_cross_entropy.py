@@ -480,6 +480,25 @@ def _fused_ref(h, w, t, b, reduction, ignore=-100, softcap=None):
     return loss.detach(), torch.autograd.grad(loss, inputs)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_auto_chunks_many_rows(device):
+    # Past the plan's 4096 rows per chunk: 9001 rows run as 3 equal chunks (3001, 3001, 2999),
+    # the weight and bias gradients summed across them; float64, against the unfused math.
+    N, H, V = 9001, 16, 11
+    h = _logits((N, H), device, torch.float64, seed=36).requires_grad_()
+    w = _logits((V, H), device, torch.float64, seed=37).requires_grad_()
+    b = _logits((V,), device, torch.float64, seed=38).requires_grad_()
+    t = _targets((N,), V, device, seed=39)
+    t[::7] = -100
+    for reduction in ("mean", "sum"):
+        loss = gp.fused_linear_cross_entropy(h, w, t, b, reduction=reduction)
+        grads = torch.autograd.grad(loss, (h, w, b))
+        ref, rgrads = _fused_ref(h, w, t, b, reduction)
+        torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+        for g, r in zip(grads, rgrads):
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("device,dtype", device_dtypes())
 @pytest.mark.parametrize("chunk", [None, "1", "3", "8", "64"])  # 8: 37 rows end in a partial chunk
 @pytest.mark.parametrize("bias", [False, True])
