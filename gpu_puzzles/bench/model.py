@@ -17,6 +17,7 @@ per-op breakdown: one profiled step's CUDA kernels, each and summed by group (``
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -190,7 +191,7 @@ def _run_together(name, variants, compiled, device, steps, turns, warmup, profil
     """The variants built and warmed up, then taking turns. peak_GiB is what a variant alone
     would hold: its own state plus its steps' peak above everything allocated before them."""
     torch._dynamo.reset()
-    torch.cuda.empty_cache()
+    _free_memory()
     mode = "compile" if compiled else "eager"
     prepared, rows = {}, {}
     for variant in variants:
@@ -220,8 +221,17 @@ def _run_together(name, variants, compiled, device, steps, turns, warmup, profil
         rows[variant] = row
     del prepared
     torch._dynamo.reset()
-    torch.cuda.empty_cache()
+    _free_memory()
     return [rows[v] for v in variants if v in rows]
+
+
+def _free_memory():
+    """The models of the previous case freed before the next is built: the first model a process
+    builds (stock or patched) sits in a reference cycle, so ``del`` alone left its parameters and
+    optimizer state on the GPU until Python's collector ran (likely why an H100 run's stock amp
+    row ran out of memory after the bf16 case)."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _error_row(name, variant, mode, e, precision="bf16", ckpt=None):
@@ -348,7 +358,7 @@ def run_trainer(name, variants, device, precision="amp", ckpt=None, steps=10, wa
             self.t.append(time.perf_counter())
 
     for variant in variants:
-        torch.cuda.empty_cache()
+        _free_memory()  # the previous variant's model too: its peak is read absolute below
         try:
             model = build(name, device, dtype=param_dtype)
             grad_ckpt(model, ckpt)

@@ -172,9 +172,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     computed in float32 and rounded). CUDA: float32, float64, float16, bfloat16, head dims up
     to 256; half types at D = 64 and 128 run the tensor-core kernels, everything else portable
     SIMT kernels that are far slower (D = 256, (4,8,4,2048) GQA causal on an H100: 28 ms forward
-    against SDPA's 0.15 ms), which is why ``hf.patch`` hands those head dims to SDPA. ``algorithm="unfused"``: the curriculum's chain, our
-    :func:`transpose_last2`, tiled :func:`matmul`, softmax and matmul, with the
-    ``(..., Sq, Sk)`` scores and probabilities in memory (O(S^2)); kept for the comparison.
+    against SDPA's 0.15 ms), which is why ``hf.patch`` hands those head dims to SDPA.
+    ``algorithm="unfused"``: the curriculum's chain, our :func:`transpose_last2`, tiled
+    :func:`matmul`, softmax and matmul, with the ``(..., Sq, Sk)`` scores and probabilities in
+    memory (O(S^2)); kept for the comparison.
     Both are differentiable in q, k, v.
 
     The arguments are ``F.scaled_dot_product_attention``'s, in its order: ``is_causal`` is a
