@@ -178,6 +178,9 @@ def main():
                                "each rank's median after warm-up", rows=rows)
             with open(args.json, "w") as f:
                 json.dump(meta, f, indent=1)
+    # Both ranks tear down together: rank 1 destroying gloo's group while rank 0 still wrote its
+    # results aborted rank 1 now and then ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
