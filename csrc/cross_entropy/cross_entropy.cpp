@@ -59,22 +59,23 @@ void check_logits(const Tensor& logits, const char* op) {
   TORCH_CHECK(logits.size(-1) >= 1, op, ": logits must have at least one class (last dim), got shape ", logits.sizes());
 }
 
-// CPU: every target in [0, V) or equal to ignore_index.
-// One pass over the indices (a chain of tensor ops cost ~30 us a call at small sizes).
-void check_target_range(const Tensor& target, int64_t V, int64_t ignore, const char* op) {
-  if (target.numel() == 0) return;
+// CPU: how many targets are not ignore_index (the mean's count) and, with V > 0, that every
+// target is in [0, V) or ignore_index. One pass over the indices: a chain of tensor ops (the
+// range check, ne + sum) cost ~30 us a call at small sizes. CUDA counts in its reduce kernel.
+double kept_targets_cpu(const Tensor& target, int64_t ignore, int64_t V, const char* op) {
   const Tensor t = target.contiguous();
   const auto scan = [&](const auto* p) {
+    int64_t kept = 0;
     for (int64_t i = 0; i < t.numel(); ++i) {
       const int64_t v = p[i];
-      TORCH_CHECK(v == ignore || (v >= 0 && v < V), op, ": target holds ", v, " at flat position ", i, ", outside [0, ",
-                  V, ") and not ignore_index (", ignore, ")");
+      TORCH_CHECK(V <= 0 || v == ignore || (v >= 0 && v < V), op, ": target holds ", v, " at flat position ", i,
+                  ", outside [0, ", V, ") and not ignore_index (", ignore, ")");
+      kept += v != ignore;
     }
+    return kept;
   };
-  if (t.scalar_type() == at::kLong)
-    scan(t.const_data_ptr<int64_t>());
-  else
-    scan(t.const_data_ptr<int32_t>());
+  return static_cast<double>(t.scalar_type() == at::kLong ? scan(t.const_data_ptr<int64_t>())
+                                                          : scan(t.const_data_ptr<int32_t>()));
 }
 
 // softcap: None (0: off) or a positive finite number.
@@ -180,19 +181,6 @@ void backward_rows(const Tensor& logits, const Tensor& target, const Tensor& lse
   launch_backward(a, cpu);
 }
 
-// CPU: the targets that are not ignore_index, counted in one pass (ne + sum cost two
-// ATen calls). CUDA counts inside its reduce kernel.
-double kept_cpu(const Tensor& target, int64_t ignore) {
-  const Tensor t = target.contiguous();
-  const auto count = [&](const auto* p) {
-    int64_t n = 0;
-    for (int64_t i = 0; i < t.numel(); ++i) n += p[i] != ignore;
-    return n;
-  };
-  return static_cast<double>(t.scalar_type() == at::kLong ? count(t.const_data_ptr<int64_t>())
-                                                          : count(t.const_data_ptr<int32_t>()));
-}
-
 // CPU: a tensor of `shape` (0-d or (1,)) holding v, written in place: the loss's few
 // scalar steps as ATen ops (sum, div by a wrapped scalar, cast) cost ~4 us each, several
 // times the kernel at a small batch.
@@ -235,8 +223,10 @@ Tensor reduce_cuda(const Tensor& loss_rows, const Tensor& target, int64_t ignore
 }
 #endif
 
-// The loss from the per-row losses (0 at ignored rows): as is, summed, or over the count.
-Tensor finalize(const Tensor& loss_rows, const Tensor& target, int64_t ignore, Reduction red, at::ScalarType out) {
+// The loss from the per-row losses (0 at ignored rows): as is, summed, or over the count
+// (`kept`: the CPU's, from kept_targets_cpu).
+Tensor finalize(const Tensor& loss_rows, const Tensor& target, int64_t ignore, Reduction red, at::ScalarType out,
+                double kept) {
   if (red == Reduction::None) return loss_rows.view(target.sizes()).to(out);
 #ifdef WITH_CUDA
   if (loss_rows.is_cuda())
@@ -245,7 +235,7 @@ Tensor finalize(const Tensor& loss_rows, const Tensor& target, int64_t ignore, R
 #endif
   const double s = sum_cpu(loss_rows);
   // 0 targets: 0 / 0 = nan, as PyTorch.
-  return cpu_scalar(red == Reduction::Mean ? s / kept_cpu(target, ignore) : s, {}, loss_rows.options().dtype(out));
+  return cpu_scalar(red == Reduction::Mean ? s / kept : s, {}, loss_rows.options().dtype(out));
 }
 
 // ---- cross_entropy ---------------------------------------------------------------
@@ -268,7 +258,7 @@ Tensor2 cross_entropy_impl(const Tensor& logits, const Tensor& target, int64_t i
   const auto rows_shape = logits.sizes().slice(0, logits.dim() - 1);
   check_target(target, rows_shape, logits, op, "logits");
   const int64_t V = logits.size(-1);
-  if (logits.device().is_cpu()) check_target_range(target, V, ignore, op);
+  const double kept = logits.device().is_cpu() ? kept_targets_cpu(target, ignore, V, op) : 0;
 #ifdef WITH_CUDA
   c10::optional<c10::cuda::CUDAGuard> guard;
   if (logits.is_cuda()) guard.emplace(logits.device());
@@ -277,7 +267,7 @@ Tensor2 cross_entropy_impl(const Tensor& logits, const Tensor& target, int64_t i
   const Tensor loss_rows = at::empty({target.numel()}, logits.options().dtype(acc));
   Tensor lse = at::empty(target.sizes(), logits.options().dtype(acc));
   forward_rows(logits, target, ignore, loss_rows, lse, cap);
-  return {finalize(loss_rows, target, ignore, red, out_type), lse};
+  return {finalize(loss_rows, target, ignore, red, out_type, kept), lse};
 }
 
 Tensor cross_entropy_backward_impl(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
@@ -321,7 +311,8 @@ Tensor cross_entropy_backward_impl(const Tensor& grad_loss, const Tensor& logits
 #endif
   } else {
     const double g = grad_loss.item<double>();  // on the CPU: no sync
-    scale = cpu_scalar(red == Reduction::Sum ? g : g / kept_cpu(target, ignore), {1}, logits.options().dtype(acc));
+    scale = cpu_scalar(red == Reduction::Sum ? g : g / kept_targets_cpu(target, ignore, 0, op), {1},
+                       logits.options().dtype(acc));
   }
   const bool cpu_half = logits.device().is_cpu() && is_half(logits.scalar_type());
   Tensor grad = empty_grad_like(logits, logits.options());
@@ -387,7 +378,7 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
   check_target(target, rows_shape, hidden, op, "hidden");
   const int64_t V = weight.size(0), H = weight.size(1), N = target.numel();
   const bool cpu = hidden.device().is_cpu();
-  if (cpu) check_target_range(target, V, ignore, op);
+  const double kept = cpu ? kept_targets_cpu(target, ignore, V, op) : 0;
   if (cpu && is_half(hidden.scalar_type())) {  // the CPU computes half types in float
     const auto f = [](const Tensor& t) { return t.to(at::kFloat); };
     auto [l, gh, gw, gb] = fused_impl(f(hidden), f(weight), target, has_bias ? c10::optional<Tensor>(f(*bias)) : bias,
@@ -415,7 +406,7 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
                   .reshape({1});
 #endif
     if (cpu) {
-      scale = cpu_scalar(red == Reduction::Mean ? 1.0 / kept_cpu(t1, ignore) : 1.0, {1}, hidden.options().dtype(acc));
+      scale = cpu_scalar(red == Reduction::Mean ? 1.0 / kept : 1.0, {1}, hidden.options().dtype(acc));
     }
   }
   // fp16: the per-element gradient (p - onehot) / count falls below fp16's range at large
@@ -475,7 +466,7 @@ Tensor4 fused_impl(const Tensor& hidden, const Tensor& weight, const Tensor& tar
   wp.reset();
   bp.reset();
   if (want_w && Vp != V) gw = gw.narrow(0, 0, V);
-  const Tensor loss = finalize(loss_rows, t1, ignore, red, out_type);
+  const Tensor loss = finalize(loss_rows, t1, ignore, red, out_type, kept);
   if (late_scale) {
     const Tensor s0 = scale.reshape({});
     if (want_h) gh.mul_(s0);
