@@ -152,6 +152,40 @@ def sanitize_timing(case):
             f.write("%s\t%s\t%.2f\n" % (current_test(), case, time.perf_counter() - t0))
 
 
+
+# Which of our kernels each test launches, test by test: with GPU_PUZZLES_RECORD_TEST_LAUNCHES=<file>
+# every test runs under torch.profiler and appends {"test", "seconds", "launches"} to the file
+# ("launches": null where the test runs a profiler of its own, which stops ours).
+# tools/sanitize_cover.py picks from such a record the tests that together make every launch the
+# whole suite makes: the sanitizer's test list (tools/device_run.sh, step "record").
+_RECORD_TESTS = os.environ.get("GPU_PUZZLES_RECORD_TEST_LAUNCHES")
+
+if _RECORD_TESTS:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(item):
+        import json
+
+        from torch.profiler import ProfilerActivity, profile
+        # (CPU activity without a GPU: no kernels to find, the same path otherwise)
+        prof = profile(activities=[ProfilerActivity.CUDA if HAS_CUDA else ProfilerActivity.CPU])
+        prof.__enter__()
+        t0 = time.perf_counter()
+        yield
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        try:
+            prof.__exit__(None, None, None)
+            launches = _launches(prof)
+        except RuntimeError:  # the test's own profiler ended ours
+            launches = None
+        line = json.dumps({"test": item.nodeid, "seconds": round(seconds, 3), "launches": launches}) + "\n"
+        fd = os.open(_RECORD_TESTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())  # one write per line: xdist workers share the file
+        finally:
+            os.close(fd)
+
 # Under racecheck a test listed in tests/racecheck_cases.json runs only its listed cases
 # (maybe none): cases of the listed tests' racecheck profile that together launch every
 # (kernel, block size, shared memory) all of them launch (recorded on an H100;

@@ -20,7 +20,8 @@
 # SANITIZE_FOREIGN (racecheck: kernel-name substrings whose own reports are counted apart, default nvjet:
 # cuBLAS, see tools/cublas_racecheck_repro.py), SANITIZE_CHUNK (most tests per process, default 25),
 # SANITIZE_SKIP (summary.json files of earlier calls, "{tool}" replaced by the tool: their clean tests are not rerun);
-# SANITIZE_FILES_<tool> and SANITIZE_WORKERS_<tool> override the two for one tool.
+# SANITIZE_FILES_<tool> and SANITIZE_WORKERS_<tool> override the two for one tool; SANITIZE_ONLY
+# (a file of test ids: only those), set by the step "record" to the tests whose launches cover the suite's.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # What a prebuilt .so (tools/prebuild.sh) must match: python, torch, the sources.
@@ -71,10 +72,12 @@ sanitize() {  # $1 = memcheck | racecheck | synccheck; $2 = sanitizer steps runn
   local skip=()
   # shellcheck disable=SC2206
   [ -n "${SANITIZE_SKIP:-}" ] && skip=(--skip ${SANITIZE_SKIP//\{tool\}/$1})
+  # a test list (the record step's cover, or SANITIZE_ONLY): only those tests
+  local only=(); [ -n "${SANITIZE_ONLY:-}" ] && only=(--only "$SANITIZE_ONLY")
   # shellcheck disable=SC2086  # file lists split on spaces on purpose
   python3 tools/sanitize_queue.py --tool "$1" --files $files \
     -k "${SANITIZE_K:-$SANITIZE_K_DEFAULT}" --kernels "$SANITIZE_KERNELS" --exclude-kernels "${SANITIZE_KERNELS_EXCLUDE:-}" --foreign-kernels "${SANITIZE_FOREIGN-nvjet}" --chunk "${SANITIZE_CHUNK:-25}" --unfiltered-files $SANITIZE_UNFILTERED \
-    --workers-per-gpu "$w" --deadline "${SANITIZE_TIMEOUT:-480}" "${costs[@]}" "${skip[@]}" --out "$OUT/r/sanitizer" 2>&1 | tail -80
+    --workers-per-gpu "$w" --deadline "${SANITIZE_TIMEOUT:-480}" "${costs[@]}" "${skip[@]}" "${only[@]}" --out "$OUT/r/sanitizer" 2>&1 | tail -80
 }
 
 run_step() {
@@ -96,6 +99,17 @@ run_step() {
       # shellcheck disable=SC2086  # $n and PYTEST_ARGS split on spaces on purpose
       timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 $n ${PYTEST_ARGS:-} ${TESTS:-tests} 2>&1 \
         | tee "$OUT/r/pytest.log" | grep -v "^  File" | tail -40 ;;
+    record)
+      # The sanitizer's selection run plainly, as the sanitizer runs it (its smaller repeat counts,
+      # no caching allocator), each test's launches of our kernels recorded; the tests that
+      # together make all of them (tools/sanitize_cover.py) become the sanitizer steps' list.
+      local n=""; python3 -c "import xdist" 2>/dev/null && n="-n ${TEST_WORKERS:-6}"
+      # shellcheck disable=SC2086
+      GPU_PUZZLES_SANITIZE=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 GPU_PUZZLES_RECORD_TEST_LAUNCHES="$OUT/r/launches.jsonl" \
+        timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -rfE $n -k "${SANITIZE_K:-$SANITIZE_K_DEFAULT}" \
+        ${SANITIZE_FILES:-tests/test_*.py} 2>&1 | tee "$OUT/r/record.log" | grep -v "^  File" | tail -25
+      python3 tools/sanitize_cover.py "$OUT/r/launches.jsonl" --out "$OUT/r/cover.txt" | tee -a "$OUT/r/record.log" \
+        && export SANITIZE_ONLY=${SANITIZE_ONLY:-$OUT/r/cover.txt} ;;
     selfcheck)  # each line must report an error, else the sanitizer runs below prove nothing
       nvcc -arch=sm_90 -o /tmp/selfcheck tools/sanitizer_selfcheck.cu
       { compute-sanitizer --tool racecheck --kernel-name "$SANITIZE_KERNELS" /tmp/selfcheck 2>&1 | grep -E "RACECHECK SUMMARY|unfiltered|selfcheck_race" | sort | uniq -c

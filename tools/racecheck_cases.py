@@ -17,12 +17,13 @@ import collections
 import json
 
 
-def choose(cases):
-    """cases: {key: set of launches}. The greedy cover, in the order chosen."""
+def choose(cases, cost=None):
+    """cases: {key: set of launches}; cost: {key: seconds}, or None for equal costs. The greedy
+    cover, in the order chosen: each step takes the key adding the most new launches per cost."""
     need = set().union(*cases.values()) if cases else set()
     chosen = []
     while need:
-        best = max(cases, key=lambda c: len(cases[c] & need))
+        best = max(cases, key=lambda c: len(cases[c] & need) / (cost[c] if cost else 1.0))
         chosen.append(best)
         need -= cases[best]
     return chosen

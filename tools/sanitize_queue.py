@@ -129,6 +129,8 @@ def parse_args(argv=None):
                    help="summary.json files of earlier runs of the same tool on the same sources: their "
                         "clean tests (see clean_ids) are not run again, so a file too big for one call "
                         "is finished over several")
+    p.add_argument("--only", help="a file of test ids, one per line (tools/sanitize_cover.py): of the "
+                                  "collected tests, run only these")
     p.add_argument("--deadline", type=float, default=None, help="wall budget for the whole run, seconds")
     p.add_argument("--margin", type=float, default=None,
                    help="start no chunk when less than this is left before the deadline "
@@ -392,8 +394,14 @@ class Runner:
                 done |= clean_ids(path, a.tool)
             else:  # e.g. an unmatched glob: nothing to skip from it
                 print("--skip %s: no such file, ignored" % path, flush=True)
+        only = None
+        if a.only:
+            with open(a.only) as fh:
+                only = {line.strip() for line in fh if line.strip()}
         for f in a.files:
             ids, err = coll[f]
+            if only is not None:  # same id, however the rootdir spells it
+                ids = [t for t in ids if match_id(t, only) in only]
             before = {t for t in ids if match_id(t, done) in done}  # same id, however the rootdir spells it
             ids = [t for t in ids if t not in before]  # what this run selects
             self.files[f] = {"ids": ids, "collect_error": err, "done_before": len(before)}
@@ -445,7 +453,8 @@ class Runner:
              "exclude_kernels": self.a.exclude_kernels if self.a.tool != "memcheck" else "",
              "foreign_kernels": list(self.foreign),
              "gpus": self.gpus, "workers_per_gpu": self.a.workers_per_gpu, "deadline_s": self.a.deadline,
-             "wall_s": round(time.time() - self.t0, 1), "ok": ok, "files": files, "jobs": self.jobs}
+             "only": self.a.only, "wall_s": round(time.time() - self.t0, 1), "ok": ok, "files": files,
+             "jobs": self.jobs}
         atomic_json(os.path.join(self.dir, "summary.json"), s)
         costs = dict(self.costs, **self.new_costs)
         atomic_json(os.path.join(self.dir, "costs.json"), dict(sorted(costs.items())))
@@ -531,6 +540,8 @@ def human(s):
         s["tool"], len(s["gpus"]), s["workers_per_gpu"], len(s["jobs"]), s["wall_s"],
         " (deadline %.0f s)" % s["deadline_s"] if s["deadline_s"] else "", s["kernels"] or "all",
         ", excluded: %s" % s["exclude_kernels"] if s.get("exclude_kernels") else "")]
+    if s.get("only"):
+        lines.append("tests: those listed in %s" % s["only"])
     hdr = "%-26s %8s %6s %6s %5s %7s %10s %10s"
     lines.append(hdr % ("file", "selected", "passed", "failed", "error", "skipped", "unfinished", "san.errors"))
     for f, c in s["files"].items():

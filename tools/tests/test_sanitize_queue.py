@@ -238,3 +238,33 @@ def test_prebuilt_stamp_cpu(tmp_path):
     with open(tmp_path / "setup.py", "ab") as b:
         b.write(b"\n# changed\n")
     assert stamp(tmp_path) != here
+
+
+def test_cpu_only_list_selects_those_tests(tmp_path):
+    (tmp_path / "cover.txt").write_text("test_tiny.py::test_ok\ntest_tiny.py::test_not_collected\n")
+    p, s, c = run_queue(tmp_path, "--only", "cover.txt")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (c["selected"], c["passed"], c["unfinished"]) == (1, 1, 0)
+    assert s["only"] == "cover.txt" and "tests: those listed in cover.txt" in p.stdout
+
+
+def test_cpu_cover_takes_every_launch_cheapest_first(tmp_path):
+    import sanitize_cover
+    records = [
+        {"test": "t::big", "seconds": 50.0, "launches": [["k1", "[128]", 0], ["k2", "[128]", 0], ["k3", "[64]", 0]]},
+        {"test": "t::a", "seconds": 0.5, "launches": [["k1", "[128]", 0], ["k2", "[128]", 0]]},
+        {"test": "t::b", "seconds": 0.5, "launches": [["k3", "[64]", 0]]},
+        {"test": "t::same", "seconds": 0.1, "launches": [["k1", "[128]", 0]]},
+        {"test": "t::none", "seconds": 0.1, "launches": []},
+        {"test": "t::own_profiler", "seconds": 2.0, "launches": None},
+    ]
+    chosen, unrecorded, n = sanitize_cover.cover(records)
+    assert n == 3 and sorted(chosen) == ["t::a", "t::b"] and unrecorded == ["t::own_profiler"]
+    # the same launch with another block size is another launch
+    records.append({"test": "t::c", "seconds": 9.0, "launches": [["k3", "[32]", 0]]})
+    chosen, _, n = sanitize_cover.cover(records)
+    assert n == 4 and sorted(chosen) == ["t::a", "t::b", "t::c"]
+    rec = tmp_path / "rec.jsonl"
+    rec.write_text("".join(json.dumps(r) + "\n" for r in records))
+    sanitize_cover.main([str(rec), "--out", str(tmp_path / "cover.txt")])
+    assert (tmp_path / "cover.txt").read_text().split() == chosen + ["t::own_profiler"]

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""The sanitizer's test list: from a record of the CUDA suite (every test's launches of our
+kernels, written under GPU_PUZZLES_RECORD_TEST_LAUNCHES by tests/conftest.py), the tests that
+together make every distinct launch (kernel, block size, shared memory) that the whole suite
+makes, cheapest cover first.
+
+compute-sanitizer's hazards and faults depend on the kernel and its launch shape, and an
+instrumented test runs 30-100x slower: the whole CUDA suite under memcheck, racecheck and
+synccheck is hours on one GPU, while the cover checks every launch the suite makes in one call
+per tool. Tests whose launches were not recorded (they run a profiler of their own) are added
+to the list as they are.
+
+    python3 tools/sanitize_cover.py launches.jsonl --out cover.txt
+
+Standard library only: it runs on the bare GPU machine.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from racecheck_cases import choose  # noqa: E402
+
+# Seconds added to each test's recorded time when weighing it: a test's start under the
+# sanitizer costs more than its plain run suggests.
+OVERHEAD_S = 1.0
+
+
+def cover(records, overhead=OVERHEAD_S):
+    """records: dicts {"test", "seconds", "launches" (list or None)}. Returns (chosen ids in the
+    order picked, unrecorded ids, number of distinct launches)."""
+    cases, cost, unrecorded = {}, {}, []
+    for r in records:
+        if r["launches"] is None:
+            unrecorded.append(r["test"])
+            continue
+        cases[r["test"]] = {tuple(x) for x in r["launches"]}
+        cost[r["test"]] = float(r["seconds"]) + overhead
+    launches = set().union(*cases.values()) if cases else set()
+    cases = {t: c for t, c in cases.items() if c}  # tests of none of our kernels add nothing
+    return choose(cases, cost), sorted(set(unrecorded)), len(launches)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("record", help="JSON lines written under GPU_PUZZLES_RECORD_TEST_LAUNCHES")
+    p.add_argument("--out", required=True, help="test ids, one per line (tools/sanitize_queue.py --only)")
+    p.add_argument("--overhead", type=float, default=OVERHEAD_S)
+    a = p.parse_args(argv)
+    with open(a.record) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    chosen, unrecorded, n = cover(records, a.overhead)
+    seconds = {r["test"]: r["seconds"] for r in records}
+    with open(a.out, "w") as f:
+        f.writelines(t + "\n" for t in chosen + unrecorded)
+    print(f"{len(records)} tests recorded, {n} distinct launches of our kernels; {len(chosen)} tests make all of "
+          f"them ({sum(seconds[t] for t in chosen):.0f} s plain); {len(unrecorded)} unrecorded tests added "
+          f"({sum(seconds[t] for t in unrecorded):.0f} s plain) -> {a.out}")
+
+
+if __name__ == "__main__":
+    main()
