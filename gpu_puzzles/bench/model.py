@@ -12,7 +12,8 @@ accelerate) instead of the hand-written step. Eager, the variants of one model a
 first and take turns (``--turns``), so that drift of the host or the GPU does not fall on one
 of them; compiled, each runs in a fresh dynamo state. Variants: stock, patched with attention
 left to SDPA (``attention=False``), fully patched, and fully patched with the fused LM head +
-loss (``fused_loss=True``); each eager and under ``torch.compile``. ``--profile`` adds the
+loss (``fused_loss=True``); each eager and under ``torch.compile`` (``--modes``: ``compile``,
+``reduce-overhead`` and ``max-autotune``, the last two replaying CUDA graphs). ``--profile`` adds the
 per-op breakdown: one profiled step's CUDA kernels, each and summed by group (``KERNEL_GROUPS``).
 """
 from __future__ import annotations
@@ -115,16 +116,29 @@ def grad_ckpt(model, how):
         model.train()
 
 
-def _step_fn(model, opt, ids, compiled, precision="bf16"):
+# --modes: eager, or torch.compile's mode of that name ("compile": its default).
+MODES = {"eager": None, "compile": "default", "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune"}
+# The compile modes that replay the forward and backward as CUDA graphs.
+_GRAPHED = ("reduce-overhead", "max-autotune")
+
+
+def _step_fn(model, opt, ids, mode, precision="bf16"):
     """One training step as a user writes it for the regime: autocast around the forward and
-    the loss, the backward outside it, a GradScaler for fp16."""
-    fwd = torch.compile(model) if compiled else model
+    the loss, the backward outside it, a GradScaler for fp16. Under CUDA graphs each step is
+    marked as a new iteration and the loss copied out of the graph's memory, which the next
+    replay overwrites (torch.compile's documented training-loop use)."""
+    fwd = model if mode == "eager" else torch.compile(model, mode=MODES[mode])
+    graphed = mode in _GRAPHED
     _, amp, scaled = PRECISIONS[precision]
     scaler = torch.amp.GradScaler("cuda") if scaled else None
 
     def step():
+        if graphed:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
             loss = fwd(input_ids=ids, labels=ids).loss
+        if graphed:
+            loss = loss.clone()
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -138,7 +152,7 @@ def _step_fn(model, opt, ids, compiled, precision="bf16"):
     return step
 
 
-def _prepare(name, variant, compiled, device, warmup=3, precision="bf16", ckpt=None):
+def _prepare(name, variant, mode, device, warmup=3, precision="bf16", ckpt=None):
     """One variant built, patched and warmed up (compiled on its first steps); its memory state
     (parameters, optimizer state, inputs) is what it added to the allocated bytes."""
     import gpu_puzzles.hf as hf
@@ -149,7 +163,7 @@ def _prepare(name, variant, compiled, device, warmup=3, precision="bf16", ckpt=N
     report = hf.patch(model, **VARIANTS[variant]) if VARIANTS[variant] is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = batch(name, device)
-    step = _step_fn(model, opt, ids, compiled, precision)
+    step = _step_fn(model, opt, ids, mode, precision)
     t0 = time.time()
     outs = [step() for _ in range(warmup)]
     warm_s = time.time() - t0
@@ -174,29 +188,30 @@ def _timed_steps(v, n):
     v["peak_above"] = max(v["peak_above"], torch.cuda.max_memory_allocated() - base)
 
 
-def run_model_mode(name, variants, compiled, device, steps=10, turns=5, warmup=3, profile=False, precision="bf16",
+def run_model_mode(name, variants, mode, device, steps=10, turns=5, warmup=3, profile=False, precision="bf16",
                    ckpt=None):
     """Every variant of one model and mode. Eager, all alive at once and taking turns: ``turns``
     rounds of steps/turns timed steps each, so that the host's and the GPU's drift falls on all
     of them. Compiled, one after another, each in a fresh dynamo state as in a process of its
     own: compiled side by side in one session, a call may also check the other variants' cache
     entries, which is not what a user's single model pays."""
-    if compiled:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    if mode != "eager":
         return [r for v in variants
-                for r in _run_together(name, [v], True, device, steps, 1, warmup, profile, precision, ckpt)]
-    return _run_together(name, variants, False, device, steps, turns, warmup, profile, precision, ckpt)
+                for r in _run_together(name, [v], mode, device, steps, 1, warmup, profile, precision, ckpt)]
+    return _run_together(name, variants, mode, device, steps, turns, warmup, profile, precision, ckpt)
 
 
-def _run_together(name, variants, compiled, device, steps, turns, warmup, profile, precision="bf16", ckpt=None):
+def _run_together(name, variants, mode, device, steps, turns, warmup, profile, precision="bf16", ckpt=None):
     """The variants built and warmed up, then taking turns. peak_GiB is what a variant alone
     would hold: its own state plus its steps' peak above everything allocated before them."""
     torch._dynamo.reset()
     _free_memory()
-    mode = "compile" if compiled else "eager"
     prepared, rows = {}, {}
     for variant in variants:
         try:
-            prepared[variant] = _prepare(name, variant, compiled, device, warmup, precision, ckpt)
+            prepared[variant] = _prepare(name, variant, mode, device, warmup, precision, ckpt)
         except Exception as e:  # report, don't hide
             rows[variant] = _error_row(name, variant, mode, e, precision, ckpt)
     per_turn = max(1, steps // max(1, turns))
@@ -299,7 +314,7 @@ def run(models, device, variants=None, modes=("eager", "compile"), steps=10, pro
         for precision in precisions:
             for ckpt in ckpts:
                 for mode in modes:
-                    for r in run_model_mode(name, list(variants or DEFAULT_VARIANTS), mode == "compile", device,
+                    for r in run_model_mode(name, list(variants or DEFAULT_VARIANTS), mode, device,
                                             steps=steps, turns=turns, profile=profile, precision=precision, ckpt=ckpt):
                         rows.append(r)
                         log(_fmt(r))
@@ -324,7 +339,7 @@ def add_speedups(rows):
 
 
 def _fmt(r):
-    what = f"{r['model']:6s} {r['mode']:7s} {r.get('precision', 'bf16'):8s} ckpt={r.get('grad_ckpt', 'off'):12s}"
+    what = f"{r['model']:6s} {r['mode']:15s} {r.get('precision', 'bf16'):8s} ckpt={r.get('grad_ckpt', 'off'):12s}"
     if r.get("trainer"):
         what += " Trainer"
     if "error" in r:
@@ -444,7 +459,9 @@ def main(argv=None):
     p.add_argument("--models", default="gpt2,llama", help=f"comma-separated, of {list(MODELS)}")
     p.add_argument("--variants", default=None,
                    help=f"comma-separated, of {list(VARIANT_ALIASES)} ({VARIANT_ALIASES}; default all but stock-rope)")
-    p.add_argument("--modes", default="eager,compile")
+    p.add_argument("--modes", default="eager,compile",
+                   help=f"comma-separated, of {list(MODES)}: eager, or torch.compile's mode of that name "
+                        f"(compile: its default)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant, over the turns")
     p.add_argument("--turns", type=int, default=5,
                    help="eager: rounds in which the variants (all built first) take turns, steps/turns steps each")
@@ -459,6 +476,9 @@ def main(argv=None):
                         "hand-written step")
     p.add_argument("--json", help="write the rows and the run's metadata here")
     args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes):
+        p.error(f"--modes: unknown {[m for m in modes if m not in MODES]}; known: {list(MODES)}")
     if not torch.cuda.is_available():
         p.error("the model bench needs a CUDA device")
     device = torch.device("cuda")
@@ -494,7 +514,7 @@ def main(argv=None):
                 for r in run_trainer(name, list(variants or ["stock", "ours"]), device, prec, c, args.steps)]
         add_speedups(rows)
     else:
-        rows = run(args.models.split(","), device, variants, tuple(args.modes.split(",")), args.steps, args.profile,
+        rows = run(args.models.split(","), device, variants, tuple(modes), args.steps, args.profile,
                    turns=args.turns, precisions=precisions, ckpts=ckpts, on_row=save)
     print_rows(rows)
     print_breakdown(rows)
