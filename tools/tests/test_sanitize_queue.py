@@ -268,3 +268,7 @@ def test_cpu_cover_takes_every_launch_cheapest_first(tmp_path):
     rec.write_text("".join(json.dumps(r) + "\n" for r in records))
     sanitize_cover.main([str(rec), "--out", str(tmp_path / "cover.txt")])
     assert (tmp_path / "cover.txt").read_text().split() == chosen + ["t::own_profiler"]
+    # an unrecorded test past --unrecorded-max-s is written apart, not run with the cover
+    sanitize_cover.main([str(rec), "--out", str(tmp_path / "cover.txt"), "--unrecorded-max-s", "1"])
+    assert (tmp_path / "cover.txt").read_text().split() == chosen
+    assert (tmp_path / "cover.txt.unrecorded").read_text().split() == ["t::own_profiler"]
