@@ -158,7 +158,29 @@ def sanitize_timing(case):
 # ("launches": null where the test runs a profiler of its own, which stops ours).
 # tools/sanitize_cover.py picks from such a record the tests that together make every launch the
 # whole suite makes: the sanitizer's test list (tools/device_run.sh, step "record").
+# GPU_PUZZLES_RECORD_SKIP=<files> (records of earlier calls, .jsonl or .jsonl.gz, space-separated)
+# deselects the tests they hold, so a record cut by a time limit is finished in a later call.
 _RECORD_TESTS = os.environ.get("GPU_PUZZLES_RECORD_TEST_LAUNCHES")
+_RECORD_SKIP = os.environ.get("GPU_PUZZLES_RECORD_SKIP", "").split()
+
+
+def _recorded_tests(paths):
+    import gzip
+    import json
+    done = set()
+    for path in paths:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            done |= {json.loads(line)["test"] for line in f if line.strip()}
+    return done
+
+
+if _RECORD_SKIP:
+    def pytest_collection_modifyitems(config, items):
+        done = _recorded_tests(_RECORD_SKIP)
+        keep = [it for it in items if it.nodeid not in done]
+        if len(keep) < len(items):
+            config.hook.pytest_deselected(items=[it for it in items if it.nodeid in done])
+            items[:] = keep
 
 if _RECORD_TESTS:
     @pytest.hookimpl(hookwrapper=True)

@@ -21,7 +21,8 @@
 # cuBLAS, see tools/cublas_racecheck_repro.py), SANITIZE_CHUNK (most tests per process, default 25),
 # SANITIZE_SKIP (summary.json files of earlier calls, "{tool}" replaced by the tool: their clean tests are not rerun);
 # SANITIZE_FILES_<tool> and SANITIZE_WORKERS_<tool> override the two for one tool; SANITIZE_ONLY
-# (a file of test ids: only those), set by the step "record" to the tests whose launches cover the suite's.
+# (a file of test ids: only those), set by the step "record" to the tests whose launches cover the suite's;
+# RECORD_SKIP (earlier records: the step "record" runs only the tests they lack, and covers them all).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # What a prebuilt .so (tools/prebuild.sh) must match: python, torch, the sources.
@@ -105,10 +106,14 @@ run_step() {
       # together make all of them (tools/sanitize_cover.py) become the sanitizer steps' list.
       local n=""; python3 -c "import xdist" 2>/dev/null && n="-n ${TEST_WORKERS:-6}"
       # shellcheck disable=SC2086
+      # RECORD_SKIP: records of earlier calls (e.g. benchmarks/results/sanitizer_launches_h100.jsonl.gz):
+      # their tests are not run again, and the cover is chosen from them and this call's together
       GPU_PUZZLES_SANITIZE=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 GPU_PUZZLES_RECORD_TEST_LAUNCHES="$OUT/r/launches.jsonl" \
+        GPU_PUZZLES_RECORD_SKIP="${RECORD_SKIP:-}" \
         timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -rfE $n -k "${SANITIZE_K:-$SANITIZE_K_DEFAULT}" \
         ${SANITIZE_FILES:-tests/test_*.py} 2>&1 | tee "$OUT/r/record.log" | grep -v "^  File" | tail -25
-      python3 tools/sanitize_cover.py "$OUT/r/launches.jsonl" --out "$OUT/r/cover.txt" | tee -a "$OUT/r/record.log" \
+      # shellcheck disable=SC2086
+      python3 tools/sanitize_cover.py ${RECORD_SKIP:-} "$OUT/r/launches.jsonl" --out "$OUT/r/cover.txt" | tee -a "$OUT/r/record.log" \
         && export SANITIZE_ONLY=${SANITIZE_ONLY:-$OUT/r/cover.txt} ;;
     selfcheck)  # each line must report an error, else the sanitizer runs below prove nothing
       nvcc -arch=sm_90 -o /tmp/selfcheck tools/sanitizer_selfcheck.cu

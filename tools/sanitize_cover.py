@@ -18,6 +18,7 @@ and 1,100 s plain, five times the cover's own cost.
 Standard library only: it runs on the bare GPU machine.
 """
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -47,14 +48,22 @@ def cover(records, overhead=OVERHEAD_S):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("record", help="JSON lines written under GPU_PUZZLES_RECORD_TEST_LAUNCHES")
+    p.add_argument("record", nargs="+",
+                   help="JSON lines written under GPU_PUZZLES_RECORD_TEST_LAUNCHES (.jsonl or .jsonl.gz); several "
+                        "records (a cut one and the call that finished it) are merged, a test's last line winning")
     p.add_argument("--out", required=True, help="test ids, one per line (tools/sanitize_queue.py --only)")
     p.add_argument("--overhead", type=float, default=OVERHEAD_S)
     p.add_argument("--unrecorded-max-s", type=float, default=2.0,
                    help="unrecorded tests up to this many seconds plain join the list; the rest go to <out>.unrecorded")
     a = p.parse_args(argv)
-    with open(a.record) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    merged = {}
+    for path in a.record:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    merged[r["test"]] = r
+    records = list(merged.values())
     chosen, unrecorded, n = cover(records, a.overhead)
     seconds = {r["test"]: r["seconds"] for r in records}
     cheap = [t for t in unrecorded if seconds[t] <= a.unrecorded_max_s]

@@ -272,3 +272,26 @@ def test_cpu_cover_takes_every_launch_cheapest_first(tmp_path):
     sanitize_cover.main([str(rec), "--out", str(tmp_path / "cover.txt"), "--unrecorded-max-s", "1"])
     assert (tmp_path / "cover.txt").read_text().split() == chosen
     assert (tmp_path / "cover.txt.unrecorded").read_text().split() == ["t::own_profiler"]
+
+
+def test_cpu_record_then_finish_a_cut_record(tmp_path):
+    # tests/conftest.py: GPU_PUZZLES_RECORD_TEST_LAUNCHES appends a line per test; a second call given
+    # that record in GPU_PUZZLES_RECORD_SKIP runs only the tests it lacks (here: none of the first two)
+    rec, rec2 = tmp_path / "rec.jsonl", tmp_path / "rec2.jsonl"
+    env = dict(_own_env(), PYTHONPATH=ROOT, GPU_PUZZLES_RECORD_TEST_LAUNCHES=str(rec))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conv1d.py", "-k", "seed_example"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    first = [json.loads(line) for line in rec.read_text().splitlines()]
+    assert len(first) >= 2 and all(r["launches"] == [] and r["seconds"] >= 0 for r in first)  # no GPU: no kernels
+    ids = {r["test"] for r in first}
+    env.update(GPU_PUZZLES_RECORD_TEST_LAUNCHES=str(rec2), GPU_PUZZLES_RECORD_SKIP=str(rec))
+    p = subprocess.run(cmd[:-1] + ["seed_example or bad_input"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    second = {json.loads(line)["test"] for line in rec2.read_text().splitlines()}
+    assert second and not (second & ids)
+    listed = subprocess.run(cmd[:-1] + ["seed_example or bad_input", "--collect-only"], cwd=ROOT,
+                            env=dict(_own_env(), PYTHONPATH=ROOT),
+                            capture_output=True, text=True, timeout=300).stdout
+    assert second | ids == {line.strip() for line in listed.splitlines() if "::" in line}
