@@ -493,6 +493,20 @@ def _rope_fn(stock: Callable, cast_back: bool) -> Callable:
     return apply_rotary_pos_emb
 
 
+def _rope_module(stock: nn.Module, fn: Callable) -> nn.Module:
+    """``fn`` as a fresh instance of ``stock``'s type with ``fn`` as its own forward. With the
+    `kernels` package (a dependency of newer transformers) a modeling module's
+    apply_rotary_pos_emb is such an nn.Module, and each model holds private copies that pickle by
+    name: loading rebuilds one as ``type(<the modeling module's attribute>)()``. A plain function
+    there made every pickled Llama-family model, stock or patched, fail to load in a patched
+    process ("function() missing required argument"); a subclass carrying our forward would have
+    given the rebuilt copies our forward, which calls the stock one, which dispatches to them."""
+    new = type(stock)()
+    new.forward = fn  # nn.Module.__call__ calls the instance's forward; the type's stays stock
+    new._gp_stock = stock
+    return new
+
+
 def _patch_rotary(attn: nn.Module, where: str, family: _Decoder, report: PatchReport) -> None:
     import inspect
     import sys
@@ -509,7 +523,8 @@ def _patch_rotary(attn: nn.Module, where: str, family: _Decoder, report: PatchRe
                 "q", "k", "cos", "sin", "unsqueeze_dim"]:
             report.left[where] = f"{origin.__module__}.apply_rotary_pos_emb has a signature rotary does not know"
             return
-        mod.apply_rotary_pos_emb = _rope_fn(fn, family.rope == "half, cast back")
+        new = _rope_fn(fn, family.rope == "half, cast back")
+        mod.apply_rotary_pos_emb = _rope_module(fn, new) if isinstance(fn, nn.Module) else new
     _swap(attn, _Rotary)
     report.swapped[where] = "rotary (compiled: stock, fused by inductor)"
 

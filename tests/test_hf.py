@@ -120,6 +120,27 @@ def test_rotary_only_in_patched_models():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
+def test_pickled_models_load_in_a_patched_process():
+    """torch.save / torch.load of whole models where hf.patch has replaced a family's
+    apply_rotary_pos_emb: a patched model, and a stock one pickled before any patch, load and give
+    their logits and our ops (with transformers' `kernels` dependency the function is an nn.Module
+    that pickles by name, and once failed to load: "function() missing required argument")."""
+    stock = model_bench.build("llama", "cpu", dtype=torch.float32, small=True, seed=11)
+    before = io.BytesIO()
+    torch.save(stock, before)
+    ours = copy.deepcopy(stock)
+    hf.patch(ours)
+    after = io.BytesIO()
+    torch.save(ours, after)
+    ids = model_bench.batch("llama", "cpu", small=True)
+    for buf, ref, rotary_calls in ((before, stock, 0), (after, ours, 2)):
+        buf.seek(0)
+        back = torch.load(buf, weights_only=False)
+        assert type(back) is type(ref)
+        assert _op_counts(lambda: _step(back, ids))["rotary"] == rotary_calls
+        torch.testing.assert_close(back(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
+
+
 def _packed(seed=0):
     """Two rows, each several sequences packed (position_ids restarting), as
     DataCollatorWithFlattening hands them over, and the sequences on their own."""
