@@ -846,7 +846,10 @@ def test_undifferentiated_call_equals_the_differentiated_one(device, name):
     with torch.no_grad():
         plain = fn(*inputs)
     frozen = fn(*[t.detach() for t in inputs])  # grad mode on, nothing requires grad
-    for out in (plain, frozen):
+    with torch.inference_mode():  # generate() and serving stacks run here: inference tensors in and out
+        inference = fn(*[t.detach().clone() for t in inputs])
+    assert inference.is_inference()
+    for out in (plain, frozen, inference):
         assert not out.requires_grad and out.grad_fn is None
         assert torch.equal(out, graphed.detach()), name
     torch.autograd.grad(graphed.sum(), inputs, allow_unused=True)  # the node still differentiates
