@@ -41,9 +41,11 @@ MODELS = {
                               max_position_embeddings=4096, tie_word_embeddings=True)),
     # Gemma-2-2B's shape (hidden 2304, 8 heads / 4 kv heads of 256, intermediate 9216, vocab 256000,
     # (1 + weight) norms, sliding windows of 4096 on alternate layers, attention and final-logit
-    # soft-capping), shortened from 26 layers to 13. Stock runs transformers' eager attention (SDPA
-    # cannot soft-cap), and so does the patched model.
-    "gemma2": dict(kind="gemma2", batch=4, seq=2048, attn="eager",
+    # soft-capping), shortened from 26 layers to 13, at 2 x 2048 tokens: at 4 x 2048 stock ran out of an
+    # H100's 80 GB (its eager attention keeps (B, 8, S, S) scores in bf16 and float32 per layer, its
+    # capped loss several float32 copies of the B*S x 256000 logits), ours peaked at 49 GiB. Stock runs
+    # transformers' eager attention (SDPA cannot soft-cap), and so does the patched model.
+    "gemma2": dict(kind="gemma2", batch=2, seq=2048, attn="eager",
                    config=dict(hidden_size=2304, num_hidden_layers=13, num_attention_heads=8,
                                num_key_value_heads=4, head_dim=256, intermediate_size=9216, vocab_size=256000,
                                max_position_embeddings=8192, sliding_window=4096, query_pre_attn_scalar=256,
