@@ -152,7 +152,6 @@ def sanitize_timing(case):
             f.write("%s\t%s\t%.2f\n" % (current_test(), case, time.perf_counter() - t0))
 
 
-
 # Which of our kernels each test launches, test by test: with GPU_PUZZLES_RECORD_TEST_LAUNCHES=<file>
 # every test runs under torch.profiler and appends {"test", "seconds", "launches"} to the file
 # ("launches": null where the test runs a profiler of its own, which stops ours).
@@ -182,6 +181,7 @@ if _RECORD_SKIP:
             config.hook.pytest_deselected(items=[it for it in items if it.nodeid in done])
             items[:] = keep
 
+
 if _RECORD_TESTS:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(item):
@@ -207,6 +207,7 @@ if _RECORD_TESTS:
             os.write(fd, line.encode())  # one write per line: xdist workers share the file
         finally:
             os.close(fd)
+
 
 # Under racecheck a test listed in tests/racecheck_cases.json runs only its listed cases
 # (maybe none): cases of the listed tests' racecheck profile that together launch every

@@ -295,3 +295,47 @@ def test_cpu_record_then_finish_a_cut_record(tmp_path):
                             env=dict(_own_env(), PYTHONPATH=ROOT),
                             capture_output=True, text=True, timeout=300).stdout
     assert second | ids == {line.strip() for line in listed.splitlines() if "::" in line}
+
+
+RECORDING_CONFTEST = """
+import json, os, time, pytest
+LAUNCH = {"test_a": "k1", "test_b": "k1", "test_c": "k2", "test_slow": "k3"}
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield
+    path = os.environ.get("GPU_PUZZLES_RECORD_TEST_LAUNCHES")
+    if path:  # a stand-in for tests/conftest.py's recorder: one launch per test
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "seconds": 0.1,
+                                "launches": [[LAUNCH[item.name], "[128]", 0]]}) + "\\n")
+"""
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut"])
+def test_cpu_device_run_record_then_sanitize_the_cover(tmp_path, cut):
+    # STEPS="record memcheck": the record step's cover (test_a and test_b make the same launch) is
+    # the list memcheck runs; a record cut by TESTS_TIMEOUT says so, and its cover lacks what it missed.
+    (tmp_path / "tools").mkdir()
+    for f in ("device_run.sh", "sanitize_queue.py", "sanitize_cover.py", "racecheck_cases.py"):
+        shutil.copy(os.path.join(ROOT, "tools", f), tmp_path / "tools" / f)
+    (tmp_path / "fake_sanitizer.py").write_text(textwrap.dedent(FAKE))
+    (tmp_path / "conftest.py").write_text(RECORDING_CONFTEST)
+    slow = "import time\ndef test_slow():\n    time.sleep(30)\n" if cut else ""
+    (tmp_path / "test_one.py").write_text("def test_a():\n    pass\ndef test_b():\n    pass\ndef test_c():\n    pass\n"
+                                          + slow)
+    bindir = os.path.dirname(sys.executable)
+    env = dict(_own_env(), PATH=bindir + os.pathsep + os.environ["PATH"], OUT=str(tmp_path / "out"),
+               STEPS="record memcheck", SANITIZE_FILES="test_one.py", TESTS_TIMEOUT="8" if cut else "60",
+               SANITIZE_TIMEOUT="60", TEST_WORKERS="1",  # plugins load: the record step passes -n with xdist
+               SANITIZE_QUEUE_LAUNCHER="%s %s" % (sys.executable, tmp_path / "fake_sanitizer.py"))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if not shutil.which("python3", path=env["PATH"]):
+        pytest.skip("no python3 on PATH")
+    p = subprocess.run(["bash", "tools/device_run.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=180)
+    cover = (tmp_path / "out" / "r" / "cover.txt").read_text().split()
+    assert len(cover) == 2 and "test_one.py::test_c" in cover, p.stdout + p.stderr
+    mem = json.loads((tmp_path / "out" / "r" / "sanitizer" / "memcheck" / "summary.json").read_text())
+    assert mem["only"].endswith("cover.txt") and mem["files"]["test_one.py"]["passed"] == 2
+    assert ("RECORD INCOMPLETE" in p.stdout) == cut
