@@ -158,26 +158,33 @@ def test_cpu_skip_reruns_only_what_was_not_clean(tmp_path, errors):
     assert ("clean in the --skip runs, not run again: 1" in p.stdout) == (not errors)
 
 
-def test_cpu_device_run_per_tool_files(tmp_path):
-    # device_run.sh STEPS=memcheck+racecheck with SANITIZE_FILES_<tool> / SANITIZE_WORKERS_<tool>:
-    # each tool runs its own files with its own process count, in one call (fake sanitizer).
+def run_device_run(tmp_path, files, timeout=120, **env):
+    """tools/device_run.sh (with the tools it calls) in tmp_path over the test files {name: source},
+    the fake sanitizer in place of compute-sanitizer; env: its knobs (STEPS, SANITIZE_*, ...)."""
     (tmp_path / "tools").mkdir()
-    for f in ("device_run.sh", "sanitize_queue.py"):
+    for f in ("device_run.sh", "sanitize_queue.py", "sanitize_cover.py", "racecheck_cases.py"):
         shutil.copy(os.path.join(ROOT, "tools", f), tmp_path / "tools" / f)
     (tmp_path / "fake_sanitizer.py").write_text(textwrap.dedent(FAKE))
-    (tmp_path / "test_one.py").write_text("def test_a():\n    pass\n")
-    (tmp_path / "test_two.py").write_text("def test_b():\n    pass\ndef test_c():\n    pass\n")
+    for name, source in files.items():
+        (tmp_path / name).write_text(source)
     bindir = os.path.dirname(sys.executable)
     env = dict(_own_env(), PATH=bindir + os.pathsep + os.environ["PATH"], OUT=str(tmp_path / "out"),
-               STEPS="memcheck+racecheck", SANITIZE_FILES_memcheck="test_one.py",
-               SANITIZE_FILES_racecheck="test_two.py", SANITIZE_WORKERS="4", SANITIZE_WORKERS_racecheck="3",
-               SANITIZE_TIMEOUT="60", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
-               SANITIZE_QUEUE_LAUNCHER="%s %s" % (sys.executable, tmp_path / "fake_sanitizer.py"))
+               SANITIZE_QUEUE_LAUNCHER="%s %s" % (sys.executable, tmp_path / "fake_sanitizer.py"), **env)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if not shutil.which("python3", path=env["PATH"]):
         pytest.skip("no python3 on PATH")
-    p = subprocess.run(["bash", "tools/device_run.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=120)
+    return subprocess.run(["bash", "tools/device_run.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cpu_device_run_per_tool_files(tmp_path):
+    # device_run.sh STEPS=memcheck+racecheck with SANITIZE_FILES_<tool> / SANITIZE_WORKERS_<tool>:
+    # each tool runs its own files with its own process count, in one call (fake sanitizer).
+    p = run_device_run(tmp_path, {"test_one.py": "def test_a():\n    pass\n",
+                                  "test_two.py": "def test_b():\n    pass\ndef test_c():\n    pass\n"},
+                       STEPS="memcheck+racecheck", SANITIZE_FILES_memcheck="test_one.py",
+                       SANITIZE_FILES_racecheck="test_two.py", SANITIZE_WORKERS="4", SANITIZE_WORKERS_racecheck="3",
+                       SANITIZE_TIMEOUT="60", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     out = tmp_path / "out" / "r" / "sanitizer"
     mem = json.loads((out / "memcheck" / "summary.json").read_text())
     race = json.loads((out / "racecheck" / "summary.json").read_text())
@@ -316,24 +323,12 @@ def pytest_runtest_call(item):
 def test_cpu_device_run_record_then_sanitize_the_cover(tmp_path, cut):
     # STEPS="record memcheck": the record step's cover (test_a and test_b make the same launch) is
     # the list memcheck runs; a record cut by TESTS_TIMEOUT says so, and its cover lacks what it missed.
-    (tmp_path / "tools").mkdir()
-    for f in ("device_run.sh", "sanitize_queue.py", "sanitize_cover.py", "racecheck_cases.py"):
-        shutil.copy(os.path.join(ROOT, "tools", f), tmp_path / "tools" / f)
-    (tmp_path / "fake_sanitizer.py").write_text(textwrap.dedent(FAKE))
-    (tmp_path / "conftest.py").write_text(RECORDING_CONFTEST)
     slow = "import time\ndef test_slow():\n    time.sleep(30)\n" if cut else ""
-    (tmp_path / "test_one.py").write_text("def test_a():\n    pass\ndef test_b():\n    pass\ndef test_c():\n    pass\n"
-                                          + slow)
-    bindir = os.path.dirname(sys.executable)
-    env = dict(_own_env(), PATH=bindir + os.pathsep + os.environ["PATH"], OUT=str(tmp_path / "out"),
-               STEPS="record memcheck", SANITIZE_FILES="test_one.py", TESTS_TIMEOUT="8" if cut else "60",
-               SANITIZE_TIMEOUT="60", TEST_WORKERS="1",  # plugins load: the record step passes -n with xdist
-               SANITIZE_QUEUE_LAUNCHER="%s %s" % (sys.executable, tmp_path / "fake_sanitizer.py"))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    if not shutil.which("python3", path=env["PATH"]):
-        pytest.skip("no python3 on PATH")
-    p = subprocess.run(["bash", "tools/device_run.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=180)
+    tests = "def test_a():\n    pass\ndef test_b():\n    pass\ndef test_c():\n    pass\n" + slow
+    # plugins load (no PYTEST_DISABLE_PLUGIN_AUTOLOAD): the record step passes -n where xdist is there
+    p = run_device_run(tmp_path, {"conftest.py": RECORDING_CONFTEST, "test_one.py": tests}, timeout=180,
+                       STEPS="record memcheck", SANITIZE_FILES="test_one.py", TESTS_TIMEOUT="8" if cut else "60",
+                       SANITIZE_TIMEOUT="60", TEST_WORKERS="1")
     cover = (tmp_path / "out" / "r" / "cover.txt").read_text().split()
     assert len(cover) == 2 and "test_one.py::test_c" in cover, p.stdout + p.stderr
     mem = json.loads((tmp_path / "out" / "r" / "sanitizer" / "memcheck" / "summary.json").read_text())
