@@ -81,6 +81,13 @@ sanitize() {  # $1 = memcheck | racecheck | synccheck; $2 = sanitizer steps runn
     --workers-per-gpu "$w" --deadline "${SANITIZE_TIMEOUT:-480}" "${costs[@]}" "${skip[@]}" "${only[@]}" --out "$OUT/r/sanitizer" 2>&1 | tail -80
 }
 
+# pytest's "-n TEST_WORKERS" where pytest-xdist is there (or its wheels carried in .whl/: the machine
+# has no internet), else nothing: `tests -k cuda` took 283 s serially on an H200, more than a call can spare.
+xdist_args() {
+  [ -d .whl ] && ! python3 -c "import xdist" 2>/dev/null && python3 -m pip install -q --no-index --no-deps .whl/*.whl >&2
+  python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-6}"
+}
+
 run_step() {
   case $1 in
     build)
@@ -93,10 +100,7 @@ run_step() {
       fi
       echo "build seconds: $(( $(date +%s) - t0 ))" | tee -a "$OUT/r/build.log" ;;
     tests)
-      # pytest-xdist where the machine has it (or its wheels carried in .whl/, which has no
-      # internet): `tests -k cuda` took 283 s serially on an H200, more than a call can spare.
-      [ -d .whl ] && ! python3 -c "import xdist" 2>/dev/null && python3 -m pip install -q --no-index --no-deps .whl/*.whl
-      local n=""; python3 -c "import xdist" 2>/dev/null && n="-n ${TEST_WORKERS:-6}"
+      local n; n=$(xdist_args)
       # shellcheck disable=SC2086  # $n and PYTEST_ARGS split on spaces on purpose
       timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 $n ${PYTEST_ARGS:-} ${TESTS:-tests} 2>&1 \
         | tee "$OUT/r/pytest.log" | grep -v "^  File" | tail -40 ;;
@@ -104,7 +108,7 @@ run_step() {
       # The sanitizer's selection run plainly, as the sanitizer runs it (its smaller repeat counts,
       # no caching allocator), each test's launches of our kernels recorded; the tests that
       # together make all of them (tools/sanitize_cover.py) become the sanitizer steps' list.
-      local n=""; python3 -c "import xdist" 2>/dev/null && n="-n ${TEST_WORKERS:-6}"
+      local n; n=$(xdist_args)
       # RECORD_SKIP: records of earlier calls (e.g. benchmarks/results/sanitizer_launches_h100.jsonl.gz):
       # their tests are not run again, and the cover is chosen from them and this call's together
       # shellcheck disable=SC2086
