@@ -72,7 +72,10 @@ def main(argv=None):
         f.writelines(t + "\n" for t in chosen + cheap)
     with open(a.out + ".unrecorded", "w") as f:
         f.writelines(t + "\n" for t in apart)
-    plain = lambda ts: sum(seconds[t] for t in ts)  # noqa: E731
+
+    def plain(ts):  # their seconds, summed
+        return sum(seconds[t] for t in ts)
+
     print(f"{len(records)} tests recorded, {n} distinct launches of our kernels; {len(chosen)} tests make all of "
           f"them ({plain(chosen):.0f} s plain); unrecorded (own profiler): {len(cheap)} added ({plain(cheap):.0f} s "
           f"plain), {len(apart)} written apart ({plain(apart):.0f} s plain) -> {a.out}")

@@ -227,21 +227,21 @@ def _run_together(name, variants, mode, device, steps, turns, warmup, profile, p
                 del prepared[variant]
     for variant, v in prepared.items():
         t = v["times"]
-        peak_above = v["peak_above"]
-        row = dict(model=name, variant=variant, mode=mode, precision=precision, grad_ckpt=ckpt or "off",
-                   ms=statistics.median(t), ms_min=min(t), steps=len(t), turns=turns,
-                   tokens_per_s=v["tokens"] / (statistics.median(t) * 1e-3),
-                   peak_GiB=(v["state"] + peak_above) / 2**30, peak_above_state_GiB=peak_above / 2**30,
-                   peak_kind="allocated",
-                   warmup_s=v["warm_s"], first_losses=v["losses"], loss_dtype=v["loss_dtype"],
-                   swapped=len(v["report"].swapped) if v["report"] else 0)
         if mode in _GRAPHED:
             # A replayed graph allocates nothing: its activations live in the graph's private pool,
             # taken at capture, so max_memory_allocated saw only the gradients (H100: stock and ours
             # alike, 2.45 GiB for GPT-2 under amp). What the variant holds is the memory reserved
             # since before it was built (the caching allocator was emptied then).
-            row.update(peak_GiB=(torch.cuda.memory_reserved() - v["reserved_before"]) / 2**30,
-                       peak_above_state_GiB=None, peak_kind="reserved")
+            memory = dict(peak_GiB=(torch.cuda.memory_reserved() - v["reserved_before"]) / 2**30,
+                          peak_above_state_GiB=None, peak_kind="reserved")
+        else:
+            memory = dict(peak_GiB=(v["state"] + v["peak_above"]) / 2**30, peak_above_state_GiB=v["peak_above"] / 2**30,
+                          peak_kind="allocated")
+        row = dict(model=name, variant=variant, mode=mode, precision=precision, grad_ckpt=ckpt or "off",
+                   ms=statistics.median(t), ms_min=min(t), steps=len(t), turns=turns,
+                   tokens_per_s=v["tokens"] / (statistics.median(t) * 1e-3), **memory,
+                   warmup_s=v["warm_s"], first_losses=v["losses"], loss_dtype=v["loss_dtype"],
+                   swapped=len(v["report"].swapped) if v["report"] else 0)
         if profile:
             row["profile"] = _profile_step(v["step"])
         rows[variant] = row
