@@ -153,12 +153,15 @@ def sanitize_timing(case):
 
 
 # Which of our kernels each test launches, test by test: with GPU_PUZZLES_RECORD_TEST_LAUNCHES=<file>
-# every test runs under torch.profiler and appends {"test", "seconds", "launches"} to the file
-# ("launches": null where the test runs a profiler of its own, which stops ours).
+# every test runs under torch.profiler and appends {"test", "seconds", "launches"} to the file.
+# One profiler runs at a time, so a test's own profiler (the kernel-choice checks, test_hf's op
+# counts) pauses ours: its launches are read from the test's profiler (with CUDA activity added)
+# and ours resumes after it ("launches": null only if that fails).
 # tools/sanitize_cover.py picks from such a record the tests that together make every launch the
 # whole suite makes: the sanitizer's test list (tools/device_run.sh, step "record").
 # GPU_PUZZLES_RECORD_SKIP=<files> (records of earlier calls, .jsonl or .jsonl.gz, space-separated)
-# deselects the tests they hold, so a record cut by a time limit is finished in a later call.
+# deselects the tests they recorded, so a record cut by a time limit is finished in a later call
+# (tests recorded there as null run again).
 _RECORD_TESTS = os.environ.get("GPU_PUZZLES_RECORD_TEST_LAUNCHES")
 _RECORD_SKIP = os.environ.get("GPU_PUZZLES_RECORD_SKIP", "").split()
 
@@ -169,7 +172,10 @@ def _recorded_tests(paths):
     done = set()
     for path in paths:
         with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-            done |= {json.loads(line)["test"] for line in f if line.strip()}
+            for line in f:
+                r = json.loads(line) if line.strip() else None
+                if r is not None and r["launches"] is not None:
+                    done.add(r["test"])
     return done
 
 
@@ -182,24 +188,75 @@ if _RECORD_SKIP:
             items[:] = keep
 
 
+class _TestLaunches:
+    """One test's launches of our kernels: the recorder's profiler, paused while the test runs a
+    profiler of its own (torch.profiler.profile is swapped for _nested_profile() meanwhile)."""
+
+    def __init__(self):
+        from torch.profiler import ProfilerActivity, profile
+        self.real = profile
+        # (CPU activity without a GPU: no kernels to find, the same path otherwise)
+        self.activity = ProfilerActivity.CUDA if HAS_CUDA else ProfilerActivity.CPU
+        self.launches, self.prof = set(), None
+
+    def resume(self):
+        self.prof = self.real(activities=[self.activity])
+        self.prof.__enter__()
+
+    def pause(self):
+        if self.prof is not None:
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.launches |= set(_launches(self.prof))
+            self.prof = None
+
+    def nested_profile(self):
+        rec = self
+
+        class Nested(self.real):
+            def __init__(self, *args, activities=None, **kwargs):
+                acts = list(activities) if activities is not None else [torch.profiler.ProfilerActivity.CPU]
+                if rec.activity not in acts:
+                    acts.append(rec.activity)  # the test's counts filter by name: kernels do not enter them
+                super().__init__(*args, activities=acts, **kwargs)
+
+            def __enter__(self):
+                rec.pause()
+                return super().__enter__()
+
+            def __exit__(self, *exc):
+                if torch.cuda.is_initialized():
+                    torch.cuda.synchronize()
+                out = super().__exit__(*exc)
+                rec.launches |= set(_launches(self))
+                rec.resume()
+                return out
+
+        return Nested
+
+
 if _RECORD_TESTS:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(item):
         import json
 
-        from torch.profiler import ProfilerActivity, profile
-        # (CPU activity without a GPU: no kernels to find, the same path otherwise)
-        prof = profile(activities=[ProfilerActivity.CUDA if HAS_CUDA else ProfilerActivity.CPU])
-        prof.__enter__()
+        import torch.profiler
+        rec = _TestLaunches()
+        torch.profiler.profile = rec.nested_profile()
+        rec.resume()
         t0 = time.perf_counter()
-        yield
+        try:
+            yield
+        finally:
+            torch.profiler.profile = rec.real
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         try:
-            prof.__exit__(None, None, None)
-            launches = _launches(prof)
-        except RuntimeError:  # the test's own profiler ended ours
+            rec.pause()
+            launches = sorted(rec.launches)
+        except RuntimeError:  # a profiler the recorder could not pause or read
             launches = None
         line = json.dumps({"test": item.nodeid, "seconds": round(seconds, 3), "launches": launches}) + "\n"
         fd = os.open(_RECORD_TESTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -304,6 +304,24 @@ def test_cpu_record_then_finish_a_cut_record(tmp_path):
     assert second | ids == {line.strip() for line in listed.splitlines() if "::" in line}
 
 
+
+def test_cpu_record_a_test_with_its_own_profiler(tmp_path):
+    # the recorder pauses for a test's own profiler (here conftest.fill_ops) and reads the launches
+    # from it: the test passes as it would unrecorded and its line is a list, not null; a record
+    # whose line for a test is null does not deselect it in the next call
+    rec, rec2 = tmp_path / "rec.jsonl", tmp_path / "rec2.jsonl"
+    test = "tests/test_cross_entropy.py::test_backward_adds_no_fill_for_extra_outputs[cpu]"
+    env = dict(_own_env(), PYTHONPATH=ROOT, GPU_PUZZLES_RECORD_TEST_LAUNCHES=str(rec))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert [json.loads(line)["launches"] for line in rec.read_text().splitlines()] == [[]]
+    rec.write_text(json.dumps({"test": test, "seconds": 1.0, "launches": None}) + "\n")
+    env.update(GPU_PUZZLES_RECORD_TEST_LAUNCHES=str(rec2), GPU_PUZZLES_RECORD_SKIP=str(rec))
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert [json.loads(line)["test"] for line in rec2.read_text().splitlines()] == [test]
+
 RECORDING_CONFTEST = """
 import json, os, time, pytest
 LAUNCH = {"test_a": "k1", "test_b": "k1", "test_c": "k2", "test_slow": "k3"}
