@@ -44,15 +44,17 @@ def device_dtypes():
     return pairs
 
 
-def assert_close_ref(actual, ref, dtype, what=""):
-    """Compare with a float64 reference: max error relative to the reference's scale."""
+def assert_close_ref(actual, ref, dtype, what="", slack=0.0):
+    """Compare with a float64 reference: max error relative to the reference's scale, plus
+    ``slack`` (e.g. twice eager PyTorch's own error where the inputs are ill-conditioned)."""
     assert not torch.isnan(actual).any(), f"{what}: NaN in result"
     if ref.numel() == 0:
         assert actual.numel() == 0, f"{what}: {actual.numel()} elements, reference has none"
         return
     scale = max(1.0, ref.abs().max().item())
     err = (actual.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
-    assert err <= TOL[dtype] * scale * 4, f"{what}: max error {err:.3e} > {TOL[dtype] * scale * 4:.3e} ({dtype})"
+    bound = TOL[dtype] * scale * 4 + slack
+    assert err <= bound, f"{what}: max error {err:.3e} > {bound:.3e} ({dtype})"
 
 
 # Without the caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1, as in the sanitizer

@@ -1250,15 +1250,21 @@ def _draw_x(device, data, max_H):
     return x, dtype, seed
 
 
-def _check_grads(grads, refs, names, x, dtype, N):
+def _check_grads(grads, refs, names, x, dtype, N, eager):
+    """Each gradient against float64, allowed twice eager PyTorch's own error (``eager``: its
+    gradients of the same inputs) on top of the usual tolerance: a row whose spread is small
+    against its mean (variance below eps, mean 20) loses digits to x - mean in any float32
+    kernel, eager's too."""
     M = x.numel() // x.shape[-1]
     rstd_max = (x.detach().double().var(-1, unbiased=False) + EPS).rsqrt().max().item() if M else 1.0
-    for name, a, r in zip(names, grads, refs):
+    for name, a, r, e in zip(names, grads, refs, eager):
+        slack = 2 * (e.double() - r).abs().max().item() if r.numel() else 0.0
         # dx is scaled by rstd and sums N outputs; parameter grads sum over M rows
         if name == "dx":
-            grad_close(a / max(1.0, rstd_max), r / max(1.0, rstd_max), dtype, name, N)
+            s = max(1.0, rstd_max)
+            grad_close(a / s, r / s, dtype, name, N, slack / s)
         else:
-            grad_close(a, r, dtype, name, M)
+            grad_close(a, r, dtype, name, M, slack)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1278,7 +1284,9 @@ def test_property_layer_norm(device, data):
     g = make_tensor(x.shape, dtype, device, seed=seed + 3)
     grads = torch.autograd.grad(y, (x, lw, lb), g)
     refs = torch.autograd.grad(y_ref, leaves, g.double())
-    _check_grads(grads, refs, ("dx", "dweight", "dbias"), x, dtype, 1)
+    eager_in = [t.detach().requires_grad_() for t in (x, lw, lb)]
+    eager = torch.autograd.grad(F.layer_norm(eager_in[0], (H,), eager_in[1], eager_in[2], EPS), eager_in, g)
+    _check_grads(grads, refs, ("dx", "dweight", "dbias"), x, dtype, 1, eager)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1310,7 +1318,11 @@ def test_property_layernorm_linear(device, impl, data):
     params = [t for t in (x, lw, lb, W, b) if t is not None]
     grads = torch.autograd.grad(y, params, g)
     refs = torch.autograd.grad(y_ref, [t for t in leaves if t is not None], g.double())
-    _check_grads(grads, refs, ("dx", "dln_weight", "dln_bias", "dlinear_weight", "dlinear_bias"), x, dtype, N)
+    eager_in = [t.detach().requires_grad_() for t in params]
+    xe, lwe, lbe, We = eager_in[:4]
+    ye = F.linear(F.layer_norm(xe, (H,), lwe, lbe, EPS), We, eager_in[4] if b is not None else None)
+    eager = torch.autograd.grad(ye, eager_in, g)
+    _check_grads(grads, refs, ("dx", "dln_weight", "dln_bias", "dlinear_weight", "dlinear_bias"), x, dtype, N, eager)
 
 
 # ---- CPU kernels at every SIMD level (csrc/common/cpu_isa.h) ---------------------------
