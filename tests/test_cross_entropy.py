@@ -16,6 +16,9 @@ from conftest import (
     requires_caching_allocator,
     requires_cuda,
 )
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import dtypes, extents, grad_close, index_dtypes, layouts, make_indices, make_tensor, seeds, shapes
 
 import gpu_puzzles as gp
 from gpu_puzzles import tuning
@@ -688,3 +691,102 @@ def test_nn_module(device):
             torch.testing.assert_close(mod(logits, t), ref(logits, t))
     with pytest.raises(ValueError, match="reduction"):
         gp.nn.CrossEntropyLoss(reduction="avg")
+
+
+# ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
+# Each draw is checked against float64 and allowed twice eager PyTorch's own error (same dtype,
+# same inputs) on top of the tolerance: our kernels may round differently, never worse.
+
+def _close_to_ref(actual, ref, eager, dtype, what, reduction=1):
+    assert actual.dtype == eager.dtype, f"{what}: dtype {actual.dtype}, eager's {eager.dtype}"
+    slack = 2 * (eager.double() - ref).abs().max().item() if ref.numel() else 0.0
+    grad_close(actual, ref, dtype, what, reduction, slack)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(data=st.data())
+def test_property_cross_entropy(device, data):
+    """Random form ((C,), (N, C), (N, C, d...)), C, dtype, logits strides, int32/int64 targets,
+    ignore_index, class weights, label smoothing, reduction and soft-cap against float64."""
+    dtype = data.draw(dtypes(device), "dtype")
+    C = data.draw(extents(300 if device == "cpu" else 5000), "C")
+    form = data.draw(st.sampled_from(["C", "NC", "NCd"]), "form")
+    lead = () if form == "C" else (data.draw(extents(40), "N"),)
+    tail = data.draw(shapes(1, 2, max_side=9, max_numel=20), "d") if form == "NCd" else ()
+    shape = (*lead, C, *tail)
+    seed = data.draw(seeds(), "seed")
+    scale = data.draw(st.sampled_from([1.0, 3.0, 30.0]), "logit scale")
+    x = make_tensor(shape, dtype, device, data.draw(layouts(len(shape)), "logits layout"), seed, scale=scale,
+                    requires_grad=True)
+    tshape = (*lead, *tail)
+    ignore = data.draw(st.sampled_from([-100, C] + ([0] if C > 1 else [])), "ignore_index")
+    t = make_indices(tshape, 0, C, data.draw(index_dtypes(), "target dtype"), device, seed=seed + 1)
+    drop = torch.rand(tshape, generator=torch.Generator().manual_seed(seed + 2)) < 0.2
+    t = t.masked_fill(drop.to(device), ignore)
+    t.view(-1)[0] = C - 1 if ignore != C - 1 else 0  # at least one counted target: the mean is defined
+    weight = (make_tensor((C,), dtype, device, seed=seed + 3).abs() + 0.1) if data.draw(st.booleans(), "weight") \
+        else None
+    smoothing = data.draw(st.sampled_from([0.0, 0.0, 0.1, 1.0]), "label_smoothing")
+    reduction = data.draw(st.sampled_from(REDUCTIONS), "reduction")
+    softcap = data.draw(st.sampled_from([None, None, 1.0, 30.0]), "softcap")
+    kw = dict(weight=weight, ignore_index=ignore, reduction=reduction, label_smoothing=smoothing)
+
+    loss = gp.cross_entropy(x, t, softcap=softcap, **kw)
+    x64 = x.detach().double().requires_grad_()
+    w64 = None if weight is None else weight.double()
+    ref = F.cross_entropy(_cap(x64, softcap), t.long(), **dict(kw, weight=w64))
+    xe = x.detach().requires_grad_()
+    eager = F.cross_entropy(_cap(xe, softcap), t.long(), **kw)
+    assert loss.shape == ref.shape
+    _close_to_ref(loss, ref.detach(), eager.detach(), dtype, "loss")
+    g = make_tensor(loss.shape, loss.dtype, device, seed=seed + 4)
+    dx, = torch.autograd.grad(loss, x, g)
+    ref_dx, = torch.autograd.grad(ref, x64, g.double())
+    eager_dx, = torch.autograd.grad(eager, xe, g)
+    _close_to_ref(dx, ref_dx, eager_dx, dtype, "dinput")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(data=st.data())
+def test_property_fused_linear_cross_entropy(device, data):
+    """Random leading shape, H, V, dtype, bias, a transposed (tied) weight, ignore_index, reduction,
+    soft-cap and chunk size against float64 F.cross_entropy(F.linear(...)), all three gradients."""
+    dtype = data.draw(dtypes(device), "dtype")
+    lead = data.draw(shapes(1, 2, max_side=40, max_numel=80), "leading shape")
+    H = data.draw(extents(96), "H")
+    V = data.draw(extents(700 if device == "cpu" else 5000), "V")
+    seed = data.draw(seeds(), "seed")
+    h = make_tensor((*lead, H), dtype, device, data.draw(layouts(len(lead) + 1, allow_expanded=False), "hidden layout"),
+                    seed, scale=0.5, requires_grad=True)
+    tied = data.draw(st.booleans(), "weight as a transposed view")
+    w = make_tensor((H, V) if tied else (V, H), dtype, device, seed=seed + 1, scale=0.5)
+    w = (w.t() if tied else w).detach().requires_grad_()
+    b = make_tensor((V,), dtype, device, seed=seed + 2, requires_grad=True) if data.draw(st.booleans(), "bias") \
+        else None
+    ignore = data.draw(st.sampled_from([-100, 0] if V > 1 else [-100]), "ignore_index")
+    t = make_indices(lead, 0, V, torch.int64, device, seed=seed + 3)
+    t = t.masked_fill((torch.rand(lead, generator=torch.Generator().manual_seed(seed + 4)) < 0.2).to(device), ignore)
+    t.view(-1)[0] = V - 1 if ignore != V - 1 else 0
+    reduction = data.draw(st.sampled_from(["mean", "sum"]), "reduction")
+    softcap = data.draw(st.sampled_from([None, None, 30.0]), "softcap")
+    chunk = data.draw(st.sampled_from([None, "1", "3", "64"]), "chunk")
+    params = [p for p in (h, w, b) if p is not None]
+
+    with tuning.override(cross_entropy_chunk=chunk):
+        loss = gp.fused_linear_cross_entropy(h, w, t, b, ignore_index=ignore, reduction=reduction, softcap=softcap)
+    leaves = [p.detach().double().requires_grad_() for p in params]
+    eager_in = [p.detach().requires_grad_() for p in params]
+
+    def math(hh, ww, bb):
+        logits = _cap(F.linear(hh, ww, bb), softcap)
+        return F.cross_entropy(logits.reshape(-1, V), t.reshape(-1), ignore_index=ignore, reduction=reduction)
+    ref = math(*leaves, *([None] if b is None else []))
+    eager = math(*eager_in, *([None] if b is None else []))
+    _close_to_ref(loss, ref.detach(), eager.detach(), dtype, "loss")
+    g = make_tensor((), loss.dtype, device, seed=seed + 5)
+    grads = torch.autograd.grad(loss, params, g)
+    refs = torch.autograd.grad(ref, leaves, g.double())
+    eagers = torch.autograd.grad(eager, eager_in, g)
+    M = max(1, t.numel())
+    for name, a, r, e, n in zip(("dhidden", "dweight", "dbias"), grads, refs, eagers, (V, M, M)):
+        _close_to_ref(a, r, e, dtype, name, n)
