@@ -4,6 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICES, HAS_CUDA, assert_close_ref, assert_compiled_matches_eager, device_dtypes, poison_allocator
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import dtypes, layouts, make_tensor, seeds, shapes
 
 import gpu_puzzles as gp
 from gpu_puzzles.bench.gated_act import reference
@@ -182,3 +185,38 @@ def test_cuda_mixed_devices_named():
     dy = torch.randn(2, 8, device="cuda")
     with pytest.raises(RuntimeError, match="grad_out has dtype"):
         torch.ops.gpu_puzzles.gated_act_backward(dy.double(), dy, dy, "silu")
+
+
+# ---- property test (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(data=st.data())
+def test_property_gated_act(device, data):
+    """Random shape (empty too), dtype, activation and strides of gate and up (each its own:
+    halves of one projection, transposed, sliced, misaligned, stride 0) against float64, within
+    twice eager PyTorch's own error on top of the tolerance."""
+    dtype = data.draw(dtypes(device), "dtype")
+    shape = data.draw(shapes(1, 3, max_side=300, allow_empty=True, max_numel=3000), "shape")
+    act = data.draw(st.sampled_from(ACTS), "activation")
+    seed = data.draw(seeds(), "seed")
+    if data.draw(st.booleans(), "halves of one projection"):
+        gate_up = make_tensor((*shape[:-1], 2 * shape[-1]), dtype, device, seed=seed, scale=3.0)
+        gate, up = (t.detach().requires_grad_() for t in gate_up.chunk(2, dim=-1))
+    else:
+        gate = make_tensor(shape, dtype, device, data.draw(layouts(len(shape)), "gate layout"), seed, scale=3.0,
+                           requires_grad=True)
+        up = make_tensor(shape, dtype, device, data.draw(layouts(len(shape)), "up layout"), seed + 1,
+                         requires_grad=True)
+    y = gp.gated_act(gate, up, act)
+    assert y.shape == gate.shape and y.dtype == dtype
+    leaves = [t.detach().double().requires_grad_() for t in (gate, up)]
+    ref = _ref64(*leaves, act)
+    eager_in = [t.detach().requires_grad_() for t in (gate, up)]
+    eager = reference(*eager_in, act)
+    dy = make_tensor(shape, dtype, device, seed=seed + 2)
+    grads = torch.autograd.grad(y, (gate, up), dy)
+    refs = torch.autograd.grad(ref, leaves, dy.double())
+    eagers = torch.autograd.grad(eager, eager_in, dy)
+    for name, a, r, e in zip(("output", "dgate", "dup"), (y, *grads), (ref, *refs), (eager, *eagers)):
+        slack = 2 * (e.double() - r).abs().max().item() if r.numel() else 0.0
+        assert_close_ref(a, r.detach(), dtype, name, slack)

@@ -16,6 +16,9 @@ from conftest import (
     poison_allocator,
     requires_cuda,
 )
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import dtypes, extents, grad_close, layouts, make_tensor, seeds, shapes
 
 import gpu_puzzles as gp
 from gpu_puzzles.ops._common import schema_default
@@ -333,3 +336,74 @@ def test_cuda_llama_like_shape(dtype, plan):
     refs = torch.autograd.grad(ref, leaves[:3], g.to(dtype).double())
     for name, a, r, s in zip(("dx", "dnw", "dW"), grads, refs, (1.0, (M * 768) ** 0.5, M ** 0.5)):
         assert_close_ref(a / s, r / s, dtype, name)
+
+
+# ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
+# Against float64, within twice eager PyTorch's own error (same dtype and inputs) on top of the
+# tolerance: a row whose spread is small against its mean loses digits in any float32 kernel.
+
+def _draw_x(device, data, max_H):
+    dtype = data.draw(dtypes(device), "dtype")
+    lead = data.draw(shapes(min_dims=0, max_dims=3, max_side=40, allow_empty=True, max_numel=200), "leading shape")
+    H = data.draw(extents(max_H), "H")
+    seed = data.draw(seeds(), "seed")
+    shift = data.draw(st.sampled_from([0.0, 0.3, 20.0]), "mean")
+    x = make_tensor((*lead, H), dtype, device, data.draw(layouts(len(lead) + 1), "x layout"), seed,
+                    shift=shift, requires_grad=True)
+    return x, dtype, seed
+
+
+def _check_all(outs, refs, eagers, names, dtype, sums):
+    for name, a, r, e, n in zip(names, outs, refs, eagers, sums):
+        slack = 2 * (e.double() - r).abs().max().item() if r.numel() else 0.0
+        grad_close(a, r.detach(), dtype, name, n, slack)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(data=st.data())
+def test_property_rms_norm(device, data):
+    """Random leading shape (none, empty), H, mean offset, dtype, strides, weight or none, eps."""
+    x, dtype, seed = _draw_x(device, data, 300 if device == "cpu" else 5000)
+    H = x.shape[-1]
+    w = make_tensor((H,), dtype, device, data.draw(layouts(1), "w layout"), seed + 1, shift=1.0, requires_grad=True) \
+        if data.draw(st.booleans(), "weight") else None
+    eps = data.draw(st.sampled_from([None, 1e-6, 1e-5]), "eps")
+    y = gp.rms_norm(x, w, eps)
+    assert y.shape == x.shape and y.dtype == dtype
+    params = [t for t in (x, w) if t is not None]
+    leaves = [t.detach().double().requires_grad_() for t in params]
+    eager_in = [t.detach().requires_grad_() for t in params]
+    ref_eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps if eps is None else eps
+    ref = F.rms_norm(leaves[0], (H,), leaves[1] if w is not None else None, ref_eps)
+    eager = F.rms_norm(eager_in[0], (H,), eager_in[1] if w is not None else None, eps)
+    g = make_tensor(x.shape, dtype, device, seed=seed + 3)
+    M = x.numel() // H
+    _check_all((y,) + torch.autograd.grad(y, params, g), (ref,) + torch.autograd.grad(ref, leaves, g.double()),
+               (eager,) + torch.autograd.grad(eager, eager_in, g), ("output", "dx", "dweight"), dtype, (1, 1, M))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+@given(data=st.data())
+def test_property_rmsnorm_linear(device, impl, data):
+    """fused RMSNorm+Linear on random shapes, N, bias, mean offset, dtype, strides and a
+    transposed linear weight against float64, output and all four gradients."""
+    x, dtype, seed = _draw_x(device, data, 200 if device == "cpu" else 1100)
+    H = x.shape[-1]
+    N = data.draw(extents(70 if device == "cpu" else 300), "N")
+    nw, W, b = _params(H, N, device, dtype, bias=data.draw(st.booleans(), "bias"), grad=True, seed=seed)
+    W = _w_view(W, data.draw(st.sampled_from(["rows", "t"]), "W layout"))
+    eps = data.draw(st.sampled_from([1e-6, 1e-5]), "eps")
+    y = IMPLS[impl](x, nw, W, b, eps)
+    assert y.shape == (*x.shape[:-1], N) and y.dtype == dtype
+    params = [t for t in (x, nw, W, b) if t is not None]
+    ref, leaves = _ref(x, nw, W, b, eps)
+    eager_in = [t.detach().requires_grad_() for t in params]
+    eager = F.linear(F.rms_norm(eager_in[0], (H,), eager_in[1], eps), eager_in[2],
+                     eager_in[3] if b is not None else None)
+    g = make_tensor(y.shape, dtype, device, seed=seed + 3)
+    M = x.numel() // H
+    _check_all((y,) + torch.autograd.grad(y, params, g),
+               (ref,) + torch.autograd.grad(ref, [t for t in leaves if t is not None], g.double()),
+               (eager,) + torch.autograd.grad(eager, eager_in, g),
+               ("output", "dx", "dnorm_weight", "dlinear_weight", "dlinear_bias"), dtype, (H, N, M, M, M))
