@@ -55,6 +55,8 @@ def main(argv=None):
     p.add_argument("--overhead", type=float, default=OVERHEAD_S)
     p.add_argument("--unrecorded-max-s", type=float, default=2.0,
                    help="unrecorded tests up to this many seconds plain join the list; the rest go to <out>.unrecorded")
+    p.add_argument("--collected", help="test ids the suite collects now, one per line: records of tests no longer "
+                                        "there (renamed, reparametrised since an earlier record) are dropped")
     a = p.parse_args(argv)
     merged = {}
     for path in a.record:
@@ -63,6 +65,15 @@ def main(argv=None):
                 if line.strip():
                     r = json.loads(line)
                     merged[r["test"]] = r
+    gone = 0
+    if a.collected:
+        with open(a.collected) as f:
+            now = {line.strip() for line in f if "::" in line}
+        if now:  # an empty list is a failed collection, not a suite without tests
+            gone = sum(t not in now for t in merged)
+            merged = {t: r for t, r in merged.items() if t in now}
+        else:
+            print(f"--collected {a.collected} holds no test ids: every record kept")
     records = list(merged.values())
     chosen, unrecorded, n = cover(records, a.overhead)
     seconds = {r["test"]: r["seconds"] for r in records}
@@ -78,7 +89,8 @@ def main(argv=None):
 
     print(f"{len(records)} tests recorded, {n} distinct launches of our kernels; {len(chosen)} tests make all of "
           f"them ({plain(chosen):.0f} s plain); unrecorded (own profiler): {len(cheap)} added ({plain(cheap):.0f} s "
-          f"plain), {len(apart)} written apart ({plain(apart):.0f} s plain) -> {a.out}")
+          f"plain), {len(apart)} written apart ({plain(apart):.0f} s plain) -> {a.out}"
+          + (f"; {gone} recorded tests no longer collected, dropped" if gone else ""))
 
 
 if __name__ == "__main__":

@@ -279,6 +279,10 @@ def test_cpu_cover_takes_every_launch_cheapest_first(tmp_path):
     sanitize_cover.main([str(rec), "--out", str(tmp_path / "cover.txt"), "--unrecorded-max-s", "1"])
     assert (tmp_path / "cover.txt").read_text().split() == chosen
     assert (tmp_path / "cover.txt.unrecorded").read_text().split() == ["t::own_profiler"]
+    # a test the suite no longer collects (renamed since the record) is not chosen
+    (tmp_path / "now.txt").write_text("t::a\nt::b\nt::own_profiler\n")
+    sanitize_cover.main([str(rec), "--out", str(tmp_path / "cover.txt"), "--collected", str(tmp_path / "now.txt")])
+    assert sorted((tmp_path / "cover.txt").read_text().split()) == ["t::a", "t::b", "t::own_profiler"]
 
 
 def test_cpu_record_then_finish_a_cut_record(tmp_path):
