@@ -164,3 +164,25 @@ def grad_close(actual, ref, dtype, what, reduction=1, slack=0.0):
     assert actual.dtype == dtype, f"{what}: dtype {actual.dtype} != {dtype}"
     k = max(1.0, reduction) ** 0.5
     assert_close_ref(actual.double() / k, ref.double() / k, dtype, what, slack / k)
+
+
+def close_to_eager(actual, ref, eager, dtype, what, reduction=1, factor=2):
+    """grad_close, allowing ``factor`` times eager PyTorch's own error on the same inputs
+    (``eager``: its result in the same dtype) on top of the tolerance: our kernels may round
+    differently from float64, never systematically worse than eager."""
+    slack = factor * (eager.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+    grad_close(actual, ref.detach(), dtype, what, reduction, slack)
+
+
+def norm_input(device, data, max_H):
+    """(x, dtype, seed) for the norm property tests: x (..., H) with a random leading shape (none,
+    empty), H, dtype and strides, and an offset mean (which makes the centring matter, and the
+    fused ops' large-mean guard)."""
+    dtype = data.draw(dtypes(device), "dtype")
+    lead = data.draw(shapes(min_dims=0, max_dims=3, max_side=40, allow_empty=True, max_numel=200), "leading shape")
+    H = data.draw(extents(max_H), "H")
+    seed = data.draw(seeds(), "seed")
+    shift = data.draw(st.sampled_from([0.0, 0.3, 20.0]), "mean")
+    x = make_tensor((*lead, H), dtype, device, data.draw(layouts(len(lead) + 1), "x layout"), seed,
+                    shift=shift, requires_grad=True)
+    return x, dtype, seed

@@ -18,7 +18,7 @@ from conftest import (
 )
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import dtypes, extents, grad_close, index_dtypes, layouts, make_indices, make_tensor, seeds, shapes
+from strategies import close_to_eager, dtypes, extents, index_dtypes, layouts, make_indices, make_tensor, seeds, shapes
 
 import gpu_puzzles as gp
 from gpu_puzzles import tuning
@@ -697,12 +697,6 @@ def test_nn_module(device):
 # Each draw is checked against float64 and allowed twice eager PyTorch's own error (same dtype,
 # same inputs) on top of the tolerance: our kernels may round differently, never worse.
 
-def _close_to_ref(actual, ref, eager, dtype, what, reduction=1):
-    assert actual.dtype == eager.dtype, f"{what}: dtype {actual.dtype}, eager's {eager.dtype}"
-    slack = 2 * (eager.double() - ref).abs().max().item() if ref.numel() else 0.0
-    grad_close(actual, ref, dtype, what, reduction, slack)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @given(data=st.data())
 def test_property_cross_entropy(device, data):
@@ -738,12 +732,12 @@ def test_property_cross_entropy(device, data):
     xe = x.detach().requires_grad_()
     eager = F.cross_entropy(_cap(xe, softcap), t.long(), **kw)
     assert loss.shape == ref.shape
-    _close_to_ref(loss, ref.detach(), eager.detach(), dtype, "loss")
+    close_to_eager(loss, ref.detach(), eager.detach(), dtype, "loss")
     g = make_tensor(loss.shape, loss.dtype, device, seed=seed + 4)
     dx, = torch.autograd.grad(loss, x, g)
     ref_dx, = torch.autograd.grad(ref, x64, g.double())
     eager_dx, = torch.autograd.grad(eager, xe, g)
-    _close_to_ref(dx, ref_dx, eager_dx, dtype, "dinput")
+    close_to_eager(dx, ref_dx, eager_dx, dtype, "dinput")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -782,11 +776,11 @@ def test_property_fused_linear_cross_entropy(device, data):
         return F.cross_entropy(logits.reshape(-1, V), t.reshape(-1), ignore_index=ignore, reduction=reduction)
     ref = math(*leaves, *([None] if b is None else []))
     eager = math(*eager_in, *([None] if b is None else []))
-    _close_to_ref(loss, ref.detach(), eager.detach(), dtype, "loss")
+    close_to_eager(loss, ref.detach(), eager.detach(), dtype, "loss")
     g = make_tensor((), loss.dtype, device, seed=seed + 5)
     grads = torch.autograd.grad(loss, params, g)
     refs = torch.autograd.grad(ref, leaves, g.double())
     eagers = torch.autograd.grad(eager, eager_in, g)
     M = max(1, t.numel())
     for name, a, r, e, n in zip(("dhidden", "dweight", "dbias"), grads, refs, eagers, (V, M, M)):
-        _close_to_ref(a, r, e, dtype, name, n)
+        close_to_eager(a, r, e, dtype, name, n)

@@ -20,7 +20,7 @@ from conftest import (
 )
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import dtypes, extents, grad_close, layouts, make_tensor, seeds, shapes
+from strategies import close_to_eager, extents, layouts, make_tensor, norm_input
 
 import gpu_puzzles as gp
 from gpu_puzzles.ops._common import schema_default
@@ -1237,19 +1237,6 @@ def test_knobs_keep_results(device, knobs):
 # ---- property tests (hypothesis; profile from GPU_PUZZLES_HYPOTHESIS_PROFILE, see conftest) ----
 
 
-
-def _draw_x(device, data, max_H):
-    dtype = data.draw(dtypes(device), "dtype")
-    lead = data.draw(shapes(min_dims=0, max_dims=3, max_side=40, allow_empty=True, max_numel=200), "leading shape")
-    H = data.draw(extents(max_H), "H")
-    seed = data.draw(seeds(), "seed")
-    # an offset mean makes the centring matter (and the fused op's large-mean guard)
-    shift = data.draw(st.sampled_from([0.0, 0.3, 20.0]), "mean")
-    x = make_tensor((*lead, H), dtype, device, data.draw(layouts(len(lead) + 1), "x layout"), seed,
-                    shift=shift, requires_grad=True)
-    return x, dtype, seed
-
-
 # A row whose spread is small against its mean (two values 1e-3 apart at mean 20: variance below
 # eps) loses digits to the float32 mean's rounding in any kernel, eager's too, and which way each
 # row's mean rounds decides most of the error: such draws get EAGER_FACTOR times eager PyTorch's own
@@ -1258,23 +1245,18 @@ def _draw_x(device, data, max_H):
 EAGER_FACTOR = 4
 
 
-def _eager_slack(eager, ref):
-    return EAGER_FACTOR * (eager.double() - ref).abs().max().item() if ref.numel() else 0.0
-
-
 def _check_grads(grads, refs, names, x, dtype, N, eager):
     """Each gradient against float64, allowed EAGER_FACTOR times eager's own error (``eager``:
     its gradients of the same inputs) on top of the usual tolerance."""
     M = x.numel() // x.shape[-1]
     rstd_max = (x.detach().double().var(-1, unbiased=False) + EPS).rsqrt().max().item() if M else 1.0
     for name, a, r, e in zip(names, grads, refs, eager):
-        slack = _eager_slack(e, r)
         # dx is scaled by rstd and sums N outputs; parameter grads sum over M rows
         if name == "dx":
             s = max(1.0, rstd_max)
-            grad_close(a / s, r / s, dtype, name, N, slack / s)
+            close_to_eager(a / s, r / s, e / s, dtype, name, N, EAGER_FACTOR)
         else:
-            grad_close(a, r, dtype, name, M, slack)
+            close_to_eager(a, r, e, dtype, name, M, EAGER_FACTOR)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1282,7 +1264,7 @@ def _check_grads(grads, refs, names, x, dtype, N, eager):
 def test_property_layer_norm(device, data):
     """Random leading shape (none, empty, primes), H (1, primes, vector edges), mean offset,
     dtype and strides (transposed: a strided last dim; stride 0) against float64."""
-    x, dtype, seed = _draw_x(device, data, 300 if device == "cpu" else 5000)
+    x, dtype, seed = norm_input(device, data, 300 if device == "cpu" else 5000)
     H = x.shape[-1]
     lw = make_tensor((H,), dtype, device, data.draw(layouts(1), "w layout"), seed + 1, shift=1.0, requires_grad=True)
     lb = make_tensor((H,), dtype, device, data.draw(layouts(1), "b layout"), seed + 2, requires_grad=True)
@@ -1291,7 +1273,7 @@ def test_property_layer_norm(device, data):
     leaves = [t.detach().double().requires_grad_() for t in (x, lw, lb)]
     y_ref = F.layer_norm(leaves[0], (H,), leaves[1], leaves[2], EPS)
     eager_y = F.layer_norm(x.detach(), (H,), lw.detach(), lb.detach(), EPS)
-    assert_close_ref(y, y_ref, dtype, "layer_norm", _eager_slack(eager_y, y_ref.detach()))
+    close_to_eager(y, y_ref, eager_y, dtype, "layer_norm", factor=EAGER_FACTOR)
     g = make_tensor(x.shape, dtype, device, seed=seed + 3)
     grads = torch.autograd.grad(y, (x, lw, lb), g)
     refs = torch.autograd.grad(y_ref, leaves, g.double())
@@ -1306,7 +1288,7 @@ def test_property_layer_norm(device, data):
 def test_property_layernorm_linear(device, impl, data):
     """fused / unfused LayerNorm+Linear (and the naive kernel's forward) on random shapes,
     N, bias, dtype and strides (a transposed linear_weight too) against float64, all five grads."""
-    x, dtype, seed = _draw_x(device, data, 200 if device == "cpu" else 1100)
+    x, dtype, seed = norm_input(device, data, 200 if device == "cpu" else 1100)
     H = x.shape[-1]
     N = data.draw(extents(70 if device == "cpu" else 300), "N")
     lw, lb, W, b = _params(H, N, device, dtype, bias=data.draw(st.booleans(), "bias"), grad=True, seed=seed)

@@ -18,7 +18,7 @@ from conftest import (
 )
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import dtypes, extents, grad_close, layouts, make_tensor, seeds, shapes
+from strategies import close_to_eager, extents, layouts, make_tensor, norm_input
 
 import gpu_puzzles as gp
 from gpu_puzzles.ops._common import schema_default
@@ -342,28 +342,16 @@ def test_cuda_llama_like_shape(dtype, plan):
 # Against float64, within twice eager PyTorch's own error (same dtype and inputs) on top of the
 # tolerance: a row whose spread is small against its mean loses digits in any float32 kernel.
 
-def _draw_x(device, data, max_H):
-    dtype = data.draw(dtypes(device), "dtype")
-    lead = data.draw(shapes(min_dims=0, max_dims=3, max_side=40, allow_empty=True, max_numel=200), "leading shape")
-    H = data.draw(extents(max_H), "H")
-    seed = data.draw(seeds(), "seed")
-    shift = data.draw(st.sampled_from([0.0, 0.3, 20.0]), "mean")
-    x = make_tensor((*lead, H), dtype, device, data.draw(layouts(len(lead) + 1), "x layout"), seed,
-                    shift=shift, requires_grad=True)
-    return x, dtype, seed
-
-
 def _check_all(outs, refs, eagers, names, dtype, sums):
     for name, a, r, e, n in zip(names, outs, refs, eagers, sums):
-        slack = 2 * (e.double() - r).abs().max().item() if r.numel() else 0.0
-        grad_close(a, r.detach(), dtype, name, n, slack)
+        close_to_eager(a, r, e, dtype, name, n)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @given(data=st.data())
 def test_property_rms_norm(device, data):
     """Random leading shape (none, empty), H, mean offset, dtype, strides, weight or none, eps."""
-    x, dtype, seed = _draw_x(device, data, 300 if device == "cpu" else 5000)
+    x, dtype, seed = norm_input(device, data, 300 if device == "cpu" else 5000)
     H = x.shape[-1]
     w = make_tensor((H,), dtype, device, data.draw(layouts(1), "w layout"), seed + 1, shift=1.0, requires_grad=True) \
         if data.draw(st.booleans(), "weight") else None
@@ -388,7 +376,7 @@ def test_property_rms_norm(device, data):
 def test_property_rmsnorm_linear(device, impl, data):
     """fused RMSNorm+Linear on random shapes, N, bias, mean offset, dtype, strides and a
     transposed linear weight against float64, output and all four gradients."""
-    x, dtype, seed = _draw_x(device, data, 200 if device == "cpu" else 1100)
+    x, dtype, seed = norm_input(device, data, 200 if device == "cpu" else 1100)
     H = x.shape[-1]
     N = data.draw(extents(70 if device == "cpu" else 300), "N")
     nw, W, b = _params(H, N, device, dtype, bias=data.draw(st.booleans(), "bias"), grad=True, seed=seed)
