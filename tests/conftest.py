@@ -169,16 +169,11 @@ _RECORD_SKIP = os.environ.get("GPU_PUZZLES_RECORD_SKIP", "").split()
 
 
 def _recorded_tests(paths):
-    import gzip
-    import json
-    done = set()
-    for path in paths:
-        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-            for line in f:
-                r = json.loads(line) if line.strip() else None
-                if r is not None and r["launches"] is not None:
-                    done.add(r["test"])
-    return done
+    """The tests these records hold with their launches (tools/sanitize_cover.py reads them)."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    from sanitize_cover import read_records
+    return {t for t, r in read_records(paths).items() if r["launches"] is not None}
 
 
 if _RECORD_SKIP:

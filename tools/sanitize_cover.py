@@ -46,6 +46,19 @@ def cover(records, overhead=OVERHEAD_S):
     return choose(cases, cost), sorted(set(unrecorded)), len(launches)
 
 
+def read_records(paths):
+    """{test id: its record} from record files (.jsonl or .jsonl.gz), merged in order: a test's
+    last line wins (a cut record, then the call that finished it)."""
+    merged = {}
+    for path in paths:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    merged[r["test"]] = r
+    return merged
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("record", nargs="+",
@@ -58,13 +71,7 @@ def main(argv=None):
     p.add_argument("--collected", help="test ids the suite collects now, one per line: records of tests no longer "
                                         "there (renamed, reparametrised since an earlier record) are dropped")
     a = p.parse_args(argv)
-    merged = {}
-    for path in a.record:
-        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-            for line in f:
-                if line.strip():
-                    r = json.loads(line)
-                    merged[r["test"]] = r
+    merged = read_records(a.record)
     gone = 0
     if a.collected:
         with open(a.collected) as f:
