@@ -29,6 +29,15 @@ c10::TypedOperatorHandle<Sig> typed_op(const char* qualified_name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name, "").template typed<Sig>();
 }
 
+// typed_op<Sig>(Name), looked up on its first call (after the library's registration has run)
+// and kept. Name: a constexpr char array of the calling file, e.g.
+//   constexpr char kForward[] = "gpu_puzzles::rotary";  ...  op_handle<ForwardSig, kForward>().call(...)
+template <typename Sig, const char* Name>
+const c10::TypedOperatorHandle<Sig>& op_handle() {
+  static const auto handle = typed_op<Sig>(Name);
+  return handle;
+}
+
 // Marks outputs that carry no gradient (statistics, lse, precomputed gradients). It also
 // turns off autograd's zero-filling of the undefined gradients those outputs get: every
 // backward here reads grads[0] only (and checks it is defined), and the zeros cost a fill

@@ -12,16 +12,10 @@ using Tensor = at::Tensor;
 using ForwardSig = Tensor(const Tensor&, const Tensor&, c10::string_view);
 using BackwardSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, c10::string_view);
 
-// gpu_puzzles::gated_act_backward, looked up once; both autograd kernels below call it.
-const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
-  static const auto op = typed_op<BackwardSig>("gpu_puzzles::gated_act_backward");
-  return op;
-}
-
-const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
-  static const auto op = typed_op<ForwardSig>("gpu_puzzles::gated_act");
-  return op;
-}
+constexpr char kForward[] = "gpu_puzzles::gated_act";
+constexpr char kBackward[] = "gpu_puzzles::gated_act_backward";
+constexpr auto forward_op = op_handle<ForwardSig, kForward>;
+constexpr auto backward_op = op_handle<BackwardSig, kBackward>;  // both autograd kernels below call it
 
 struct GatedActFunction : public torch::autograd::Function<GatedActFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up, c10::string_view activation) {

@@ -12,15 +12,10 @@ using Pair = std::tuple<Tensor, Tensor>;
 using ForwardSig = Pair(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using BackwardSig = Pair(const Tensor&, const Tensor&, const Tensor&, const Tensor&, at::ScalarType);
 
-const c10::TypedOperatorHandle<BackwardSig>& backward_op() {
-  static const auto op = typed_op<BackwardSig>("gpu_puzzles::rotary_backward");
-  return op;
-}
-
-const c10::TypedOperatorHandle<ForwardSig>& forward_op() {
-  static const auto op = typed_op<ForwardSig>("gpu_puzzles::rotary");
-  return op;
-}
+constexpr char kForward[] = "gpu_puzzles::rotary";
+constexpr char kBackward[] = "gpu_puzzles::rotary_backward";
+constexpr auto forward_op = op_handle<ForwardSig, kForward>;
+constexpr auto backward_op = op_handle<BackwardSig, kBackward>;  // both autograd kernels below call it
 
 struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
