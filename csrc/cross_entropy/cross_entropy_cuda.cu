@@ -10,6 +10,7 @@
 // A softcap (kCap) maps each logit to c * tanh(x / c) as it is read: the loss is over the
 // capped logits, and the gradient gains the factor 1 - tanh(x / c)^2.
 #include <cstdint>
+#include <type_traits>
 
 #include "common/device.cuh"
 #include "common/row_strides.h"
@@ -347,13 +348,16 @@ int rows_grid(int64_t rows) {
   return static_cast<int>(rows < 0x7fffffff ? rows : 0x7fffffff);
 }
 
-// A row kernel's launch: launch(tag) for a's dtype (tag: a value of the element type);
-// nothing for no rows.
-template <typename Args, typename F>
-LaunchStatus launch_rows(const Args& a, F&& launch) {
+// A row kernel's launch for a's dtype T, with the softcap's template argument decided here:
+// kernel(tag, cap) gives the kernel for T (tag: a value of it) and kCap (cap: a
+// std::bool_constant). Nothing for no rows.
+template <typename Args, typename K>
+LaunchStatus launch_rows(const Args& a, cudaStream_t stream, K&& kernel) {
   if (a.rows == 0) return cudaSuccess;
   return dispatch_dtype(a.dtype, [&](auto tag) -> LaunchStatus {
-    launch(tag);
+    using T = decltype(tag);
+    const auto k = a.softcap > 0 ? kernel(tag, std::true_type{}) : kernel(tag, std::false_type{});
+    k<<<rows_grid<T>(a.rows), a.threads, 0, stream>>>(a);
     return cudaGetLastError();
   });
 }
@@ -361,25 +365,11 @@ LaunchStatus launch_rows(const Args& a, F&& launch) {
 }  // namespace
 
 LaunchStatus cross_entropy_forward_cuda(const CeFwdArgs& a, cudaStream_t stream) {
-  return launch_rows(a, [&](auto tag) {
-    using T = decltype(tag);
-    const int grid = rows_grid<T>(a.rows);
-    if (a.softcap > 0)
-      ce_fwd_kernel<T, true><<<grid, a.threads, 0, stream>>>(a);
-    else
-      ce_fwd_kernel<T, false><<<grid, a.threads, 0, stream>>>(a);
-  });
+  return launch_rows(a, stream, [](auto tag, auto cap) { return &ce_fwd_kernel<decltype(tag), decltype(cap)::value>; });
 }
 
 LaunchStatus cross_entropy_backward_cuda(const CeBwdArgs& a, cudaStream_t stream) {
-  return launch_rows(a, [&](auto tag) {
-    using T = decltype(tag);
-    const int grid = rows_grid<T>(a.rows);
-    if (a.softcap > 0)
-      ce_bwd_kernel<T, true><<<grid, a.threads, 0, stream>>>(a);
-    else
-      ce_bwd_kernel<T, false><<<grid, a.threads, 0, stream>>>(a);
-  });
+  return launch_rows(a, stream, [](auto tag, auto cap) { return &ce_bwd_kernel<decltype(tag), decltype(cap)::value>; });
 }
 
 LaunchStatus cross_entropy_reduce_cuda(const CeReduceArgs& a, cudaStream_t stream) {
