@@ -5,6 +5,8 @@ Compiles each csrc/**/*.cu for one arch (the *_sm90.cu files for sm_90a with the
 CUTLASS headers), disassembles with cuobjdump, and writes {kernel: sha1 of its SASS}
 with the file-specific parts of the names (anonymous namespaces) and the line
 info normalised away. Compare two checkouts with --compare A.json B.json.
+cuobjdump: from PATH, else $CUDA_HOME/bin, else the copy triton ships (a toolkit
+without it, as on the development machines, still fingerprints).
 
     python tools/sass_fingerprint.py --root . --out new.json [--arch sm_90] [--jobs 2] [--only 'softmax/*']
     python tools/sass_fingerprint.py --compare old.json new.json
@@ -17,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,6 +29,21 @@ def _cutlass_includes():
     import cutlass_library
     root = os.path.join(os.path.dirname(cutlass_library.__file__), "source")
     return ["-I" + os.path.join(root, "include"), "-I" + os.path.join(root, "tools", "util", "include")]
+
+
+def _cuobjdump():
+    """The cuobjdump to run: PATH's, the CUDA toolkit's, or triton's bundled copy."""
+    found = shutil.which("cuobjdump")
+    candidates = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")]
+    try:
+        import triton
+        candidates.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
+    except ImportError:
+        pass
+    found = found or next((c for c in candidates if os.access(c, os.X_OK)), None)
+    if found is None:
+        raise SystemExit(f"sass_fingerprint: no cuobjdump on PATH nor at {', '.join(candidates)}")
+    return found
 
 
 def _compile(src, root, arch, gen_dir, tmp):
@@ -38,7 +56,7 @@ def _compile(src, root, arch, gen_dir, tmp):
         cmd[1:1] = ["-DGPU_PUZZLES_WITH_SM90A", "-DGPU_PUZZLES_WITH_CUTLASS=1", "-DGPU_PUZZLES_WITH_SM90_ATTN"] + \
             _cutlass_includes()
     subprocess.run(cmd, check=True, cwd=root)
-    return subprocess.run(["cuobjdump", "-sass", cubin], check=True, capture_output=True, text=True).stdout
+    return subprocess.run([_cuobjdump(), "-sass", cubin], check=True, capture_output=True, text=True).stdout
 
 
 # Anonymous namespaces are mangled with the file's name and a hash (length-prefixed).
