@@ -118,14 +118,19 @@ _TIMING = os.environ.get("GPU_PUZZLES_SANITIZE_TIMING")
 _RECORD = os.environ.get("GPU_PUZZLES_RECORD_LAUNCHES")
 
 
-def _launches(prof):
+def _trace_launches(path):
+    """Our kernels' launches in a saved chrome trace: (name, block, shared memory)."""
     import json
+    events = json.load(open(path))["traceEvents"]
+    return sorted({(e["name"], str(e["args"].get("block")), e["args"].get("shared memory"))
+                   for e in events if e.get("cat") == "kernel" and "gpu_puzzles" in e["name"]})
+
+
+def _launches(prof):
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    return sorted({(e["name"], str(e["args"].get("block")), e["args"].get("shared memory"))
-                   for e in events if e.get("cat") == "kernel" and "gpu_puzzles" in e["name"]})
+        return _trace_launches(f.name)
 
 
 @contextlib.contextmanager
@@ -223,12 +228,29 @@ class _TestLaunches:
                 return super().__enter__()
 
             def __exit__(self, *exc):
+                import tempfile
                 if torch.cuda.is_initialized():
                     torch.cuda.synchronize()
                 out = super().__exit__(*exc)
-                rec.launches |= set(_launches(self))
+                # A trace saves once: kept in a file, so the test can still export it (below).
+                fd, self._gp_trace = tempfile.mkstemp(suffix=".json")
+                os.close(fd)
+                super().export_chrome_trace(self._gp_trace)
+                rec.launches |= set(_trace_launches(self._gp_trace))
                 rec.resume()
                 return out
+
+            def export_chrome_trace(self, path):
+                import gzip
+                import shutil
+                opener = gzip.open if path.endswith(".gz") else open
+                with open(self._gp_trace, "rb") as src, opener(path, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+
+            def __del__(self):
+                if getattr(self, "_gp_trace", None):
+                    with contextlib.suppress(OSError):
+                        os.remove(self._gp_trace)
 
         return Nested
 

@@ -326,6 +326,29 @@ def test_cpu_record_a_test_with_its_own_profiler(tmp_path):
     assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
     assert [json.loads(line)["test"] for line in rec2.read_text().splitlines()] == [test]
 
+def test_cpu_record_a_test_that_exports_its_own_trace(tmp_path):
+    # a test's own profiler whose trace the test exports (conftest.copy_kernels does): the recorder
+    # reads that trace too, and a trace saves only once, so the test's export must still work
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_trace.py").write_text(textwrap.dedent("""
+        import gzip, json, pytest, torch
+        @pytest.mark.parametrize("name", ["t.json", "t.json.gz"])
+        def test_cpu_exports(tmp_path, name):
+            from torch.profiler import ProfilerActivity, profile  # as copy_kernels: the recorder's wrapper
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                torch.ones(4).add_(1)
+            prof.export_chrome_trace(str(tmp_path / name))
+            trace = (gzip.open if name.endswith(".gz") else open)(tmp_path / name)
+            assert any(e.get("name") == "aten::add_" for e in json.load(trace)["traceEvents"])
+        """))
+    rec = tmp_path / "rec.jsonl"
+    env = dict(_own_env(), PYTHONPATH=ROOT, GPU_PUZZLES_RECORD_TEST_LAUNCHES=str(rec))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_trace.py"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert [json.loads(line)["launches"] for line in rec.read_text().splitlines()] == [[], []]
+
+
 RECORDING_CONFTEST = """
 import json, os, time, pytest
 LAUNCH = {"test_a": "k1", "test_b": "k1", "test_c": "k2", "test_slow": "k3"}
