@@ -219,3 +219,39 @@ def test_property_gated_act(device, data):
     eagers = torch.autograd.grad(eager, eager_in, dy)
     for name, a, r, e in zip(("output", "dgate", "dup"), (y, *grads), (ref, *refs), (eager, *eagers)):
         close_to_eager(a, r, e, dtype, name)
+
+
+# ---- CPU kernels at every SIMD level (csrc/common/cpu_isa.h) ---------------------------
+# The cpu_simd knob caps the run-time level, so every copy this CPU can run is checked.
+CPU_SIMD = ["baseline", "avx2", "avx512"]
+
+
+@pytest.mark.parametrize("level", CPU_SIMD)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_cpu_every_simd_level(level, dtype):
+    """Rows around the vector widths (8 / 16 floats, 4 / 8 doubles: a partial last vector) as
+    the halves of one projection (read in place), large gates and NaN, forward and backward."""
+    torch.manual_seed(6)
+    with gp.tuning.override(cpu_simd=level):
+        for act in ACTS:
+            for width in (1, 3, 4, 7, 8, 9, 15, 16, 17, 33, 100):
+                gate_up = (3 * torch.randn(5, 2 * width, dtype=torch.float64)).to(dtype)
+                if width >= 8:
+                    gate_up[0, :8] = torch.tensor([-100.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 100.0, 5.0])
+                gate_up.requires_grad_()
+                gate, up = gate_up.chunk(2, dim=-1)
+                y = gp.gated_act(gate, up, act)
+                what = f"{act} I={width} {dtype} {level}"
+                assert_close_ref(y, _ref64(gate.detach(), up.detach(), act), dtype, what)
+                dy = torch.randn(y.shape, dtype=torch.float64).to(dtype)
+                (d,) = torch.autograd.grad(y, gate_up, dy)
+                g64 = gate_up.detach().double().requires_grad_()
+                (r,) = torch.autograd.grad(_ref64(*g64.chunk(2, dim=-1), act), g64, dy.double())
+                assert_close_ref(d, r, dtype, what + " backward")
+            g = torch.randn(2, 19, dtype=dtype)
+            g[0, 3] = g[1, 17] = float("nan")
+            u = torch.randn(2, 19, dtype=dtype)
+            y = gp.gated_act(g, u, act)
+            dg, du = torch.ops.gpu_puzzles.gated_act_backward(torch.ones_like(y), g, u, act)
+            for out in (y, dg, du):
+                assert torch.equal(torch.isnan(out), torch.isnan(g)), (act, level, out)

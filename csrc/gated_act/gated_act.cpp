@@ -1,11 +1,12 @@
 // gated_act host side: argument checks and the CPU/CUDA registrations (the CPU kernels are
 // in gated_act_cpu.cpp, the CUDA ones in gated_act_cuda.cu). gate and up are (..., I) of one
-// shape; the CUDA kernels read their rows in place (gate_up.chunk(2, -1)'s halves too).
+// shape; the kernels read their rows in place (gate_up.chunk(2, -1)'s halves too).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "common/checks.h"
 #include "common/cuda_launch.h"
@@ -40,80 +41,69 @@ void check_grad_out(const at::Tensor& grad_out, const at::Tensor& gate) {
               " but gate has shape ", gate.sizes(), "; they must match");
 }
 
-#ifdef WITH_CUDA
-GatedActArgs cuda_args(const at::Tensor& gate, const at::Tensor& up, GatedAct act) {
-  TORCH_CHECK(gate.is_cuda(), "gated_act: gate must be a CUDA tensor for the CUDA kernel, got ", gate.device());
+// The kernels' arguments: rows of gate, up (and grad_out) read in place where their strides
+// allow (gate_up.chunk(2, -1)'s halves), else from a contiguous copy held in `keep`.
+GatedActArgs rows_of(const at::Tensor& gate, const at::Tensor& up, const at::Tensor* grad_out, GatedAct act,
+                     at::Tensor (&keep)[3]) {
   GatedActArgs a{};
   a.I = gate.size(-1);
   a.rows = a.I == 0 ? 0 : gate.numel() / a.I;
   a.act = act;
   a.dtype = to_dtype(gate.scalar_type());
+  std::tie(keep[0], a.gs) = tensor_rows(gate, true);
+  std::tie(keep[1], a.us) = tensor_rows(up, true);
+  a.gate = keep[0].data_ptr();
+  a.up = keep[1].data_ptr();
+  if (grad_out != nullptr) {
+    std::tie(keep[2], a.ds) = tensor_rows(*grad_out, true);
+    a.grad_out = keep[2].data_ptr();
+  }
   return a;
 }
 
-at::Tensor gated_act_cuda(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
-  check_inputs(gate, up, "gated_act");
-  GatedActArgs a = cuda_args(gate, up, parse_activation(activation, "gated_act"));
+// The forward (backward: bwd) kernel on gate's device.
+void launch(const GatedActArgs& a, const at::Tensor& gate, bool bwd) {
+  if (gate.device().is_cpu()) {
+    bwd ? GP_CPU_CALL(gated_act_backward_cpu)(a) : GP_CPU_CALL(gated_act_forward_cpu)(a);
+    return;
+  }
+#ifdef WITH_CUDA
+  TORCH_CHECK(gate.is_cuda(), "gated_act: gate must be a CPU or CUDA tensor, got ", gate.device());
   const c10::cuda::CUDAGuard guard(gate.device());
-  const auto [gc, gs] = tensor_rows(gate, true);
-  const auto [uc, us] = tensor_rows(up, true);
-  at::Tensor out = at::empty(gate.sizes(), gate.options());
-  a.gate = gc.data_ptr();
-  a.up = uc.data_ptr();
-  a.out = out.data_ptr();
-  a.gs = gs;
-  a.us = us;
-  GP_CUDA_CHECK_STATUS(gated_act_fwd_cuda(a, gate.get_device(), current_stream()));
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> gated_act_backward_cuda(const at::Tensor& grad_out, const at::Tensor& gate,
-                                                           const at::Tensor& up, c10::string_view activation) {
-  check_inputs(gate, up, "gated_act_backward");
-  check_grad_out(grad_out, gate);
-  GatedActArgs a = cuda_args(gate, up, parse_activation(activation, "gated_act_backward"));
-  const c10::cuda::CUDAGuard guard(gate.device());
-  const auto [gc, gs] = tensor_rows(gate, true);
-  const auto [uc, us] = tensor_rows(up, true);
-  const auto [dc, ds] = tensor_rows(grad_out, true);
-  at::Tensor dgate = at::empty(gate.sizes(), gate.options()), dup = at::empty(gate.sizes(), gate.options());
-  a.gate = gc.data_ptr();
-  a.up = uc.data_ptr();
-  a.grad_out = dc.data_ptr();
-  a.out = dgate.data_ptr();
-  a.dup = dup.data_ptr();
-  a.gs = gs;
-  a.us = us;
-  a.ds = ds;
-  GP_CUDA_CHECK_STATUS(gated_act_bwd_cuda(a, gate.get_device(), current_stream()));
-  return {dgate, dup};
-}
+  GP_CUDA_CHECK_STATUS((bwd ? gated_act_bwd_cuda : gated_act_fwd_cuda)(a, gate.get_device(), current_stream()));
+#else
+  TORCH_CHECK(false, "gated_act: gate must be a CPU tensor (built without CUDA), got ", gate.device());
 #endif
+}
 
-at::Tensor gated_act_cpu(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
+at::Tensor gated_act_any(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
   check_inputs(gate, up, "gated_act");
-  const GatedAct act = parse_activation(activation, "gated_act");
-  TORCH_CHECK(gate.device().is_cpu(), "gated_act: gate must be a CPU tensor for the CPU kernel, got ", gate.device());
+  at::Tensor keep[3];
+  GatedActArgs a = rows_of(gate, up, nullptr, parse_activation(activation, "gated_act"), keep);
   at::Tensor out = at::empty(gate.sizes(), gate.options());
-  gated_act_forward_cpu_kernel(gate.contiguous(), up.contiguous(), out, act);
+  a.out = out.data_ptr();
+  launch(a, gate, false);
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> gated_act_backward_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
+std::tuple<at::Tensor, at::Tensor> gated_act_backward_any(const at::Tensor& grad_out, const at::Tensor& gate,
                                                           const at::Tensor& up, c10::string_view activation) {
   check_inputs(gate, up, "gated_act_backward");
   check_grad_out(grad_out, gate);
-  const GatedAct act = parse_activation(activation, "gated_act_backward");
+  at::Tensor keep[3];
+  GatedActArgs a = rows_of(gate, up, &grad_out, parse_activation(activation, "gated_act_backward"), keep);
   at::Tensor dgate = at::empty(gate.sizes(), gate.options()), dup = at::empty(gate.sizes(), gate.options());
-  gated_act_backward_cpu_kernel(grad_out.contiguous(), gate.contiguous(), up.contiguous(), dgate, dup, act);
+  a.out = dgate.data_ptr();
+  a.dup = dup.data_ptr();
+  launch(a, gate, true);
   return {dgate, dup};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gpu_puzzles, m) {
-  GP_IMPL(m, "gated_act", gated_act_cpu, gated_act_cuda);
-  GP_IMPL(m, "gated_act_backward", gated_act_backward_cpu, gated_act_backward_cuda);
+  GP_IMPL(m, "gated_act", gated_act_any, gated_act_any);
+  GP_IMPL(m, "gated_act_backward", gated_act_backward_any, gated_act_backward_any);
 }
 
 }  // namespace gpu_puzzles

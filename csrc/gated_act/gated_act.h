@@ -1,17 +1,14 @@
-// Interface between gated_act.cpp (host checks) and the kernels: gated_act_cpu.cpp and the
-// torch-free gated_act_cuda.cu (at::Tensor is only declared here).
+// Interface between gated_act.cpp (host checks) and the torch-free kernels: gated_act_cpu.cpp
+// and gated_act_cuda.cu.
 // out = act(gate) * up, the gated MLP's middle (SwiGLU: silu; GeGLU: tanh- or erf-GELU).
 #pragma once
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "common/cpu_isa.h"
 #include "common/dtype.h"
 #include "common/row_strides.h"
-
-namespace at {
-class Tensor;
-}
 
 namespace gpu_puzzles {
 
@@ -21,11 +18,6 @@ enum class GatedAct : int {
   GeluTanh = 1,  // "gelu_tanh": 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) (GeGLU, Gemma)
   Gelu = 2,      // "gelu": 0.5 g (1 + erf(g / sqrt(2)))
 };
-
-// CPU kernels on contiguous (rows, I) tensors of one floating dtype; outputs written whole.
-void gated_act_forward_cpu_kernel(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out, GatedAct act);
-void gated_act_backward_cpu_kernel(const at::Tensor& grad_out, const at::Tensor& gate, const at::Tensor& up,
-                                   const at::Tensor& dgate, const at::Tensor& dup, GatedAct act);
 
 // `rows` rows of I elements: gate, up (and grad_out) read through their row strides (the two
 // halves of one projection's output are views with a row stride of 2 I); out, dgate, dup
@@ -41,6 +33,10 @@ struct GatedActArgs {
   GatedAct act;
   DType dtype;
 };
+
+// CPU kernels (gated_act_cpu.cpp, one copy per SIMD level: call through GP_CPU_CALL).
+GP_CPU_DECLARE(void, gated_act_forward_cpu, const GatedActArgs& a)
+GP_CPU_DECLARE(void, gated_act_backward_cpu, const GatedActArgs& a)
 
 LaunchStatus gated_act_fwd_cuda(const GatedActArgs& a, int dev, cudaStream_t stream);
 LaunchStatus gated_act_bwd_cuda(const GatedActArgs& a, int dev, cudaStream_t stream);
