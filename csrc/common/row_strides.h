@@ -13,12 +13,17 @@ struct RowStrides {
 };
 
 #ifdef __CUDACC__
-// One level (the usual case) skips the 64-bit division.
-__device__ __forceinline__ int64_t row_offset(const RowStrides& L, int64_t r) {
+#define GP_ROWS_FN __host__ __device__ __forceinline__
+#else
+#define GP_ROWS_FN inline
+#endif
+
+// Where row r starts, in host (CPU kernels) and device code. One level (the usual case)
+// skips the 64-bit division.
+GP_ROWS_FN int64_t row_offset(const RowStrides& L, int64_t r) {
   if (L.n1 == 1) return r * L.s0;
   return (r / L.n1) * L.s0 + (r % L.n1) * L.s1;
 }
-#endif
 
 // The first `dims` dims (sizes, strides) as rows: size-1 dims dropped, a dim merged into
 // the one inside it when its stride spans it exactly. Returns the number of levels left

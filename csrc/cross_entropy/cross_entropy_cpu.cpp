@@ -18,12 +18,8 @@ namespace {
 
 using namespace vec_loops;
 
-inline int64_t offset_of(const RowStrides& L, int64_t r) {
-  return L.n1 == 1 ? r * L.s0 : (r / L.n1) * L.s0 + (r % L.n1) * L.s1;
-}
-
 inline int64_t target_of(const void* t, bool t64, const RowStrides& ts, int64_t r) {
-  const int64_t off = offset_of(ts, r);
+  const int64_t off = row_offset(ts, r);
   return t64 ? static_cast<const int64_t*>(t)[off] : static_cast<int64_t>(static_cast<const int32_t*>(t)[off]);
 }
 
@@ -44,7 +40,7 @@ template <typename S, typename Args, typename F>
 void each_row(const Args& a, F&& f) {
   at::parallel_for(0, a.rows, grain_rows(a.V), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      f(r, target_of(a.target, a.target64, a.ts, r), static_cast<const S*>(a.logits) + offset_of(a.ls, r));
+      f(r, target_of(a.target, a.target64, a.ts, r), static_cast<const S*>(a.logits) + row_offset(a.ls, r));
   });
 }
 

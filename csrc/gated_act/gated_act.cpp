@@ -67,12 +67,9 @@ void launch(const GatedActArgs& a, const at::Tensor& gate, bool bwd) {
     bwd ? GP_CPU_CALL(gated_act_backward_cpu)(a) : GP_CPU_CALL(gated_act_forward_cpu)(a);
     return;
   }
-#ifdef WITH_CUDA
-  TORCH_CHECK(gate.is_cuda(), "gated_act: gate must be a CPU or CUDA tensor, got ", gate.device());
+#ifdef WITH_CUDA  // registered for CPU and CUDA only (GP_IMPL): not CPU is CUDA
   const c10::cuda::CUDAGuard guard(gate.device());
   GP_CUDA_CHECK_STATUS((bwd ? gated_act_bwd_cuda : gated_act_fwd_cuda)(a, gate.get_device(), current_stream()));
-#else
-  TORCH_CHECK(false, "gated_act: gate must be a CPU tensor (built without CUDA), got ", gate.device());
 #endif
 }
 

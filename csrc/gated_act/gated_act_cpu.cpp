@@ -18,10 +18,6 @@ using vec_loops::RowIn;
 using vec_loops::RowOut;
 using vec_loops::Vectorized;
 
-inline int64_t row_start(const RowStrides& L, int64_t r) {
-  return L.n1 == 1 ? r * L.s0 : (r / L.n1) * L.s0 + (r % L.n1) * L.s1;
-}
-
 // act(g) on a vector.
 template <GatedAct ACT, typename V>
 V act_fwd(const V& g) {
@@ -64,13 +60,13 @@ void rows(const GatedActArgs& a) {
     RowIn<T, S> gin(a.I), uin(a.I), din(BWD ? a.I : 0);
     RowOut<T, S> yout(a.I), duout(BWD ? a.I : 0);
     for (int64_t r = r0; r < r1; ++r) {
-      const S* g = gin.get(static_cast<const T*>(a.gate) + row_start(a.gs, r));
-      const S* u = uin.get(static_cast<const T*>(a.up) + row_start(a.us, r));
+      const S* g = gin.get(static_cast<const T*>(a.gate) + row_offset(a.gs, r));
+      const S* u = uin.get(static_cast<const T*>(a.up) + row_offset(a.us, r));
       S* y = yout.get(static_cast<T*>(a.out) + r * a.I);
       const S* d = nullptr;
       S* du = nullptr;
       if constexpr (BWD) {
-        d = din.get(static_cast<const T*>(a.grad_out) + row_start(a.ds, r));
+        d = din.get(static_cast<const T*>(a.grad_out) + row_offset(a.ds, r));
         du = duout.get(static_cast<T*>(a.dup) + r * a.I);
       }
       for (int64_t i = 0; i < a.I; i += W) {
