@@ -35,6 +35,10 @@ settings.load_profile(os.environ.get("GPU_PUZZLES_HYPOTHESIS_PROFILE", "ci"))
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
+# The SIMD levels the CPU kernels are compiled for (csrc/common/cpu_isa.h), lowest first: the
+# cpu_simd knob caps the run-time level, so a test over these checks every copy this CPU runs.
+CPU_SIMD = ["baseline", "avx2", "avx512"]
+
 
 def device_dtypes():
     """(device, dtype) pairs every op supports."""

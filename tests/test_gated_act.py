@@ -3,7 +3,15 @@ bad input."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICES, HAS_CUDA, assert_close_ref, assert_compiled_matches_eager, device_dtypes, poison_allocator
+from conftest import (
+    CPU_SIMD,
+    DEVICES,
+    HAS_CUDA,
+    assert_close_ref,
+    assert_compiled_matches_eager,
+    device_dtypes,
+    poison_allocator,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import close_to_eager, dtypes, layouts, make_tensor, seeds, shapes
@@ -222,8 +230,6 @@ def test_property_gated_act(device, data):
 
 
 # ---- CPU kernels at every SIMD level (csrc/common/cpu_isa.h) ---------------------------
-# The cpu_simd knob caps the run-time level, so every copy this CPU can run is checked.
-CPU_SIMD = ["baseline", "avx2", "avx512"]
 
 
 @pytest.mark.parametrize("level", CPU_SIMD)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    CPU_SIMD,
     DEVICES,
     TOL,
     assert_backward_fills_as_op,
@@ -1321,7 +1322,6 @@ def test_property_layernorm_linear(device, impl, data):
 # ---- CPU kernels at every SIMD level (csrc/common/cpu_isa.h) ---------------------------
 # The cpu_simd knob caps the run-time level; hidden sizes around the vector widths (8 / 16
 # floats, 4 / 8 doubles) and past the 4096-element chunk of the row sums.
-CPU_SIMD = ["baseline", "avx2", "avx512"]
 
 
 @pytest.mark.parametrize("level", CPU_SIMD)

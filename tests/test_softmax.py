@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 from conftest import (
+    CPU_SIMD,
     DEVICES,
     HAS_CUDA,
     RACECHECK,
@@ -695,7 +696,6 @@ def test_property_forward_backward(device, kind, data):
 # ---- CPU kernels at every SIMD level (csrc/common/cpu_isa.h) ---------------------------
 # The CPU kernels are compiled for the baseline, AVX2 and AVX-512 and picked at run time;
 # the cpu_simd knob caps the level, so every copy this CPU can run is checked here.
-CPU_SIMD = ["baseline", "avx2", "avx512"]
 # Row lengths around the vector widths (8 / 16 floats, 4 / 8 doubles) and the 4096-element
 # chunk of the sums; (outer, N, inner) views with inner below, at and past a vector and
 # past a column block (4 vectors), and a (N, 1) column.
